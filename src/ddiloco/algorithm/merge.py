@@ -1,0 +1,127 @@
+"""Merging learners' fragments on the syncer: token weights, radial-directional
+averaging (RDA), plain weighted averaging, the Nesterov outer step, and alpha mixing on
+install.
+
+Symbols: Theta_p global fragment, theta_{m,p} learner m's fragment,
+Delta_{m,p} = Theta_p - theta_{m,p} its outer gradient,
+w_{m,p} = c_tokens * (c_tokens / c_steps) its weight ("quantity x quality").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["MERGE_RULES", "token_weight", "weighted_average", "rda", "merge_outer_gradients",
+           "OuterNesterov", "alpha_mix"]
+
+MERGE_RULES = ("rda", "average")
+
+
+def token_weight(c_tokens: int, c_steps: int) -> float:
+    """``w = c_tokens * (c_tokens / c_steps)``: tokens seen times tokens per step."""
+    if c_steps <= 0 or c_tokens <= 0:
+        return 0.0
+    return float(c_tokens) * (float(c_tokens) / float(c_steps))
+
+
+def _normalised(weights: Sequence[float]) -> list[float]:
+    total = float(sum(weights))
+    if not total > 0:
+        raise ValueError("merge weights must have a positive sum")
+    return [float(w) / total for w in weights]
+
+
+def weighted_average(vs: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+    """``sum_i w_i v_i / sum_i w_i``."""
+    ws = _normalised(weights)
+    out = torch.zeros_like(vs[0], dtype=torch.float32)
+    for w, v in zip(ws, vs, strict=True):
+        out.add_(v.float(), alpha=w)
+    return out
+
+
+def rda(vs: Sequence[torch.Tensor], weights: Sequence[float], eps: float = 1e-12) -> torch.Tensor:
+    """Radial-directional average: ``(sum w|v| / sum w) * unit(sum w unit(v))``.
+
+    Norms and directions are averaged separately, so nearly orthogonal inputs of equal
+    norm R give an output of norm R (plain averaging would give about R/sqrt(M)).
+    """
+    ws = _normalised(weights)
+    radius = 0.0
+    direction = torch.zeros_like(vs[0], dtype=torch.float32)
+    for w, v in zip(ws, vs, strict=True):
+        v = v.float()
+        n = float(torch.linalg.vector_norm(v))
+        radius += w * n
+        if n > eps:
+            direction.add_(v, alpha=w / n)
+    dn = float(torch.linalg.vector_norm(direction))
+    if dn <= eps:  # all inputs zero, or directions cancel exactly: no update
+        return torch.zeros_like(direction)
+    return direction.mul_(radius / dn)
+
+
+def merge_outer_gradients(deltas: Sequence[Sequence[torch.Tensor]], weights: Sequence[float],
+                          embedding: Sequence[bool], rule: str = "rda") -> list[torch.Tensor]:
+    """Merge per-learner outer gradients of one fragment, tensor by tensor.
+
+    ``deltas[m][j]`` is learner m's outer gradient for the fragment's j-th tensor. RDA
+    (per tensor) for non-embedding tensors when ``rule == "rda"``; plain weighted average for
+    embedding tensors and when ``rule == "average"``.
+    """
+    if rule not in MERGE_RULES:
+        raise ValueError(f"unknown merge rule {rule!r}; choose one of {MERGE_RULES}")
+    if not deltas:
+        raise ValueError("nothing to merge")
+    out = []
+    for j, is_emb in enumerate(embedding):
+        vs = [d[j] for d in deltas]
+        if rule == "rda" and not is_emb:
+            out.append(rda(vs, weights))
+        else:
+            out.append(weighted_average(vs, weights))
+    return out
+
+
+@dataclass(kw_only=True, slots=True)
+class OuterNesterov:
+    """SGD with Nesterov momentum on outer gradients, one state per fragment tensor.
+
+    Same update as ``torch.optim.SGD(lr, momentum, nesterov=True)``:
+    ``b <- mu*b + g``; ``theta <- theta - lr*(g + mu*b)``.
+    """
+
+    lr: float = 0.7
+    momentum: float = 0.9
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"outer lr must be > 0, got {self.lr}")
+        if not 0.0 <= self.momentum < 1.0:
+            raise ValueError(f"outer momentum must be in [0, 1), got {self.momentum}")
+
+    def step(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+             buffers: Sequence[torch.Tensor]) -> None:
+        """Update ``params`` and momentum ``buffers`` in place (buffers start at zero)."""
+        for p, g, b in zip(params, grads, buffers, strict=True):
+            if self.momentum > 0:
+                b.mul_(self.momentum).add_(g)
+                p.sub_(g.add(b, alpha=self.momentum), alpha=self.lr)
+            else:
+                p.sub_(g, alpha=self.lr)
+
+
+def alpha_mix(local: torch.Tensor, global_: torch.Tensor, alpha: float) -> None:
+    """Install a merged fragment: ``local <- alpha*local + (1-alpha)*global`` in place.
+
+    ``alpha = 0`` overwrites (the default); ``alpha > 0`` keeps part of the local progress
+    made while the fragment was in flight (Streaming DiLoCo)."""
+    if not 0.0 <= alpha < 1.0:
+        raise ValueError(f"alpha must be in [0, 1), got {alpha}")
+    if alpha == 0.0:
+        local.copy_(global_)
+    else:
+        local.mul_(alpha).add_(global_.to(local.dtype), alpha=1.0 - alpha)

@@ -1,0 +1,382 @@
+"""The syncer state machine: one implementation of the syncer's algorithm, driven by
+events and an injected clock.
+
+Per fragment p it holds the global tensors Theta_p, the outer momentum, the version, the
+contributions pending in the current round and (optionally) a few past published
+versions. It consumes events:
+
+  ``submit(contribution, now_s)``   a learner's fragment arrived
+  ``on_timer(p, now_s)``            a grace-window timer fired
+  ``join(m)`` / ``leave(m, now_s)`` a learner became live / was declared dead
+  ``observe_step_s`` / ``observe_sync_s``  timing observations for the EMAs
+
+and returns decisions: ``Merged`` (a new version to broadcast) or ``WaitUntil`` (wake me at
+t'). The real gRPC syncer drives it on the wall clock; the in-process engine on a virtual
+clock.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ddiloco.algorithm.fragments import Fragmentation
+from ddiloco.algorithm.merge import MERGE_RULES, OuterNesterov, merge_outer_gradients, token_weight
+from ddiloco.algorithm.policy import (MergeNow, PolicyConfig, QuorumGracePolicy, WaitForMore,
+                                      WaitUntil)
+
+__all__ = ["SyncerConfig", "Contribution", "Status", "SubmitResult", "Merged", "SyncerState",
+           "LedgerEntry"]
+
+ANCHORS = ("current", "base")
+
+
+@dataclass(kw_only=True, slots=True)
+class SyncerConfig:
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    """Quorum K, grace window (gamma, tau)."""
+    merge_rule: str = "rda"
+    """``rda`` (radial-directional, embeddings averaged) or ``average`` (plain weighted)."""
+    outer_lr: float = 0.7
+    """Outer Nesterov SGD learning rate."""
+    outer_momentum: float = 0.9
+    """Outer Nesterov SGD momentum."""
+    max_staleness: int = 16
+    """A push whose base version is more than this many versions behind is dropped."""
+    anchor: str = "current"
+    """Outer gradient anchor: ``current`` global fragment (paper) or the learner's ``base``."""
+    history: int = 0
+    """Past published versions kept per fragment (needed for ``anchor='base'`` and for
+    reconstructing delta-encoded pushes). 0 keeps none beyond the current one."""
+
+    def __post_init__(self) -> None:
+        if self.merge_rule not in MERGE_RULES:
+            raise ValueError(f"merge_rule must be one of {MERGE_RULES}, got {self.merge_rule!r}")
+        if self.anchor not in ANCHORS:
+            raise ValueError(f"anchor must be one of {ANCHORS}, got {self.anchor!r}")
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
+        if self.history < 0:
+            raise ValueError(f"history must be >= 0, got {self.history}")
+        if self.anchor == "base" and self.history < self.max_staleness:
+            self.history = self.max_staleness
+        OuterNesterov(lr=self.outer_lr, momentum=self.outer_momentum)  # validates
+
+
+@dataclass(slots=True)
+class Contribution:
+    """Learner m's fragment p: its current parameters and counters since it last received p."""
+
+    learner: int
+    fragment: int
+    params: list[torch.Tensor]
+    """theta_{m,p}: one tensor per fragment tensor, in fragment order."""
+    c_steps: int
+    c_tokens: int
+    base_version: int
+    """Version of Theta_p the learner last installed (-1: never installed one)."""
+    seq: int = 0
+    """Per-learner push sequence number; a retried push (same seq) is merged at most once."""
+
+
+class Status(enum.Enum):
+    ACCEPTED = "accepted"
+    DUPLICATE = "duplicate"
+    STALE = "rejected-stale"
+    FUTURE = "rejected-future"
+    NO_BASE = "rejected-no-base"
+    INVALID = "rejected-invalid"
+    UNKNOWN_LEARNER = "rejected-unknown-learner"
+
+
+@dataclass(frozen=True, slots=True)
+class Merged:
+    """A merge happened: broadcast ``params`` as version ``version`` of fragment ``fragment``."""
+
+    fragment: int
+    version: int
+    params: list[torch.Tensor]
+    learners: tuple[int, ...]
+    weights: tuple[float, ...]
+    reason: str
+    at_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class SubmitResult:
+    status: Status
+    message: str = ""
+    target_version: int = -1
+    """For an accepted push: the version that will contain it."""
+    merged: Merged | None = None
+    wake_at_s: float | None = None
+
+
+@dataclass(slots=True)
+class LedgerEntry:
+    """Per-learner token ledger on the syncer."""
+
+    tokens_merged: int = 0
+    tokens_dropped: int = 0
+    tokens_pending: int = 0
+    pushes_merged: int = 0
+    pushes_dropped: int = 0
+    pushes_rejected: int = 0
+
+
+@dataclass(slots=True)
+class _Round:
+    pending: dict[int, Contribution] = field(default_factory=dict)
+    opened_s: float | None = None
+    quorum_s: float | None = None
+    deadline_s: float | None = None
+
+
+@dataclass(slots=True)
+class _FragmentState:
+    theta: list[torch.Tensor]
+    momentum: list[torch.Tensor]
+    version: int = 0
+    history: deque = field(default_factory=deque)  # (version, [tensors]) of past versions
+    round: _Round = field(default_factory=_Round)
+
+
+class SyncerState:
+    """Global fragments, outer optimizer state, versions, rounds and the token ledger."""
+
+    def __init__(self, fragmentation: Fragmentation, initial: dict[str, torch.Tensor],
+                 config: SyncerConfig | None = None) -> None:
+        self.config = config or SyncerConfig()
+        self.fragmentation = fragmentation
+        self.policy = QuorumGracePolicy(self.config.policy)
+        self.outer = OuterNesterov(lr=self.config.outer_lr, momentum=self.config.outer_momentum)
+        missing = [n for f in fragmentation.fragments for n in f.names if n not in initial]
+        if missing:
+            raise ValueError(f"initial parameters lack {len(missing)} tensors, e.g. {missing[:3]}")
+        self.frags: list[_FragmentState] = []
+        for f in fragmentation.fragments:
+            theta = [initial[n].detach().float().clone() for n in f.names]
+            self.frags.append(_FragmentState(theta=theta,
+                                             momentum=[torch.zeros_like(t) for t in theta]))
+        self.live: set[int] = set()
+        self.ledger: dict[int, LedgerEntry] = {}
+        self._seen_seq: dict[tuple[int, int], int] = {}
+        self.merges = 0
+        self.quorum_sizes: list[int] = []
+
+    # -- membership ---------------------------------------------------------------------
+    def join(self, learner: int) -> None:
+        self.live.add(learner)
+        self.ledger.setdefault(learner, LedgerEntry())
+
+    def leave(self, learner: int, now_s: float) -> list[Merged]:
+        """Declare a learner dead. Its already-arrived contributions stay valid; rounds that
+        were only waiting for it may now merge."""
+        self.live.discard(learner)
+        out = []
+        for p in range(len(self.frags)):
+            m = self._evaluate(p, now_s)
+            if isinstance(m, Merged):
+                out.append(m)
+        return out
+
+    @property
+    def n_live(self) -> int:
+        return len(self.live)
+
+    # -- reads --------------------------------------------------------------------------
+    def version(self, p: int) -> int:
+        return self.frags[p].version
+
+    def versions(self) -> list[int]:
+        return [f.version for f in self.frags]
+
+    def global_params(self) -> dict[str, torch.Tensor]:
+        """The current global model (views of the syncer's tensors; copy before mutating)."""
+        return {n: t for f, s in zip(self.fragmentation.fragments, self.frags)
+                for n, t in zip(f.names, s.theta)}
+
+    def published(self, p: int, version: int) -> list[torch.Tensor] | None:
+        """Fragment p as published at ``version`` if still held."""
+        s = self.frags[p]
+        if version == s.version:
+            return s.theta
+        for v, ts in s.history:
+            if v == version:
+                return ts
+        return None
+
+    # -- timing -------------------------------------------------------------------------
+    def observe_step_s(self, step_s: float) -> None:
+        self.policy.xi_step.update(step_s)
+
+    def observe_sync_s(self, sync_s: float) -> None:
+        self.policy.xi_sync.update(sync_s)
+
+    # -- events -------------------------------------------------------------------------
+    def submit(self, c: Contribution, now_s: float) -> SubmitResult:
+        """A contribution arrived. Validates, stages it in fragment p's round and decides."""
+        led = self.ledger.get(c.learner)
+        if led is None or c.learner not in self.live:
+            return SubmitResult(Status.UNKNOWN_LEARNER,
+                                f"learner {c.learner} has not joined (or was declared dead)")
+        err = self._validate(c)
+        if err:
+            led.pushes_rejected += 1
+            return SubmitResult(Status.INVALID, err)
+        key = (c.learner, c.fragment)
+        if self._seen_seq.get(key, -1) >= c.seq:
+            return SubmitResult(Status.DUPLICATE, f"push seq {c.seq} already received")
+        s = self.frags[c.fragment]
+        if c.base_version < 0:
+            led.pushes_rejected += 1
+            return SubmitResult(Status.NO_BASE, "learner has not installed a published version "
+                                "of this fragment; fetch the global parameters first")
+        if c.base_version > s.version:
+            led.pushes_rejected += 1
+            return SubmitResult(Status.FUTURE, f"base version {c.base_version} is ahead of the "
+                                f"syncer's {s.version}")
+        self._seen_seq[key] = c.seq
+        if s.version - c.base_version > self.config.max_staleness:
+            led.pushes_dropped += 1
+            led.tokens_dropped += c.c_tokens
+            return SubmitResult(Status.STALE, f"base version {c.base_version} is "
+                                f"{s.version - c.base_version} behind (max {self.config.max_staleness})")
+        if self.config.anchor == "base" and self.published(c.fragment, c.base_version) is None:
+            led.pushes_dropped += 1
+            led.tokens_dropped += c.c_tokens
+            return SubmitResult(Status.STALE, f"base version {c.base_version} no longer held")
+        r = s.round
+        if r.opened_s is None:
+            r.opened_s = now_s
+        old = r.pending.get(c.learner)
+        if old is not None:  # counters are cumulative since the last receipt: the newer push supersedes
+            led.tokens_pending -= old.c_tokens
+        r.pending[c.learner] = c
+        led.tokens_pending += c.c_tokens
+        target = s.version + 1
+        out = self._evaluate(c.fragment, now_s)
+        if isinstance(out, Merged):
+            return SubmitResult(Status.ACCEPTED, target_version=target, merged=out)
+        return SubmitResult(Status.ACCEPTED, target_version=target,
+                            wake_at_s=out.at_s if isinstance(out, WaitUntil) else None)
+
+    def on_timer(self, p: int, now_s: float) -> Merged | WaitUntil | None:
+        """A timer for fragment p fired. Merges if the round's grace window has expired."""
+        r = self.frags[p].round
+        if not r.pending:
+            return None
+        if r.deadline_s is not None and now_s < r.deadline_s:
+            return None  # an earlier round's timer; this round's timer is still pending
+        return self._evaluate(p, now_s)
+
+    def _evaluate(self, p: int, now_s: float) -> Merged | WaitUntil | None:
+        s = self.frags[p]
+        r = s.round
+        if not r.pending:
+            return None
+        # learners declared dead after pushing still count as arrived
+        n_live = max(1, len(self.live | set(r.pending)))
+        if r.quorum_s is None and len(r.pending) >= self.policy.effective_quorum(n_live):
+            r.quorum_s = now_s
+            self.policy.xi_quorum.update(now_s - (r.opened_s if r.opened_s is not None else now_s))
+        if r.deadline_s is not None and now_s >= r.deadline_s:
+            d = MergeNow("grace-expired")
+        else:
+            d = self.policy.decide(now_s=now_s, n_arrived=len(r.pending), n_live=n_live,
+                                   quorum_at_s=r.quorum_s)
+        if isinstance(d, WaitForMore):
+            return None
+        if isinstance(d, WaitUntil):
+            r.deadline_s = d.at_s
+            return d
+        return self._merge(p, now_s, d.reason)
+
+    def _merge(self, p: int, now_s: float, reason: str) -> Merged:
+        s = self.frags[p]
+        frag = self.fragmentation.fragments[p]
+        contribs = [s.round.pending[m] for m in sorted(s.round.pending)]
+        weights = [token_weight(c.c_tokens, c.c_steps) for c in contribs]
+        deltas = []
+        for c in contribs:
+            anchor = s.theta if self.config.anchor == "current" else self.published(p, c.base_version)
+            deltas.append([a - x.float() for a, x in zip(anchor, c.params)])
+        update = merge_outer_gradients(deltas, weights, frag.embedding, self.config.merge_rule)
+        if self.config.history > 0:
+            s.history.append((s.version, [t.clone() for t in s.theta]))
+            while len(s.history) > self.config.history:
+                s.history.popleft()
+        self.outer.step(s.theta, update, s.momentum)
+        s.version += 1
+        for c in contribs:
+            led = self.ledger[c.learner]
+            led.tokens_pending -= c.c_tokens
+            led.tokens_merged += c.c_tokens
+            led.pushes_merged += 1
+        s.round = _Round()
+        self.merges += 1
+        self.quorum_sizes.append(len(contribs))
+        return Merged(fragment=p, version=s.version, params=[t.clone() for t in s.theta],
+                      learners=tuple(c.learner for c in contribs), weights=tuple(weights),
+                      reason=reason, at_s=now_s)
+
+    def _validate(self, c: Contribution) -> str:
+        if not 0 <= c.fragment < len(self.frags):
+            return f"fragment {c.fragment} out of range [0, {len(self.frags)})"
+        if c.c_steps < 1 or c.c_tokens < 1:
+            return f"counters must be >= 1 (c_steps={c.c_steps}, c_tokens={c.c_tokens})"
+        theta = self.frags[c.fragment].theta
+        if len(c.params) != len(theta):
+            return f"fragment {c.fragment} has {len(theta)} tensors, push has {len(c.params)}"
+        for j, (x, ref) in enumerate(zip(c.params, theta)):
+            if tuple(x.shape) != tuple(ref.shape):
+                return (f"tensor {self.fragmentation.fragments[c.fragment].names[j]} has shape "
+                        f"{tuple(ref.shape)}, push has {tuple(x.shape)}")
+            if not x.is_floating_point():
+                return f"tensor {j} has dtype {x.dtype}; a floating dtype is required"
+            if not bool(torch.isfinite(x).all()):
+                return f"tensor {self.fragmentation.fragments[c.fragment].names[j]} has NaN/inf values"
+        return ""
+
+    # -- checkpointing ------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Everything needed to resume: global fragments, momentum, versions, ledger.
+
+        Pending (unmerged) contributions are not saved: their learners re-push."""
+        return {
+            "theta": [[t.clone() for t in s.theta] for s in self.frags],
+            "momentum": [[t.clone() for t in s.momentum] for s in self.frags],
+            "versions": self.versions(),
+            "ledger": {m: vars_of(e) for m, e in self.ledger.items()},
+            "merges": self.merges,
+            "seen_seq": dict(self._seen_seq),
+        }
+
+    def load_state_dict(self, sd: dict) -> None:
+        if len(sd["theta"]) != len(self.frags):
+            raise ValueError(f"checkpoint has {len(sd['theta'])} fragments, syncer has {len(self.frags)}")
+        for s, th, mo, v in zip(self.frags, sd["theta"], sd["momentum"], sd["versions"]):
+            if [tuple(t.shape) for t in th] != [tuple(t.shape) for t in s.theta]:
+                raise ValueError("checkpoint tensor shapes do not match the model")
+            s.theta = [t.float().clone() for t in th]
+            s.momentum = [t.float().clone() for t in mo]
+            s.version = int(v)
+            s.history.clear()
+            s.round = _Round()
+        self.ledger = {int(m): LedgerEntry(**e) for m, e in sd["ledger"].items()}
+        for e in self.ledger.values():
+            e.tokens_pending = 0
+        self.merges = int(sd["merges"])
+        self._seen_seq = {tuple(k): v for k, v in sd.get("seen_seq", {}).items()}
+
+
+def vars_of(e: LedgerEntry) -> dict:
+    return {k: getattr(e, k) for k in e.__slots__}
+
+
+def fragment_tensors(params: dict[str, torch.Tensor], names: Sequence[str]) -> list[torch.Tensor]:
+    return [params[n] for n in names]

@@ -1,0 +1,152 @@
+import math
+
+import pytest
+import torch
+
+from ddiloco.algorithm.codecs import CODECS, get_codec
+from ddiloco.algorithm.merge import (OuterNesterov, alpha_mix, merge_outer_gradients, rda,
+                                     token_weight, weighted_average)
+from ddiloco.algorithm.policy import (Ema, MergeNow, PolicyConfig, QuorumGracePolicy, WaitForMore,
+                                      WaitUntil, grace_window_s)
+
+
+def test_token_weight_formula():
+    assert token_weight(1000, 10) == 1000 * 100
+    assert token_weight(500, 10) == 500 * 50
+    # a learner that lost half its slices (half the batch per step) counts 4x less for equal steps
+    assert token_weight(500, 10) / token_weight(1000, 10) == 0.25
+    assert token_weight(0, 5) == 0.0 and token_weight(5, 0) == 0.0
+
+
+@pytest.mark.parametrize("M", [2, 4, 8, 16])
+def test_rda_keeps_norm_of_equal_norm_inputs(M):
+    g = torch.Generator().manual_seed(M)
+    vs = [torch.randn(4096, generator=g) for _ in range(M)]
+    vs = [3.0 * v / v.norm() for v in vs]
+    out = rda(vs, [1.0] * M)
+    assert out.norm().item() == pytest.approx(3.0, rel=1e-5)
+    plain = weighted_average(vs, [1.0] * M)
+    assert plain.norm().item() < 3.0 * 1.5 / math.sqrt(M)  # plain average shrinks ~1/sqrt(M)
+
+
+def test_rda_weighted_radius_and_direction():
+    a, b = torch.tensor([2.0, 0.0]), torch.tensor([0.0, 4.0])
+    out = rda([a, b], [3.0, 1.0])
+    assert out.norm().item() == pytest.approx(0.75 * 2 + 0.25 * 4)
+    d = torch.tensor([0.75, 0.25])
+    assert torch.allclose(out / out.norm(), d / d.norm())
+    assert torch.equal(rda([torch.zeros(3)], [1.0]), torch.zeros(3))
+
+
+def test_merge_uses_average_for_embeddings():
+    a = [torch.tensor([1.0, 0.0]), torch.tensor([1.0, 0.0])]
+    b = [torch.tensor([0.0, 1.0]), torch.tensor([0.0, 1.0])]
+    out = merge_outer_gradients([a, b], [1.0, 1.0], embedding=[False, True], rule="rda")
+    assert out[0].norm().item() == pytest.approx(1.0)
+    assert torch.allclose(out[1], torch.tensor([0.5, 0.5]))
+    avg = merge_outer_gradients([a, b], [1.0, 1.0], embedding=[False, True], rule="average")
+    assert torch.allclose(avg[0], torch.tensor([0.5, 0.5]))
+    with pytest.raises(ValueError, match="merge rule"):
+        merge_outer_gradients([a], [1.0], [False, False], rule="median")
+
+
+def test_outer_nesterov_matches_torch_sgd():
+    g = torch.Generator().manual_seed(0)
+    p0 = torch.randn(10, generator=g)
+    grads = [torch.randn(10, generator=g) for _ in range(5)]
+    ref = torch.nn.Parameter(p0.clone())
+    opt = torch.optim.SGD([ref], lr=0.7, momentum=0.9, nesterov=True)
+    ours, buf = p0.clone(), torch.zeros(10)
+    outer = OuterNesterov(lr=0.7, momentum=0.9)
+    for gr in grads:
+        ref.grad = gr.clone()
+        opt.step()
+        outer.step([ours], [gr], [buf])
+        assert torch.allclose(ours, ref.detach(), atol=1e-6)
+
+
+def test_alpha_mix():
+    loc, glob = torch.tensor([1.0]), torch.tensor([3.0])
+    alpha_mix(loc, glob, 0.25)
+    assert loc.item() == pytest.approx(0.25 * 1 + 0.75 * 3)
+    alpha_mix(loc, glob, 0.0)
+    assert loc.item() == 3.0
+    with pytest.raises(ValueError):
+        alpha_mix(loc, glob, 1.0)
+
+
+def test_grace_window_bounds():
+    assert grace_window_s(2, 1.0, 0.2, 0.3, 0.5) == pytest.approx(0.5 * (2 - 0.5))
+    assert grace_window_s(2, 1.0, 1.5, 1.0, 0.5) == 0.0  # never negative
+    # with tau = 2 and gamma < 1 the window is below tau steps, and at most ~1 step for gamma=0.5
+    for q in [0.0, 0.1, 0.5]:
+        assert grace_window_s(2, 1.0, q, 0.0, 0.5) <= 1.0
+    with pytest.raises(ValueError):
+        PolicyConfig(gamma=1.0)
+    with pytest.raises(ValueError):
+        PolicyConfig(quorum=0)
+
+
+def test_ema():
+    e = Ema(alpha=0.5)
+    assert e.get(7.0) == 7.0
+    e.update(2.0)
+    e.update(4.0)
+    assert e.get() == 3.0
+    e.update(float("nan"))
+    assert e.get() == 3.0
+
+
+def test_quorum_and_grace_decisions():
+    pol = QuorumGracePolicy(PolicyConfig(quorum=2, gamma=0.5, tau=2))
+    pol.xi_step.update(1.0)
+    assert isinstance(pol.decide(now_s=0, n_arrived=1, n_live=4, quorum_at_s=None), WaitForMore)
+    d = pol.decide(now_s=5.0, n_arrived=2, n_live=4, quorum_at_s=None)
+    assert isinstance(d, WaitUntil) and d.at_s == pytest.approx(6.0)
+    assert pol.decide(now_s=6.0, n_arrived=2, n_live=4, quorum_at_s=5.0) == MergeNow("grace-expired")
+    assert pol.decide(now_s=5.5, n_arrived=4, n_live=4, quorum_at_s=5.0) == MergeNow("all-live")
+    # K is capped by live learners: K = M never blocks on a dead learner
+    assert pol.decide(now_s=0, n_arrived=1, n_live=1, quorum_at_s=None) == MergeNow("all-live")
+    nograce = QuorumGracePolicy(PolicyConfig(quorum=1, grace=False))
+    assert nograce.decide(now_s=0, n_arrived=1, n_live=4, quorum_at_s=None) == MergeNow("no-grace")
+
+
+@pytest.mark.parametrize("name", list(CODECS))
+@pytest.mark.parametrize("numel", [1, 63, 64, 1000, 4097])
+def test_codec_roundtrip_bounds_and_bytes(name, numel):
+    c = get_codec(name)
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel)) * 0.1
+    buf = c.encode(x)
+    assert len(buf) == c.nbytes(numel)
+    y = c.decode(buf, numel)
+    assert y.shape == (numel,) and y.dtype == torch.float32
+    err = (x - y).abs()
+    if name == "fp32":
+        assert torch.equal(x, y)
+    elif name == "bf16":
+        assert bool((err <= x.abs() * 2 ** -8 + 1e-30).all())
+    elif name != "1bit":
+        blocks = torch.nn.functional.pad(x, (0, (-numel) % 64)).view(-1, 64).abs().amax(1)
+        bound = (blocks / ((1 << c.bits) - 1)).repeat_interleave(64)[:numel]
+        assert bool((err <= bound * (1 + 1e-5) + 1e-9).all())
+    else:
+        assert torch.equal(torch.sign(y), torch.where(x >= 0, 1.0, -1.0))
+
+
+def test_codec_byte_counts_and_errors():
+    assert get_codec("int4").nbytes(128) == 2 * 4 + 64
+    assert get_codec("bf16").nbytes(10) == 20
+    assert get_codec("1bit").nbytes(64) == 4 + 8
+    with pytest.raises(ValueError, match="must be"):
+        get_codec("int8").decode(b"\x00" * 3, 10)
+    with pytest.raises(ValueError, match="unknown codec"):
+        get_codec("int3")
+    x = torch.zeros(100)
+    assert torch.equal(get_codec("int4").roundtrip(x), x)
+
+
+def test_codec_quality_ordering():
+    x = torch.randn(10000, generator=torch.Generator().manual_seed(1))
+    errs = {n: float((CODECS[n].roundtrip(x) - x).norm() / x.norm()) for n in CODECS}
+    assert errs["fp32"] == 0 < errs["bf16"] < errs["int8"] < errs["int4"] < errs["int2"]
+    assert errs["int4"] < 0.15 and errs["int2"] > 0.3

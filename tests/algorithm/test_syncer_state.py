@@ -1,0 +1,140 @@
+import pytest
+import torch
+
+from ddiloco.algorithm.fragments import fragment_parameters
+from ddiloco.algorithm.policy import PolicyConfig, WaitUntil
+from ddiloco.algorithm.syncer_state import Contribution, Status, SyncerConfig, SyncerState
+
+
+def make(quorum=1, grace=True, M=3, rule="average", lr=1.0, mom=0.0, **kw):
+    init = {"w": torch.zeros(4), "emb": torch.zeros(2)}
+    fr = fragment_parameters([("w", 4, 4), ("emb", 2, 4)], 2, "balanced", {"emb"})
+    cfg = SyncerConfig(policy=PolicyConfig(quorum=quorum, grace=grace, gamma=0.5, tau=2),
+                       merge_rule=rule, outer_lr=lr, outer_momentum=mom, **kw)
+    s = SyncerState(fr, init, cfg)
+    for m in range(M):
+        s.join(m)
+    p_w = fr.fragment_of()["w"]
+    return s, p_w
+
+
+def push(m, p, value, base=0, steps=10, tokens=100, seq=0, n=4):
+    return Contribution(learner=m, fragment=p, params=[torch.full((n,), float(value))],
+                        c_steps=steps, c_tokens=tokens, base_version=base, seq=seq)
+
+
+def test_quorum_k_is_respected_and_grace_timer_drives_merge():
+    s, p = make(quorum=2)
+    s.observe_step_s(1.0)  # slack = tau * xi_step - xi_quorum = 2 - 0.5 s; grace = 0.5 * slack
+    r = s.submit(push(0, p, 1.0), now_s=10.0)
+    assert r.status is Status.ACCEPTED and r.merged is None and r.wake_at_s is None
+    r = s.submit(push(1, p, 3.0), now_s=10.5)
+    assert r.merged is None and r.wake_at_s == pytest.approx(10.5 + 0.5 * (2.0 - 0.5))  # xi_quorum = 0.5 s
+    assert s.on_timer(p, 10.6) is None  # too early
+    m = s.on_timer(p, r.wake_at_s)
+    assert m.learners == (0, 1) and m.version == 1 and m.reason == "grace-expired"
+    # Delta = Theta - theta = mean(-1, -3) = -2; lr 1, momentum 0 -> Theta = 2
+    assert torch.allclose(m.params[0], torch.full((4,), 2.0))
+    assert s.version(p) == 1 and s.quorum_sizes == [2]
+
+
+def test_all_live_arrivals_merge_immediately_and_dead_learners_do_not_block():
+    s, p = make(quorum=3, M=3)
+    s.submit(push(0, p, 1.0), 0.0)
+    s.submit(push(1, p, 1.0), 0.1)
+    assert s.version(p) == 0
+    merged = s.leave(2, 0.2)  # K is capped by live learners once learner 2 dies
+    assert [mm.learners for mm in merged] == [(0, 1)]
+    s2, p2 = make(quorum=1, M=2)
+    r = s2.submit(push(0, p2, 1.0), 0.0)
+    assert r.merged is not None and r.merged.reason == "no-grace"  # no step time yet: grace is 0
+    s3, p3 = make(quorum=1, M=2, grace=False)
+    assert s3.submit(push(0, p3, 1.0), 0.0).merged is not None
+
+
+def test_token_weighted_merge():
+    s, p = make(quorum=2, M=2, grace=False)
+    s.submit(push(0, p, 1.0, steps=10, tokens=100), 0.0)
+    m = s.submit(push(1, p, 4.0, steps=10, tokens=200), 0.0).merged
+    w0, w1 = 100 * 10, 200 * 20
+    assert m.weights == (w0, w1)
+    assert torch.allclose(m.params[0], torch.full((4,), (w0 * 1 + w1 * 4) / (w0 + w1)))
+    led = s.ledger
+    assert led[0].tokens_merged == 100 and led[1].tokens_merged == 200
+    assert led[0].tokens_pending == 0
+
+
+def test_rejections_leave_global_unchanged():
+    s, p = make(quorum=1, M=2, grace=False)
+    before = {k: v.clone() for k, v in s.global_params().items()}
+    bad = [
+        (push(0, p, float("nan")), Status.INVALID),
+        (push(0, p, 1.0, n=5), Status.INVALID),
+        (push(0, 7, 1.0), Status.INVALID),
+        (push(0, p, 1.0, steps=0), Status.INVALID),
+        (push(0, p, 1.0, base=3), Status.FUTURE),
+        (push(0, p, 1.0, base=-1), Status.NO_BASE),
+        (push(9, p, 1.0), Status.UNKNOWN_LEARNER),
+    ]
+    for c, st in bad:
+        r = s.submit(c, 0.0)
+        assert r.status is st, (r, st)
+        assert r.message
+    after = s.global_params()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert s.versions() == [0, 0]
+
+
+def test_duplicate_push_merged_once_and_staleness():
+    s, p = make(quorum=1, M=2, grace=False, max_staleness=1)
+    assert s.submit(push(0, p, 1.0, seq=5), 0.0).status is Status.ACCEPTED
+    assert s.submit(push(0, p, 1.0, seq=5), 0.1).status is Status.DUPLICATE
+    assert s.version(p) == 1
+    s.submit(push(0, p, 1.0, base=1, seq=6), 0.2)
+    assert s.version(p) == 2
+    r = s.submit(push(1, p, 1.0, base=0, seq=0), 0.3)  # 2 versions behind, max 1
+    assert r.status is Status.STALE and s.version(p) == 2
+    assert s.ledger[1].tokens_dropped == 100
+
+
+def test_base_anchor_uses_published_history():
+    s, p = make(quorum=1, M=2, grace=False, anchor="base", max_staleness=2)
+    s.submit(push(0, p, 1.0), 0.0)  # Theta: 0 -> 1
+    # learner 1 trained from version 0 to value 0.5: outer gradient anchored at base 0 is -0.5
+    m = s.submit(push(1, p, 0.5, base=0), 0.1).merged
+    assert torch.allclose(m.params[0], torch.full((4,), 1.5))
+    s_cur, p_cur = make(quorum=1, M=2, grace=False)
+    s_cur.submit(push(0, p_cur, 1.0), 0.0)
+    m = s_cur.submit(push(1, p_cur, 0.5, base=0), 0.1).merged  # anchored at current (1.0): +0.5
+    assert torch.allclose(m.params[0], torch.full((4,), 0.5))
+
+
+def test_state_dict_roundtrip():
+    s, p = make(quorum=1, M=2, grace=False, mom=0.9)
+    s.submit(push(0, p, 1.0), 0.0)
+    sd = s.state_dict()
+    t, _ = make(quorum=1, M=2, grace=False, mom=0.9)
+    t.load_state_dict(sd)
+    assert t.versions() == s.versions()
+    assert all(torch.equal(a, b) for a, b in zip(t.global_params().values(), s.global_params().values()))
+    assert t.submit(push(0, p, 1.0, seq=0, base=1), 0.0).status is Status.DUPLICATE
+    # momentum carried over: the next identical merges give identical results
+    a = s.submit(push(1, p, 2.0, base=1), 1.0).merged
+    b = t.submit(push(1, p, 2.0, base=1), 1.0).merged
+    assert torch.equal(a.params[0], b.params[0])
+
+
+def test_grace_window_with_late_learner_then_timer_sequence():
+    """Fake clock: K=1, three learners arrive spread out; one arrives after the window."""
+    s, p = make(quorum=1, M=3)
+    s.observe_step_s(1.0)
+    r0 = s.submit(push(0, p, 1.0), 100.0)
+    assert isinstance(r0.wake_at_s, float)
+    r1 = s.submit(push(1, p, 1.0), 100.3)
+    assert r1.merged is None and r1.wake_at_s is None  # deadline already set, timer pending
+    m = s.on_timer(p, r0.wake_at_s)
+    assert m.learners == (0, 1)
+    r2 = s.submit(push(2, p, 1.0, base=0), r0.wake_at_s + 5)
+    assert r2.target_version == 2
+    d = s.on_timer(p, r0.wake_at_s + 5)
+    assert d is None or isinstance(d, WaitUntil)
