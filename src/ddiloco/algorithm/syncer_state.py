@@ -292,6 +292,8 @@ class SyncerState:
         if isinstance(d, WaitForMore):
             return None
         if isinstance(d, WaitUntil):
+            if r.deadline_s is not None:
+                return None  # the round's timer is already set
             r.deadline_s = d.at_s
             return d
         return self._merge(p, now_s, d.reason)
