@@ -1,0 +1,208 @@
+"""Learner-side bookkeeping of Decoupled DiLoCo, pure and transport-free.
+
+``LearnerSync`` follows one learner's inner steps: it keeps the per-fragment counters
+(c_steps, c_tokens since the fragment was last received), snapshots the fragments the
+schedule says to send, and installs merged fragments at their install step
+(send step + tau), by overwrite (alpha = 0) or alpha mixing. It never waits: a merged
+fragment that arrives late is installed at the first step boundary after it arrives.
+
+Drivers: the in-process engine (virtual clock) and the real learner process (a background
+thread moves ``Outgoing`` to the syncer and feeds ``receive``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from ddiloco.algorithm.fragments import Fragmentation
+from ddiloco.algorithm.merge import alpha_mix
+from ddiloco.algorithm.schedule import FragmentSchedule
+
+__all__ = ["Outgoing", "LearnerSync", "StepLedger"]
+
+
+@dataclass(slots=True)
+class Outgoing:
+    """A fragment leaving the learner (the payload of a push)."""
+
+    fragment: int
+    params: list[torch.Tensor]
+    """Snapshot of theta_{m,p} (fp32, CPU), one tensor per fragment tensor."""
+    c_steps: int
+    c_tokens: int
+    base_version: int
+    seq: int
+    send_step: int
+    covered_steps: int
+    """Inner steps whose progress on this fragment this push is the first to carry."""
+
+
+@dataclass(slots=True)
+class StepLedger:
+    """Per-learner accounting of inner steps, in fragment-weighted step units.
+
+    Each inner step is split over fragments by their byte share; a step's share of fragment p
+    ends up merged, dropped (stale push), lost (learner died before pushing it) or outstanding
+    (not yet pushed/merged when the run ended). ``computed == merged + dropped + lost + pending
+    + unpushed`` always holds."""
+
+    computed: float = 0.0
+    merged: float = 0.0
+    dropped: float = 0.0
+    lost: float = 0.0
+    pending: float = 0.0  # pushed, waiting for a merge
+    unpushed: float = 0.0
+
+    def balance_error(self) -> float:
+        return abs(self.computed - (self.merged + self.dropped + self.lost + self.pending
+                                    + self.unpushed))
+
+
+@dataclass(slots=True)
+class _Frag:
+    c_steps: int = 0
+    c_tokens: int = 0
+    unpushed_steps: int = 0
+    base_version: int = -1
+    waiting: bool = False          # a push is out and its merged value not yet installed
+    due_step: int = 0              # install not before this step
+    target_version: int | None = None  # install the first received version >= this
+    received: tuple[int, list[torch.Tensor]] | None = None  # latest (version, params)
+    in_flight: dict[int, int] = field(default_factory=dict)  # seq -> covered steps
+
+
+class LearnerSync:
+    """Counters, sends and installs for one learner."""
+
+    def __init__(self, params: Mapping[str, torch.Tensor], fragmentation: Fragmentation,
+                 schedule: FragmentSchedule, *, alpha: float = 0.0) -> None:
+        if schedule.P != fragmentation.P:
+            raise ValueError(f"schedule has P={schedule.P} but the fragmentation has {fragmentation.P}")
+        if not 0.0 <= alpha < 1.0:
+            raise ValueError(f"alpha must be in [0, 1), got {alpha}")
+        self.params = params
+        self.fragmentation = fragmentation
+        self.schedule = schedule
+        self.alpha = alpha
+        self.step = 0
+        self.seq = 0
+        self.frags = [_Frag() for _ in range(fragmentation.P)]
+        total = fragmentation.total_bytes
+        self.share = [f.nbytes / total for f in fragmentation.fragments]
+        self.ledger = StepLedger()
+
+    def _tensors(self, p: int) -> list[torch.Tensor]:
+        return [self.params[n] for n in self.fragmentation.fragments[p].names]
+
+    # -- (re)start ------------------------------------------------------------------------
+    def load_global(self, global_params: Mapping[str, torch.Tensor], versions: list[int]) -> None:
+        """Install the whole global model (start or rejoin); counters reset."""
+        with torch.no_grad():
+            for p, f in enumerate(self.fragmentation.fragments):
+                for n in f.names:
+                    self.params[n].copy_(global_params[n])
+                fr = self.frags[p]
+                fr.c_steps = fr.c_tokens = 0
+                fr.base_version = versions[p]
+                fr.waiting = False
+                fr.target_version = None
+                fr.received = None
+
+    def fail(self) -> None:
+        """The learner died: every step not yet pushed is lost; pushes in flight stay
+        accounted as pending until the syncer's verdict arrives (``on_push_result``)."""
+        for p, fr in enumerate(self.frags):
+            self.ledger.unpushed -= fr.unpushed_steps * self.share[p]
+            self.ledger.lost += fr.unpushed_steps * self.share[p]
+            fr.unpushed_steps = 0
+
+    # -- the step boundary -----------------------------------------------------------------
+    def after_step(self, tokens: int) -> list[Outgoing]:
+        """Record one inner step of ``tokens`` tokens; return the fragments to send now."""
+        self.step += 1
+        self.ledger.computed += 1.0
+        self.ledger.unpushed += 1.0
+        for fr in self.frags:
+            fr.c_steps += 1
+            fr.c_tokens += tokens
+            fr.unpushed_steps += 1
+        out = []
+        for p in self.schedule.fragments_to_send(self.step):
+            fr = self.frags[p]
+            if fr.base_version < 0:
+                continue  # never installed a published version: may not contribute
+            self.seq += 1
+            covered = fr.unpushed_steps
+            fr.unpushed_steps = 0
+            fr.in_flight[self.seq] = covered
+            self.ledger.unpushed -= covered * self.share[p]
+            self.ledger.pending += covered * self.share[p]
+            with torch.no_grad():
+                snap = [t.detach().to("cpu", torch.float32, copy=True) for t in self._tensors(p)]
+            out.append(Outgoing(fragment=p, params=snap, c_steps=fr.c_steps, c_tokens=fr.c_tokens,
+                                base_version=fr.base_version, seq=self.seq, send_step=self.step,
+                                covered_steps=covered))
+            fr.waiting = True
+            fr.due_step = self.schedule.install_step(self.step)
+            fr.target_version = None
+        return out
+
+    def on_push_result(self, p: int, seq: int, accepted: bool, target_version: int = -1) -> None:
+        """The syncer's verdict on a push: accepted into ``target_version``, or not."""
+        fr = self.frags[p]
+        covered = fr.in_flight.get(seq)
+        if covered is None:
+            return
+        if accepted:
+            if fr.waiting:
+                fr.target_version = target_version
+        else:
+            del fr.in_flight[seq]
+            self.ledger.pending -= covered * self.share[p]
+            self.ledger.dropped += covered * self.share[p]
+            if fr.waiting:  # nothing will contain our push: install the latest global we have
+                fr.target_version = -1
+
+    def receive(self, p: int, version: int, params: list[torch.Tensor]) -> None:
+        """A merged version of fragment p arrived (kept until its install step)."""
+        fr = self.frags[p]
+        if fr.received is None or version > fr.received[0]:
+            fr.received = (version, params)
+
+    def mark_merged(self, p: int, seq: int) -> None:
+        """The push ``seq`` of fragment p is part of a published version (and with it every
+        earlier push of p it superseded: counters and parameters are cumulative)."""
+        fr = self.frags[p]
+        for s in [s for s in fr.in_flight if s <= seq]:
+            covered = fr.in_flight.pop(s)
+            self.ledger.pending -= covered * self.share[p]
+            self.ledger.merged += covered * self.share[p]
+
+    def install_due(self) -> list[int]:
+        """Install every fragment whose install step has come and whose awaited version has
+        arrived. Returns the installed fragment indices."""
+        done = []
+        for p, fr in enumerate(self.frags):
+            if not fr.waiting or self.step < fr.due_step or fr.received is None:
+                continue
+            version, params = fr.received
+            if fr.target_version is None or version < fr.target_version:
+                if fr.target_version != -1 or version <= fr.base_version:
+                    continue
+            with torch.no_grad():
+                for t, g in zip(self._tensors(p), params):
+                    alpha_mix(t, g.to(t.device, t.dtype), self.alpha)
+            fr.base_version = version
+            fr.c_steps = fr.c_tokens = 0
+            fr.waiting = False
+            fr.target_version = None
+            fr.received = None
+            done.append(p)
+        return done
+
+    @property
+    def waiting_fragments(self) -> list[int]:
+        return [p for p, fr in enumerate(self.frags) if fr.waiting]
