@@ -14,8 +14,10 @@ from typing import Any
 import torch.nn as nn
 
 from ddiloco.models.gpt import GPT, GPTConfig, gpt_100m, gpt_125m, gpt_small, gpt_tiny
+from ddiloco.models.moe import MoEConfig, MoEGPT, moe_small, moe_tiny
 
 __all__ = ["GPT", "GPTConfig", "gpt_tiny", "gpt_small", "gpt_100m", "gpt_125m",
+           "MoEConfig", "MoEGPT", "moe_tiny", "moe_small",
            "embedding_param_names", "build_model", "build_config", "MODEL_PRESETS"]
 
 # Unembedding tensors of models that do not declare their embeddings, recognised by name.
@@ -26,6 +28,8 @@ MODEL_PRESETS: dict[str, tuple[Callable[[], Any], Callable[[Any], nn.Module]]] =
     "gpt_small": (gpt_small, GPT),
     "gpt_100m": (gpt_100m, GPT),
     "gpt_125m": (gpt_125m, GPT),
+    "moe_tiny": (moe_tiny, MoEGPT),
+    "moe_small": (moe_small, MoEGPT),
 }
 """Preset name -> (config preset function, model class)."""
 

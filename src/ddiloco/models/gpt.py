@@ -25,7 +25,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["GPTConfig", "GPT", "gpt_tiny", "gpt_small", "gpt_100m", "gpt_125m"]
+__all__ = ["GPTConfig", "GPT", "Block", "CausalSelfAttention", "MLP", "init_gpt_weights",
+           "gpt_tiny", "gpt_small", "gpt_100m", "gpt_125m"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -86,10 +87,13 @@ def gpt_125m() -> GPTConfig:
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention with a fused q/k/v projection."""
+    """Multi-head self-attention with a fused q/k/v projection; causal unless
+    ``causal=False`` (the ViT attends both ways). ``cfg`` needs n_embd, n_head, dropout,
+    bias."""
 
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, causal: bool = True) -> None:
         super().__init__()
+        self.causal = causal
         self.n_head = cfg.n_head
         self.dropout = cfg.dropout
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
@@ -101,7 +105,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.qkv(x).split(C, dim=2)
         # (B, T, C) -> (B, n_head, T, head_dim)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal,
                                            dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_drop(self.proj(y))
@@ -121,14 +125,16 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-LN transformer block: x + attn(ln1(x)), then x + mlp(ln2(x))."""
+    """Pre-LN transformer block: x + attn(ln1(x)), then x + mlp(ln2(x)). ``mlp`` may be
+    any module mapping [B, T, d] to [B, T, d] (the MoE layer, for instance)."""
 
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, causal: bool = True, mlp: nn.Module | None = None
+                 ) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
-        self.attn = CausalSelfAttention(cfg)
+        self.attn = CausalSelfAttention(cfg, causal=causal)
         self.ln2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
-        self.mlp = MLP(cfg)
+        self.mlp = mlp if mlp is not None else MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -166,12 +172,16 @@ class GPT(nn.Module):
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(self._make_block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         init_gpt_weights(self, cfg.n_layer)
         if cfg.tie_weights:
             self.lm_head.weight = self.tok_emb.weight
+
+    def _make_block(self, cfg: GPTConfig) -> nn.Module:
+        """One transformer block; subclasses (the MoE GPT) swap the MLP here."""
+        return Block(cfg)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
