@@ -15,9 +15,11 @@ import torch.nn as nn
 
 from ddiloco.models.gpt import GPT, GPTConfig, gpt_100m, gpt_125m, gpt_small, gpt_tiny
 from ddiloco.models.moe import MoEConfig, MoEGPT, moe_small, moe_tiny
+from ddiloco.models.vit import ViT, ViTConfig, vit_digits, vit_tiny_rgb
 
 __all__ = ["GPT", "GPTConfig", "gpt_tiny", "gpt_small", "gpt_100m", "gpt_125m",
            "MoEConfig", "MoEGPT", "moe_tiny", "moe_small",
+           "ViTConfig", "ViT", "vit_digits", "vit_tiny_rgb",
            "embedding_param_names", "build_model", "build_config", "MODEL_PRESETS"]
 
 # Unembedding tensors of models that do not declare their embeddings, recognised by name.
@@ -30,6 +32,8 @@ MODEL_PRESETS: dict[str, tuple[Callable[[], Any], Callable[[Any], nn.Module]]] =
     "gpt_125m": (gpt_125m, GPT),
     "moe_tiny": (moe_tiny, MoEGPT),
     "moe_small": (moe_small, MoEGPT),
+    "vit_digits": (vit_digits, ViT),
+    "vit_tiny_rgb": (vit_tiny_rgb, ViT),
 }
 """Preset name -> (config preset function, model class)."""
 
