@@ -1,0 +1,68 @@
+import math
+
+import pytest
+
+from ddiloco.bandwidth import (METHODS, BandwidthConfig, min_bandwidth, step_time_from_flops,
+                               time_to_train, utilisation, with_method)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_min_bandwidth_is_the_inverse_of_utilisation(method):
+    cfg = BandwidthConfig(method=method, params=5e9, step_time_s=2.0, datacenters=8,
+                          latency_s=0.05)
+    for target in (0.5, 0.9, 0.95):
+        bw = min_bandwidth(cfg, target)
+        assert utilisation(cfg, bw) == pytest.approx(target, rel=1e-9)
+        assert utilisation(cfg, bw * 0.99) < target
+
+
+def test_dp_needs_100_200_300_gbps_at_95pct_for_1b_10b_100b():
+    # the eager-updates setting: 2 datacenters, bf16 gradients, step times 3.04 / 15.2 / 101 s
+    for params, step_s, expected in ((1e9, 3.04, 100), (10e9, 15.2, 200), (100e9, 101.0, 300)):
+        cfg = BandwidthConfig(method="dp", params=params, step_time_s=step_s, datacenters=2)
+        assert min_bandwidth(cfg, 0.95) / 1e9 == pytest.approx(expected, rel=0.01)
+        dec = min_bandwidth(with_method(cfg, "decoupled"), 0.95) / 1e9
+        assert dec < 5
+
+
+def test_198_vs_084_gbps_for_8_datacenters():
+    cfg = BandwidthConfig(method="dp", params=5e9, step_time_s=6.36, datacenters=8)
+    dp = min_bandwidth(cfg, 0.90) / 1e9
+    dec = min_bandwidth(with_method(cfg, "decoupled"), 0.90) / 1e9
+    assert dp == pytest.approx(198, rel=0.01)
+    assert dec == pytest.approx(0.84, rel=0.03)
+
+
+def test_12b_over_4_regions_at_2_to_5_gbps_is_over_20x_faster_than_dp():
+    cfg = BandwidthConfig(method="dp", params=12e9, step_time_s=2.0, datacenters=4)
+    for gbps in (2, 5):
+        t_dp = time_to_train(cfg, gbps * 1e9, 1e12, 4e6)
+        t_dec = time_to_train(with_method(cfg, "decoupled"), gbps * 1e9, 1e12, 4e6)
+        assert t_dp / t_dec > 20
+
+
+def test_overlap_and_compression_lower_the_requirement():
+    base = BandwidthConfig(method="decoupled", params=5e9, step_time_s=1.0)
+    assert min_bandwidth(BandwidthConfig(method="decoupled", up_bits=4, params=5e9),
+                         0.95) < min_bandwidth(base, 0.95)
+    no_overlap = BandwidthConfig(method="streaming", tau=0, params=5e9)
+    overlap = BandwidthConfig(method="streaming", tau=2, params=5e9)
+    assert min_bandwidth(overlap, 0.95) < min_bandwidth(no_overlap, 0.95)
+    assert utilisation(base, 1e15) == pytest.approx(1.0)
+
+
+def test_latency_can_make_a_target_unreachable():
+    cfg = BandwidthConfig(method="dp", params=1e9, step_time_s=1.0, latency_s=1.0)
+    assert math.isinf(min_bandwidth(cfg, 0.95))
+
+
+def test_step_time_from_flops():
+    assert step_time_from_flops(1e9, 1e6, 100, 1e14, 0.5) == pytest.approx(6e15 / 5e15)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(method="x"), "method"), (dict(params=0), "params"), (dict(datacenters=1), "datacenters"),
+    (dict(method="streaming", inner_steps=25), "divisible"), (dict(up_bits=0), "up_bits")])
+def test_bandwidth_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        BandwidthConfig(**kwargs)

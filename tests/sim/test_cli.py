@@ -1,0 +1,83 @@
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ddiloco.sim.cli import main
+
+
+def test_simulate_json(capsys):
+    assert main(["simulate", "--system", "decoupled", "--chips", "300000", "--learners", "4",
+                 "--mtbi-years", "1", "--seeds", "3", "--hours", "2", "--json"]) == 0
+    out = capsys.readouterr()
+    data = json.loads(out.out)
+    assert {"goodput", "uptime", "goodput_ci95"} <= data.keys()
+    assert 0 < data["goodput"] < 1 and data["seeds"] == 3
+    assert out.err == ""  # no progress bar with --json
+
+
+def test_simulate_text_and_overrides(capsys):
+    assert main(["simulate", "--system", "elastic-dp", "--chips", "150000", "--seeds", "2",
+                 "--hours", "2", "--set", "reconfig_s=60"]) == 0
+    assert "goodput" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--system", "dp", "--chips", "0"], "--chips"),
+    (["--system", "dp", "--chips", "1000", "--learners", "2"], "decoupled only"),
+    (["--system", "decoupled", "--chips", "100000", "--learners", "2", "--quorum", "3"],
+     "exceeds"),
+    (["--system", "decoupled", "--chips", "1000", "--learners", "8"], "fewer than M"),
+    (["--chips", "1000"], "required"),
+    (["--system", "dp", "--chips", "1000", "--set", "nope=1"], "FIELD"),
+    (["--system", "dp", "--chips", "1000", "--set", "reconfig_s=-1"], "reconfig_s"),
+])
+def test_simulate_bad_flags_exit_2_with_a_message(argv, match, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["simulate", *argv])
+    assert e.value.code == 2
+    assert match in capsys.readouterr().err
+
+
+def test_simulate_grid_writes_png_and_table(tmp_path, capsys):
+    png = tmp_path / "grid.png"
+    assert main(["simulate", "--grid", "--seeds", "2", "--hours", "1", "--png", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert png.stat().st_size > 10_000
+    assert "Decoupled, M = 16" in out and "published" in out
+
+
+def test_bandwidth_json(capsys):
+    assert main(["bandwidth", "--params", "12e9", "--step-time", "2", "--datacenters", "4",
+                 "--bandwidth-gbps", "5", "--tokens", "1e12", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    by = {r["method"]: r for r in data["methods"]}
+    assert set(by) == {"dp", "diloco", "streaming", "decoupled"}
+    assert by["decoupled"]["speedup_vs_dp"] > 20
+    assert by["dp"]["min_bandwidth_gbps"] > by["decoupled"]["min_bandwidth_gbps"]
+
+
+def test_bandwidth_bad_flags(capsys):
+    with pytest.raises(SystemExit):
+        main(["bandwidth", "--datacenters", "1"])
+    with pytest.raises(SystemExit):
+        main(["bandwidth", "--tokens", "1e9"])
+    assert "bandwidth" in capsys.readouterr().err
+
+
+def test_module_runs_as_a_subprocess():
+    r = subprocess.run([sys.executable, "-m", "ddiloco.sim.cli", "bandwidth", "--json"],
+                       capture_output=True, text=True, timeout=60, env=dict(os.environ))
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["methods"]
+
+
+def test_sim_and_bandwidth_do_not_import_torch():
+    code = ("import sys, ddiloco.sim, ddiloco.sim.cli, ddiloco.sim.grid, ddiloco.sim.systems, "
+            "ddiloco.sim.calibration, ddiloco.bandwidth; "
+            "from ddiloco.sim.cli import main; main(['bandwidth', '--json']); "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
