@@ -6,10 +6,11 @@ Sources:
   - ``load_image_folder(path)``: ``path/<class>/<image>`` with PNG or JPEG files (read with
     Pillow); class names are the sorted subfolder names, label = index in that order.
 
-Split: a permutation keyed by ``seed`` puts the first ``eval_fraction`` of the examples in
-the held-out set and deals the rest into ``n_learners`` contiguous, disjoint shards. The
-split depends only on (N, seed, eval_fraction, n_learners), so every learner and the
-evaluator agree on it without talking to each other.
+Split: a permutation keyed by ``split_seed`` puts the first ``eval_fraction`` of the
+examples in the held-out set and deals the rest into ``n_learners`` contiguous, disjoint
+shards. The split depends only on (N, split_seed, eval_fraction, n_learners), not on the
+sampling ``seed``, so every learner and the evaluator agree on it without talking to each
+other, whatever seeds they sample with. The held-out set does not depend on n_learners.
 
 Batches: batch ``b`` of learner ``m`` draws ``batch_size`` examples of its shard (without
 replacement within the batch when the shard is large enough) from the random stream keyed
@@ -135,15 +136,16 @@ class ImageStream:
     from its shard of ``data`` (see the module docstring for split and sampling)."""
 
     def __init__(self, data: ImageData, *, learner: int, n_learners: int, batch_size: int,
-                 seed: int = 0, eval_fraction: float = 0.2) -> None:
+                 seed: int = 0, eval_fraction: float = 0.2, split_seed: int = 0) -> None:
         check_learner(learner, n_learners)
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.data = data
         self.learner, self.n_learners = learner, n_learners
         self.batch_size, self.seed, self.eval_fraction = batch_size, seed, eval_fraction
+        self.split_seed = split_seed
         _, shards = split_indices(len(data.labels), n_learners=n_learners,
-                                  eval_fraction=eval_fraction, seed=seed)
+                                  eval_fraction=eval_fraction, seed=split_seed)
         self.shard = torch.from_numpy(shards[learner])
         """Indices into ``data`` of this learner's examples."""
         self._position = 0
@@ -162,22 +164,23 @@ class ImageStream:
 
     def state_dict(self) -> dict[str, Any]:
         return {"kind": "images", "position": self._position, "learner": self.learner,
-                "n_learners": self.n_learners, "seed": self.seed}
+                "n_learners": self.n_learners, "seed": self.seed, "split_seed": self.split_seed}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._position = check_state(state, {"kind": "images", "learner": self.learner,
-                                             "n_learners": self.n_learners, "seed": self.seed})
+        self._position = check_state(state, {
+            "kind": "images", "learner": self.learner, "n_learners": self.n_learners,
+            "seed": self.seed, "split_seed": self.split_seed})
 
 
-def image_eval_batches(data: ImageData, *, batch_size: int, seed: int = 0,
-                       eval_fraction: float = 0.2, n_learners: int = 1
+def image_eval_batches(data: ImageData, *, batch_size: int, split_seed: int = 0,
+                       eval_fraction: float = 0.2
                        ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The held-out examples of the split keyed by ``seed`` (the same split
+    """The held-out examples of the split keyed by ``split_seed`` (the same split
     :class:`ImageStream` uses), in fixed order, as batches (the last may be smaller)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    held_out, _ = split_indices(len(data.labels), n_learners=n_learners,
-                                eval_fraction=eval_fraction, seed=seed)
+    held_out, _ = split_indices(len(data.labels), n_learners=1, eval_fraction=eval_fraction,
+                                seed=split_seed)
     if len(held_out) == 0:
         raise ValueError("eval_fraction is 0: there is no held-out set; use eval_fraction > 0")
     idx = torch.from_numpy(held_out)
