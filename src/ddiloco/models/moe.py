@@ -137,7 +137,7 @@ class MoELayer(nn.Module):
             if token.numel() == 0:
                 continue
             y = expert(x[token]) * routing.gates[token, rank, None].to(x.dtype)
-            out.index_add_(0, token, y)
+            out.index_add_(0, token, y.to(out.dtype))  # autocast may run experts in bf16
         return out.reshape(shape)
 
 
