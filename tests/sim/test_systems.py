@@ -145,7 +145,18 @@ def test_quorum_all_learners_waits_for_slow_hardware_but_k1_does_not():
     assert k8.goodput < 0.95 < 0.99 < k1.goodput
     assert k1g.goodput > 0.99
     # the grace window merges more learners per round than K = 1 alone
-    assert k1g.n_merges < k1.n_merges
+    assert k1g.mean_merge_size > k1.mean_merge_size >= 1.0
+    assert k8.mean_merge_size == pytest.approx(8.0)
+
+
+def test_step_level_with_failures_does_not_deadlock_and_tracks_the_fluid_model():
+    base = dict(system="decoupled", n_chips=1_200_000, learners=8, horizon_s=2 * 3600.0,
+                warmup_s=900.0)
+    fluid = simulate(SimConfig(**base), seeds=2)
+    for k in (1, 8):
+        step = simulate(SimConfig(quorum=k, step_level=True, **base), seeds=2)
+        # K = M waits for every live learner; without speed differences it costs little
+        assert abs(step.goodput - fluid.goodput) < (0.01 if k == 1 else 0.05), (k, step.goodput)
 
 
 def test_straggler_efficiency():

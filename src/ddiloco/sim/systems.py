@@ -84,7 +84,10 @@ class CostModel:
     step_time_s: float = 1.0
     """Inner-step time of a learner (step-level simulation, syncer timing)."""
     step_time_cv: float = 0.0
-    """Coefficient of variation of step times (per slice and step; per learner at step level)."""
+    """Coefficient of variation of a learner's step time, step to step (step level)."""
+    slice_time_cv: float = 0.0
+    """Coefficient of variation of each slice's step time inside one synchronous job: the
+    job waits for its slowest slice every step (straggler factor, all systems)."""
     sync_s: float = 0.2
     """Decoupled: merge plus transfer time of one fragment round (xi_sync)."""
     syncer_overhead: float = 0.0
@@ -94,7 +97,8 @@ class CostModel:
         if self.chips_per_slice < 1:
             raise ValueError(f"chips_per_slice must be >= 1, got {self.chips_per_slice}")
         for name in ("slice_recovery_s", "reconfig_s", "rejoin_wait_s", "lost_work_s",
-                     "restart_s", "checkpoint_cost_s", "step_time_cv", "sync_s"):
+                     "restart_s", "checkpoint_cost_s", "step_time_cv", "slice_time_cv",
+                     "sync_s"):
             v = getattr(self, name)
             if not (v >= 0 and math.isfinite(v)):
                 raise ValueError(f"{name} must be a finite number >= 0, got {v}")
@@ -194,6 +198,8 @@ class RunResult:
     n_restarts: int
     n_merges: int
     n_events: int
+    mean_merge_size: float = 0.0
+    """Decoupled step level: learners per merged round (more is better for quality)."""
 
 
 def straggler_efficiency(n_parallel: int, cv: float) -> float:
@@ -312,11 +318,13 @@ class _Sim:
         return RunResult(goodput=goodput, uptime=self.up.acc / window,
                          n_failures=self.n_failures, n_reconfigs=self.n_reconfigs,
                          n_restarts=self.n_restarts, n_merges=self.n_merges,
-                         n_events=self.k.n_dispatched)
+                         n_events=self.k.n_dispatched,
+                         mean_merge_size=(getattr(self, "merge_members", 0) /
+                                          max(1, self.n_merges)))
 
     # ------------------------------------------------------------------ non-elastic DP
     def _init_dp(self) -> None:
-        self.eff = straggler_efficiency(self.cfg.n_slices, self.c.step_time_cv)
+        self.eff = straggler_efficiency(self.cfg.n_slices, self.c.slice_time_cv)
         self.dp_running = True
         self.dp_gen = 0  # invalidates timers scheduled before a failure
         self.dp_seg_start = 0.0  # start of the compute not yet in a checkpoint
@@ -387,7 +395,7 @@ class _Sim:
         self.g_rate = [0.0] * G
         self.n_running = 0
         overhead = self.c.syncer_overhead if cfg.system == "decoupled" else 0.0
-        self.g_eff = [straggler_efficiency(len(r), self.c.step_time_cv) * (1 - overhead)
+        self.g_eff = [straggler_efficiency(len(r), self.c.slice_time_cv) * (1 - overhead)
                       for r in topo.group_slices]
         self.step_level = cfg.uses_step_level
         self.k.on("recover", self._on_recover)
@@ -489,32 +497,34 @@ class _Sim:
         self._group_resume(g, k.now_s)
 
     # ------------------------------------------------------------------ step level
+    # Step t of any learner pushes fragment t mod P into round t (the global schedule: a
+    # learner that rejoins takes the current global step). The learner needs round t merged
+    # before it starts step t + tau + 1, and blocks otherwise. A round waits for the
+    # learners that can still contribute to it: running learners not yet past step t.
     def _init_steps(self) -> None:
-        cfg, c = self.cfg, self.c
+        cfg = self.cfg
         M = cfg.learners
         self.policy = QuorumGracePolicy(PolicyConfig(quorum=cfg.quorum, grace=cfg.grace,
                                                      gamma=cfg.gamma, tau=cfg.tau))
         self.speed = list(cfg.speed_factors) if cfg.speed_factors else [1.0] * M
-        self.l_gen = [0] * M  # invalidates step events of an aborted step
-        self.l_step = [0] * M  # steps completed since the learner's last (re)start
+        self.l_gen = [0] * M  # invalidates the step event of an aborted step
+        self.l_step = [0] * M  # global index of the learner's next step
         self.l_step_start = [0.0] * M
         self.l_running = [False] * M
-        self.l_blocked_on: list[tuple[int, int] | None] = [None] * M  # (fragment, round)
-        self.l_waits: list[dict[int, tuple[int, int]]] = [dict() for _ in range(M)]
-        P = cfg.fragments
-        self.r_id = [0] * P  # open round of each fragment
-        self.r_members: list[set[int]] = [set() for _ in range(P)]
-        self.r_open_at = [0.0] * P
-        self.r_quorum_at: list[float | None] = [None] * P
-        self.r_timer_gen = [0] * P
-        self.merged_done: dict[tuple[int, int], float] = {}  # (p, round) -> install time
+        self.l_blocked_on: list[int | None] = [None] * M  # round awaited
+        self.l_waits: list[dict[int, int]] = [dict() for _ in range(M)]  # step -> round
+        self.rounds: dict[int, list] = {}  # open rounds: t -> [members, open_at, quorum_at, gen]
+        self.done: dict[int, float] = {}  # merged rounds: t -> install time
+        self.merge_members = 0
         self.k.on("step_done", self._on_step_done)
         self.k.on("grace", self._on_grace)
         self.k.on("merge_done", self._on_merge_done)
 
     def _learner_resume(self, m: int, now: float) -> None:
         self.l_running[m] = True
-        self.l_step[m] = 0  # a restarted learner fetches the global model and starts over
+        # a restarted learner fetches the global model and joins the global schedule
+        self.l_step[m] = max([self.l_step[i] for i in range(self.cfg.learners)
+                              if self.l_running[i]] + [self.l_step[m]])
         self.l_waits[m].clear()
         self.l_blocked_on[m] = None
         self._start_step(m, now)
@@ -523,13 +533,12 @@ class _Sim:
         self.l_running[m] = False
         self.l_gen[m] += 1  # abort the step in flight: its compute is lost
         self.l_blocked_on[m] = None
-        for p in range(self.cfg.fragments):  # a smaller live set may complete a round
-            if self.r_members[p]:
-                self._decide(p, now)
+        for t in list(self.rounds):  # fewer learners can contribute: a round may be complete
+            self._decide(t, now)
 
     def _start_step(self, m: int, now: float) -> None:
         need = self.l_waits[m].pop(self.l_step[m], None)
-        if need is not None and self.merged_done.get(need, math.inf) > now:
+        if need is not None and self.done.get(need, math.inf) > now:
             self.l_blocked_on[m] = need  # the fragment pushed tau steps ago is not back
             self.l_waits[m][self.l_step[m]] = need
             return
@@ -548,48 +557,47 @@ class _Sim:
         self.useful.add_interval(start, now, self.g_rate[m])
         self.policy.xi_step.update(now - start)
         t = self.l_step[m]
-        p = t % self.cfg.fragments
-        if not self.r_members[p]:
-            self.r_open_at[p] = now
-        self.r_members[p].add(m)
-        self.l_waits[m][t + self.cfg.tau + 1] = (p, self.r_id[p])
+        self.l_waits[m][t + self.cfg.tau + 1] = t
         self.l_step[m] = t + 1
-        self._decide(p, now)
+        if t not in self.done:  # else: late for a merged round; it installs that result
+            r = self.rounds.get(t)
+            if r is None:
+                r = self.rounds[t] = [set(), now, None, 0]
+            r[0].add(m)
+            self._decide(t, now)
         if self.l_running[m]:
             self._start_step(m, now)
 
-    def _decide(self, p: int, now: float) -> None:
-        n = len(self.r_members[p])
-        if n == 0:
-            return
-        d = self.policy.decide(now_s=now, n_arrived=n, n_live=max(1, self.n_running),
-                               quorum_at_s=self.r_quorum_at[p])
-        if isinstance(d, MergeNow) or isinstance(d, WaitUntil):
-            if self.r_quorum_at[p] is None:
-                self.r_quorum_at[p] = now
-                self.policy.xi_quorum.update(now - self.r_open_at[p])
+    def _decide(self, t: int, now: float) -> None:
+        r = self.rounds[t]
+        members = r[0]
+        can_still = sum(1 for i in range(self.cfg.learners) if self.l_running[i]
+                        and i not in members and self.l_step[i] <= t)
+        d = self.policy.decide(now_s=now, n_arrived=len(members),
+                               n_live=max(1, len(members) + can_still), quorum_at_s=r[2])
+        if (isinstance(d, MergeNow) or isinstance(d, WaitUntil)) and r[2] is None:
+            r[2] = now
+            self.policy.xi_quorum.update(now - r[1])
         if isinstance(d, MergeNow):
-            key = (p, self.r_id[p])
-            self.merged_done[key] = now + self.c.sync_s
-            self.k.after(self.c.sync_s, Event("merge_done", p, key), _P_TIMER)
+            self.done[t] = now + self.c.sync_s
+            self.k.after(self.c.sync_s, Event("merge_done", t), _P_TIMER)
             if now >= self.cfg.warmup_s:
                 self.n_merges += 1
-            self.r_id[p] += 1
-            self.r_members[p] = set()
-            self.r_quorum_at[p] = None
-            self.r_timer_gen[p] += 1
+                self.merge_members += len(members)
+            del self.rounds[t]
         elif isinstance(d, WaitUntil):
-            self.r_timer_gen[p] += 1
-            self.k.schedule(d.at_s, Event("grace", p, self.r_timer_gen[p]), _P_TIMER)
+            r[3] += 1
+            self.k.schedule(d.at_s, Event("grace", t, r[3]), _P_TIMER)
 
     def _on_grace(self, k: EventKernel, ev: Event) -> None:
-        if ev.data == self.r_timer_gen[ev.target]:
+        r = self.rounds.get(ev.target)
+        if r is not None and r[3] == ev.data:
             self._decide(ev.target, k.now_s)
 
     def _on_merge_done(self, k: EventKernel, ev: Event) -> None:
         self.policy.xi_sync.update(self.c.sync_s)
         for m in range(self.cfg.learners):
-            if self.l_running[m] and self.l_blocked_on[m] == ev.data:
+            if self.l_running[m] and self.l_blocked_on[m] == ev.target:
                 self._start_step(m, k.now_s)
 
 
