@@ -129,26 +129,35 @@ class LearnerSync:
             fr.c_steps += 1
             fr.c_tokens += tokens
             fr.unpushed_steps += 1
+        # a learner that never installed a published version may not contribute
+        return [self._send(p) for p in self.schedule.fragments_to_send(self.step)
+                if self.frags[p].base_version >= 0]
+
+    def flush(self) -> list[Outgoing]:
+        """Push every fragment holding progress not yet pushed (end of training)."""
         out = []
-        for p in self.schedule.fragments_to_send(self.step):
-            fr = self.frags[p]
-            if fr.base_version < 0:
-                continue  # never installed a published version: may not contribute
-            self.seq += 1
-            covered = fr.unpushed_steps
-            fr.unpushed_steps = 0
-            fr.in_flight[self.seq] = covered
-            self.ledger.unpushed -= covered * self.share[p]
-            self.ledger.pending += covered * self.share[p]
-            with torch.no_grad():
-                snap = [t.detach().to("cpu", torch.float32, copy=True) for t in self._tensors(p)]
-            out.append(Outgoing(fragment=p, params=snap, c_steps=fr.c_steps, c_tokens=fr.c_tokens,
-                                base_version=fr.base_version, seq=self.seq, send_step=self.step,
-                                covered_steps=covered))
-            fr.waiting = True
-            fr.due_step = self.schedule.install_step(self.step)
-            fr.target_version = None
+        for p, fr in enumerate(self.frags):
+            if fr.unpushed_steps == 0 or fr.base_version < 0:
+                continue
+            out.append(self._send(p))
         return out
+
+    def _send(self, p: int) -> Outgoing:
+        fr = self.frags[p]
+        self.seq += 1
+        covered = fr.unpushed_steps
+        fr.unpushed_steps = 0
+        fr.in_flight[self.seq] = covered
+        self.ledger.unpushed -= covered * self.share[p]
+        self.ledger.pending += covered * self.share[p]
+        with torch.no_grad():
+            snap = [t.detach().to("cpu", torch.float32, copy=True) for t in self._tensors(p)]
+        fr.waiting = True
+        fr.due_step = self.schedule.install_step(self.step)
+        fr.target_version = None
+        return Outgoing(fragment=p, params=snap, c_steps=fr.c_steps, c_tokens=fr.c_tokens,
+                        base_version=fr.base_version, seq=self.seq, send_step=self.step,
+                        covered_steps=covered)
 
     def on_push_result(self, p: int, seq: int, accepted: bool, target_version: int = -1) -> None:
         """The syncer's verdict on a push: accepted into ``target_version``, or not."""

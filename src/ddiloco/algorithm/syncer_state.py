@@ -274,6 +274,10 @@ class SyncerState:
             return None  # an earlier round's timer; this round's timer is still pending
         return self._evaluate(p, now_s)
 
+    def flush(self, now_s: float) -> list[Merged]:
+        """Merge every round holding contributions, quorum or not (end of training)."""
+        return [self._merge(p, now_s, "flush") for p, s in enumerate(self.frags) if s.round.pending]
+
     def _evaluate(self, p: int, now_s: float) -> Merged | WaitUntil | None:
         s = self.frags[p]
         r = s.round

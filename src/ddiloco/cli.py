@@ -1,0 +1,200 @@
+"""The ``ddiloco`` command line: train, syncer, learner, status, simulate, bandwidth, report.
+
+Entry points stay thin: parse flags into typed configs, build, run, print.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main", "build_parser", "train_config_from_args"]
+
+
+def _positive_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def _nonneg_float(s: str) -> float:
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+    if not v >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {s}")
+    return v
+
+
+def _speeds(s: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in s.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated speed factors like 1,1,0.85,0.85, got {s!r}") from None
+
+
+def add_train_parser(sub) -> argparse.ArgumentParser:
+    from ddiloco.algorithm.codecs import CODECS
+    from ddiloco.algorithm.fragments import STRATEGIES
+    from ddiloco.algorithm.merge import MERGE_RULES
+    from ddiloco.config import ENGINES, INNER_OPTIMIZERS, METHODS, PRESETS
+
+    p = sub.add_parser("train", help="train a model with M learners (main job)",
+                       description="Train the built-in GPT on the built-in synthetic language "
+                       "with M learners. Runs on one machine with no downloads.",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("run")
+    g.add_argument("--engine", choices=ENGINES, default=None,
+                   help="inproc: virtual clock, one process; processes: real syncer and learner "
+                   "processes on loopback (default: processes when available, else inproc)")
+    g.add_argument("--method", choices=METHODS, default="decoupled")
+    g.add_argument("--preset", choices=tuple(PRESETS), default="default",
+                   help="failures: each learner down ~15%% of the time; hetero: half the "
+                   "learners 18%% slower plus 10%% step noise")
+    g.add_argument("--learners", "-M", type=_positive_int, default=4)
+    g.add_argument("--steps", type=_positive_int, default=600, help="inner steps per learner")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--out", default="runs/latest", help="run directory")
+    g.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    g.add_argument("--json", action="store_true", help="print summary.json instead of a table")
+    g = p.add_argument_group("model and inner optimizer")
+    g.add_argument("--model", default="gpt_tiny")
+    g.add_argument("--batch-size", type=_positive_int, default=16)
+    g.add_argument("--inner-optimizer", choices=INNER_OPTIMIZERS, default="adamw")
+    g.add_argument("--inner-lr", type=float, default=None)
+    g.add_argument("--eval-every", type=_positive_int, default=100)
+    g = p.add_argument_group("synchronisation")
+    g.add_argument("--fragments", "-P", type=_positive_int, default=None)
+    g.add_argument("-H", type=_positive_int, default=None, dest="H",
+                   help="inner steps between syncs of a fragment")
+    g.add_argument("--tau", type=int, default=None, help="overlap steps")
+    g.add_argument("--quorum", "-K", type=_positive_int, default=None)
+    g.add_argument("--no-grace", action="store_true", help="disable the adaptive grace window")
+    g.add_argument("--gamma", type=float, default=None)
+    g.add_argument("--outer-lr", type=float, default=None)
+    g.add_argument("--outer-momentum", type=float, default=None)
+    g.add_argument("--merge-rule", choices=MERGE_RULES, default=None)
+    g.add_argument("--alpha", type=float, default=None)
+    g.add_argument("--codec", choices=tuple(CODECS), default=None)
+    g.add_argument("--fragmentation", choices=STRATEGIES, default=None)
+    g.add_argument("--max-staleness", type=int, default=None)
+    g = p.add_argument_group("simulated world (inproc)")
+    g.add_argument("--speeds", type=_speeds, default=None,
+                   help="per-learner speed factors, e.g. 1,1,0.85,0.85")
+    g.add_argument("--step-noise", type=_nonneg_float, default=None)
+    g.add_argument("--mtbi-s", type=_nonneg_float, default=None,
+                   help="mean up-time between a learner's failures (step = 1 s)")
+    g.add_argument("--downtime-s", type=_nonneg_float, default=None)
+    g.add_argument("--latency-s", type=_nonneg_float, default=None)
+    g.add_argument("--bandwidth-Bps", type=_nonneg_float, default=None, dest="bandwidth_Bps")
+    p.set_defaults(func=_cmd_train)
+    return p
+
+
+_FLAG_FIELDS = ("method", "learners", "steps", "seed", "out", "model", "batch_size",
+                "inner_optimizer", "inner_lr", "eval_every", "fragments", "H", "tau", "quorum",
+                "gamma", "outer_lr", "outer_momentum", "merge_rule", "alpha", "codec",
+                "fragmentation", "max_staleness", "speeds", "step_noise", "mtbi_s",
+                "downtime_s", "latency_s", "bandwidth_Bps")
+
+
+def train_config_from_args(args: argparse.Namespace):
+    """TrainConfig from defaults, then the preset, then explicit flags."""
+    from ddiloco.config import TrainConfig, preset
+
+    base = TrainConfig(learners=args.learners)
+    cfg = preset(args.preset, base)
+    changes = {f: getattr(args, f) for f in _FLAG_FIELDS if getattr(args, f, None) is not None}
+    if args.no_grace:
+        changes["grace"] = False
+    if args.no_progress or args.json:
+        changes["progress"] = False
+    changes["engine"] = args.engine or "inproc"
+    if "learners" in changes and "speeds" not in changes and cfg.speeds:
+        changes["speeds"] = preset(args.preset, TrainConfig(learners=changes["learners"])).speeds
+    return cfg.replace(**changes)
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    try:
+        cfg = train_config_from_args(args)
+    except ValueError as e:
+        print(f"ddiloco train: error: {e}", file=sys.stderr)
+        return 2
+    if cfg.engine == "processes":
+        try:
+            from ddiloco.runtime.cli import run_processes
+        except ImportError:
+            print("ddiloco train: error: the processes engine is not available in this build; "
+                  "use --engine inproc", file=sys.stderr)
+            return 2
+        return run_processes(cfg, args)
+    from ddiloco.engine import run
+
+    summary = run(cfg)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print(format_summary(summary))
+        print(f"\nwrote {cfg.out}/summary.json and {cfg.out}/metrics.jsonl")
+    return 0
+
+
+def format_summary(s: dict) -> str:
+    """A small results table for the terminal."""
+    gib = 1 << 20
+    rows = [
+        ("method", f"{s['method']} ({s['engine']}, M={s['learners']})"),
+        ("inner steps / learner", f"{s['steps']}"),
+        ("tokens", f"{s['tokens']:,}"),
+        ("final eval loss", f"{s['final_eval_loss']:.4f}"),
+        ("entropy floor", f"{s['entropy_floor']:.4f}  (gap {s['final_eval_loss'] - s['entropy_floor']:.4f})"),
+        ("goodput", f"{s['goodput']:.3f}"),
+        ("uptime", f"{s['uptime']:.3f}"),
+        ("merges", f"{s['merges']}"),
+        ("bytes up / down", f"{s['bytes_up'] / gib:.1f} / {s['bytes_down'] / gib:.1f} MiB"),
+        ("wall time", f"{s['wall_s']:.1f} s"),
+    ]
+    w = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ddiloco import __version__
+
+    parser = argparse.ArgumentParser(prog="ddiloco", description="Decoupled DiLoCo for PyTorch")
+    parser.add_argument("--version", action="version", version=f"ddiloco {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    add_train_parser(sub)
+    for module, adders in (("ddiloco.sim.cli", ("add_simulate_parser", "add_bandwidth_parser")),
+                           ("ddiloco.runtime.cli", ("add_syncer_parser", "add_learner_parser",
+                                                    "add_status_parser")),
+                           ("ddiloco.report", ("add_report_parser",))):
+        try:
+            mod = __import__(module, fromlist=list(adders))
+        except ImportError:
+            continue
+        for name in adders:
+            adder = getattr(mod, name, None)
+            if adder is not None:
+                adder(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

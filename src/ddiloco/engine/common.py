@@ -1,0 +1,178 @@
+"""What every in-process method shares: the learners' models, optimizers and data, the
+simulated world (step times, failures, links), evaluation and the run record."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ddiloco.algorithm.codecs import get_codec
+from ddiloco.algorithm.fragments import Fragmentation, fragment_model
+from ddiloco.config import TrainConfig
+from ddiloco.data.synthetic import MarkovConfig, MarkovLanguage, SyntheticStream, eval_batches
+from ddiloco.models import build_model
+
+__all__ = ["World", "Worker", "EventQueue", "Recorder", "build_workers", "evaluate",
+           "make_language"]
+
+_WORLD_DOMAIN = 7919  # keeps the world's random streams apart from the data's
+
+
+def make_language(cfg: TrainConfig) -> MarkovLanguage:
+    return MarkovLanguage(MarkovConfig(vocab_size=cfg.vocab_size, seed=cfg.seed))
+
+
+def new_model(cfg: TrainConfig) -> torch.nn.Module:
+    torch.manual_seed(cfg.seed)
+    return build_model(cfg.model, vocab_size=cfg.vocab_size, block_size=cfg.block_size)
+
+
+def new_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+    if cfg.inner_optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=cfg.inner_lr)
+    return torch.optim.AdamW(model.parameters(), lr=cfg.inner_lr, betas=(0.9, 0.95),
+                             weight_decay=cfg.weight_decay)
+
+
+@dataclass(slots=True)
+class Worker:
+    """One learner's model, inner optimizer and data stream."""
+
+    index: int
+    model: torch.nn.Module
+    opt: torch.optim.Optimizer
+    stream: SyntheticStream
+    params: dict[str, torch.Tensor]
+    tokens_per_step: int
+
+    def train_step(self) -> float:
+        x, y = self.stream.next_batch()
+        self.opt.zero_grad(set_to_none=True)
+        _, loss = self.model(x, y)
+        loss.backward()
+        self.opt.step()
+        return float(loss.detach())
+
+
+def build_workers(cfg: TrainConfig, lang: MarkovLanguage, init: dict[str, torch.Tensor]) -> list[Worker]:
+    workers = []
+    for m in range(cfg.learners):
+        model = new_model(cfg)
+        model.load_state_dict(init)
+        stream = SyntheticStream(lang, learner=m, n_learners=cfg.learners,
+                                 batch_size=cfg.batch_size, block_size=cfg.block_size,
+                                 seed=cfg.seed)
+        workers.append(Worker(m, model, new_optimizer(cfg, model), stream,
+                              dict(model.named_parameters()), cfg.batch_size * cfg.block_size))
+    return workers
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, batches) -> float:
+    was = model.training
+    model.eval()
+    total = sum(float(model(x, y)[1]) for x, y in batches) / len(batches)
+    model.train(was)
+    return total
+
+
+class World:
+    """Seeded step times, failure schedules and link costs (virtual seconds)."""
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.cfg = cfg
+        self.step_rng = [np.random.default_rng([cfg.seed, _WORLD_DOMAIN, 1, m])
+                         for m in range(cfg.learners)]
+        self.fail_rng = [np.random.default_rng([cfg.seed, _WORLD_DOMAIN, 2, m])
+                         for m in range(cfg.learners)]
+        self.up_codec = get_codec(cfg.codec)
+        self.down_codec = get_codec(cfg.down_codec)
+
+    def step_s(self, m: int) -> float:
+        base = self.cfg.step_time_s / self.cfg.speed(m)
+        if self.cfg.step_noise > 0:
+            return base * max(0.1, 1.0 + self.cfg.step_noise * float(self.step_rng[m].standard_normal()))
+        return base
+
+    def next_failure_s(self, m: int, now_s: float) -> float:
+        """Time of learner m's next failure, given it is up at ``now_s`` (inf: never)."""
+        if self.cfg.mtbi_s <= 0:
+            return math.inf
+        return now_s + float(self.fail_rng[m].exponential(self.cfg.mtbi_s))
+
+    def transfer_s(self, nbytes: int) -> float:
+        bw = self.cfg.bandwidth_Bps
+        return self.cfg.latency_s + (nbytes / bw if bw > 0 else 0.0)
+
+
+class EventQueue:
+    """A heap of (time, priority, seq, kind, payload): ties broken by priority then
+    insertion order, so runs are deterministic."""
+
+    def __init__(self) -> None:
+        self._heap: list = []
+        self._seq = itertools.count()
+
+    def push(self, t: float, prio: int, kind: str, payload=None) -> None:
+        heapq.heappush(self._heap, (t, prio, next(self._seq), kind, payload))
+
+    def pop(self):
+        t, prio, _, kind, payload = heapq.heappop(self._heap)
+        return t, kind, payload
+
+    def __bool__(self) -> bool:
+        return bool(self._heap)
+
+
+class Recorder:
+    """metrics.jsonl rows and the final summary.json of a run."""
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.cfg = cfg
+        self.dir = Path(cfg.out)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.dir / "metrics.jsonl", "w", encoding="utf-8")
+        self.t0 = time.perf_counter()
+
+    def row(self, kind: str, **fields) -> None:
+        self._f.write(json.dumps({"kind": kind, **fields}) + "\n")
+
+    def finish(self, summary: dict) -> dict:
+        summary["wall_s"] = round(time.perf_counter() - self.t0, 3)
+        self._f.close()
+        tmp = self.dir / "summary.json.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(summary, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.dir / "summary.json")
+        return summary
+
+
+@dataclass(slots=True)
+class TimeBreakdown:
+    """Per-learner time accounting (virtual seconds)."""
+
+    compute_s: float = 0.0   # steps whose work reached the model
+    lost_s: float = 0.0      # compute thrown away (failure, dropped push)
+    wait_s: float = 0.0      # idle, waiting for peers or the network
+    down_s: float = 0.0      # failed, restarting
+
+    def as_dict(self) -> dict:
+        return {k: round(getattr(self, k), 3) for k in ("compute_s", "lost_s", "wait_s", "down_s")}
+
+
+def fragmentation_for(cfg: TrainConfig, model: torch.nn.Module, P: int | None = None) -> Fragmentation:  # noqa: N803
+    return fragment_model(model, P if P is not None else cfg.fragments, cfg.fragmentation)
+
+
+__all__ += ["TimeBreakdown", "fragmentation_for", "new_model", "new_optimizer"]

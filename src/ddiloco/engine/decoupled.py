@@ -1,0 +1,264 @@
+"""Decoupled DiLoCo in one process on a virtual clock.
+
+M learners train real PyTorch models; a discrete-event loop orders their step boundaries,
+pushes, merges, broadcasts, failures and rejoins in virtual time. The syncer is the same
+``SyncerState`` the gRPC server drives; the learner side is ``LearnerSync``. Deterministic
+for a seed.
+
+Event priorities at equal times: arrivals at the syncer (1), broadcasts reaching learners
+and departures (2), grace timers (3), step ends (5), step starts (9). A step start therefore
+sees every merge that completed at the same instant (needed for tau = 0).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from tqdm import tqdm
+
+from ddiloco.algorithm.learner_state import LearnerSync, Outgoing
+from ddiloco.algorithm.policy import PolicyConfig, WaitUntil
+from ddiloco.algorithm.schedule import FragmentSchedule
+from ddiloco.algorithm.syncer_state import Contribution, Merged, Status, SyncerConfig, SyncerState
+from ddiloco.config import TrainConfig
+from ddiloco.engine.common import (EventQueue, Recorder, TimeBreakdown, World, build_workers,
+                                   evaluate, fragmentation_for)
+
+__all__ = ["run_decoupled"]
+
+
+@dataclass(slots=True)
+class _Learner:
+    alive: bool = True
+    inc: int = 0                 # incarnation: events of a dead incarnation are ignored
+    steps: int = 0               # completed inner steps (including work later lost)
+    finished: bool = False
+    step_started_s: float = 0.0
+    step_dt: float = 0.0
+    next_fail_s: float = math.inf
+    down_since_s: float = 0.0
+    failures: int = 0
+
+
+def syncer_config(cfg: TrainConfig) -> SyncerConfig:
+    history = cfg.max_staleness if (cfg.codec != "fp32" or cfg.anchor == "base") else 0
+    return SyncerConfig(
+        policy=PolicyConfig(quorum=cfg.quorum, grace=cfg.grace, gamma=cfg.gamma, tau=cfg.tau),
+        merge_rule=cfg.merge_rule, outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum,
+        max_staleness=cfg.max_staleness, anchor=cfg.anchor, history=history)
+
+
+def run_decoupled(cfg: TrainConfig, ctx) -> dict:
+    """Run Decoupled DiLoCo; ``ctx`` carries the language, eval set, global model and recorder."""
+    rec: Recorder = ctx.recorder
+    world = World(cfg)
+    frag = fragmentation_for(cfg, ctx.global_model)
+    sched = FragmentSchedule(P=frag.P, H=cfg.H, tau=cfg.tau)
+    init = {n: p.detach().clone() for n, p in ctx.global_model.named_parameters()}
+    syncer = SyncerState(frag, init, syncer_config(cfg))
+    workers = build_workers(cfg, ctx.lang, ctx.global_model.state_dict())
+    syncs = [LearnerSync(w.params, frag, sched, alpha=cfg.alpha) for w in workers]
+    L = [_Learner() for _ in workers]
+    times = [TimeBreakdown() for _ in workers]
+    model_bytes_down = world.down_codec.nbytes(sum(f.numel for f in frag.fragments))
+    round_seq: dict[tuple[int, int], int] = {}
+    q = EventQueue()
+    stats = {"bytes_up": 0, "bytes_down": 0, "pushes": 0, "rejected": {}, "staleness": []}
+    M, N = cfg.learners, cfg.steps
+
+    for m in range(M):
+        syncer.join(m)
+        syncs[m].load_global(syncer.global_params(), syncer.versions())
+        L[m].next_fail_s = world.next_failure_s(m, 0.0)
+        q.push(0.0, 9, "start", (m, 0))
+        if L[m].next_fail_s < math.inf:
+            q.push(L[m].next_fail_s, 0, "fail", (m, 0))
+
+    up_since = 0.0
+    n_up = M
+    zero_up_s = 0.0
+    eval_next = cfg.eval_every
+    t = 0.0
+    bar = tqdm(total=M * N, desc=f"decoupled M={M}", disable=not cfg.progress, unit="step",
+               leave=False)
+
+    def send(m: int, out: Outgoing, now: float) -> None:
+        base = syncer.published(out.fragment, out.base_version)
+        if cfg.codec == "fp32" or base is None:
+            params = out.params
+        else:  # delta against the version the learner installed, through the codec
+            params = [b + world.up_codec.roundtrip(x - b) for x, b in zip(out.params, base)]
+        nbytes = world.up_codec.nbytes(sum(x.numel() for x in out.params))
+        stats["bytes_up"] += nbytes
+        stats["pushes"] += 1
+        q.push(now + world.transfer_s(nbytes), 1, "arrive",
+               (m, Contribution(learner=m, fragment=out.fragment, params=params,
+                                c_steps=out.c_steps, c_tokens=out.c_tokens,
+                                base_version=out.base_version, seq=out.seq)))
+
+    def broadcast(mg: Merged, now: float) -> None:
+        for mm in mg.learners:
+            syncs[mm].mark_merged(mg.fragment, round_seq.pop((mm, mg.fragment)))
+        params = mg.params if cfg.down_codec == "fp32" else \
+            [world.down_codec.roundtrip(x) for x in mg.params]
+        nbytes = world.down_codec.nbytes(sum(x.numel() for x in params))
+        done = now + cfg.merge_time_s
+        syncer.observe_sync_s(cfg.merge_time_s + world.transfer_s(nbytes))
+        for m in range(M):
+            if L[m].alive and not L[m].finished:
+                stats["bytes_down"] += nbytes
+                q.push(done + world.transfer_s(nbytes), 2, "receive",
+                       (m, L[m].inc, mg.fragment, mg.version, params))
+        rec.row("merge", t_s=round(now, 4), fragment=mg.fragment, version=mg.version,
+                learners=list(mg.learners), reason=mg.reason)
+
+    while q:
+        t, kind, payload = q.pop()
+        if kind == "start":
+            m, inc = payload
+            if not L[m].alive or inc != L[m].inc:
+                continue
+            syncs[m].install_due()
+            L[m].step_dt = world.step_s(m)
+            L[m].step_started_s = t
+            loss = workers[m].train_step()
+            q.push(t + L[m].step_dt, 5, "end", (m, inc, loss))
+        elif kind == "end":
+            m, inc, loss = payload
+            if inc != L[m].inc:
+                continue
+            L[m].steps += 1
+            times[m].compute_s += L[m].step_dt
+            syncer.observe_step_s(L[m].step_dt)
+            bar.update(1)
+            for out in syncs[m].after_step(workers[m].tokens_per_step):
+                send(m, out, t)
+            if L[m].steps >= N:
+                L[m].finished = True
+                for out in syncs[m].flush():
+                    send(m, out, t)
+                q.push(t + world.transfer_s(model_bytes_down), 2, "leave", (m, inc))
+                n_up -= 1
+                if n_up == 0:
+                    up_since = t
+            else:
+                q.push(t, 9, "start", (m, inc))
+            done_steps = sum(x.steps for x in L)
+            if done_steps >= eval_next * M:
+                eval_next += cfg.eval_every
+                ctx.load_global(syncer.global_params())
+                ev = evaluate(ctx.global_model, ctx.evals)
+                rec.row("eval", t_s=round(t, 4), step=done_steps / M, eval_loss=ev,
+                        gap=ev - ctx.floor, versions=sum(syncer.versions()))
+                bar.set_postfix(eval=f"{ev:.3f}")
+        elif kind == "arrive":
+            m, c = payload
+            res = syncer.submit(c, t)
+            accepted = res.status is Status.ACCEPTED
+            if accepted:
+                round_seq[(m, c.fragment)] = c.seq
+                stats["staleness"].append(syncer.version(c.fragment) - c.base_version)
+            elif res.status is not Status.DUPLICATE:
+                stats["rejected"][res.status.value] = stats["rejected"].get(res.status.value, 0) + 1
+            syncs[m].on_push_result(c.fragment, c.seq, accepted, res.target_version)
+            if res.merged is not None:
+                broadcast(res.merged, t)
+            elif res.wake_at_s is not None:
+                q.push(res.wake_at_s, 3, "timer", c.fragment)
+        elif kind == "timer":
+            d = syncer.on_timer(payload, t)
+            if isinstance(d, Merged):
+                broadcast(d, t)
+            elif isinstance(d, WaitUntil):
+                q.push(d.at_s, 3, "timer", payload)
+        elif kind == "receive":
+            m, inc, p, version, params = payload
+            if L[m].alive and inc == L[m].inc:
+                syncs[m].receive(p, version, params)
+        elif kind == "leave":
+            m, inc = payload
+            if inc == L[m].inc:
+                for mg in syncer.leave(m, t):
+                    broadcast(mg, t)
+        elif kind == "fail":
+            m, inc = payload
+            if inc != L[m].inc or not L[m].alive or L[m].finished:
+                continue
+            L[m].alive = False
+            L[m].inc += 1
+            L[m].failures += 1
+            L[m].down_since_s = t
+            times[m].lost_s += t - L[m].step_started_s  # the interrupted step
+            syncs[m].fail()
+            if n_up == 1:
+                up_since = t
+            n_up -= 1
+            q.push(t + min(cfg.downtime_s, world.transfer_s(model_bytes_down)), 2, "leave",
+                   (m, L[m].inc))
+            q.push(t + cfg.downtime_s, 4, "rejoin", (m, L[m].inc))
+            rec.row("failure", t_s=round(t, 4), learner=m, step=L[m].steps)
+        elif kind == "rejoin":
+            m, inc = payload
+            if inc != L[m].inc:
+                continue
+            fetch_s = world.transfer_s(model_bytes_down)
+            stats["bytes_down"] += model_bytes_down
+            syncer.join(m)
+            syncs[m].load_global(syncer.global_params(), syncer.versions())
+            L[m].alive = True
+            times[m].down_s += t + fetch_s - L[m].down_since_s
+            if n_up == 0:
+                zero_up_s += t - up_since
+            n_up += 1
+            L[m].next_fail_s = world.next_failure_s(m, t + fetch_s)
+            q.push(t + fetch_s, 9, "start", (m, inc))
+            q.push(L[m].next_fail_s, 0, "fail", (m, inc))
+            rec.row("rejoin", t_s=round(t + fetch_s, 4), learner=m, step=L[m].steps,
+                    versions=sum(syncer.versions()))
+        if not q:
+            for mg in syncer.flush(t):
+                broadcast(mg, t)
+    bar.close()
+    end_s = t
+    # the tail after the last learner finished is merge time, not downtime
+    ctx.load_global(syncer.global_params())
+    per_learner = []
+    useful_s = 0.0
+    for m in range(M):
+        led = syncs[m].ledger
+        frac = led.merged / led.computed if led.computed else 0.0
+        useful = times[m].compute_s * frac
+        times[m].lost_s += times[m].compute_s - useful
+        times[m].compute_s = useful
+        times[m].wait_s = max(0.0, end_s - useful - times[m].lost_s - times[m].down_s)
+        useful_s += useful
+        per_learner.append({
+            "learner": m, "steps": L[m].steps, "failures": L[m].failures,
+            "ledger_steps": {k: round(getattr(led, k), 4) for k in
+                             ("computed", "merged", "dropped", "lost", "pending", "unpushed")},
+            "ledger_balance_error": led.balance_error(),
+            "syncer_tokens": {k: getattr(syncer.ledger[m], k) for k in
+                              ("tokens_merged", "tokens_dropped", "tokens_pending")},
+            "time": times[m].as_dict(),
+        })
+    tokens_merged = sum(syncer.ledger[m].tokens_merged for m in range(M))
+    return {
+        "end_s": end_s,
+        "goodput": useful_s / (M * end_s) if end_s > 0 else 0.0,
+        "uptime": 1.0 - zero_up_s / end_s if end_s > 0 else 0.0,
+        "bytes_up": stats["bytes_up"],
+        "bytes_down": stats["bytes_down"],
+        "merges": syncer.merges,
+        "mean_quorum": (sum(syncer.quorum_sizes) / len(syncer.quorum_sizes)
+                        if syncer.quorum_sizes else 0.0),
+        "pushes": stats["pushes"],
+        "rejected": stats["rejected"],
+        "mean_staleness": (sum(stats["staleness"]) / len(stats["staleness"])
+                           if stats["staleness"] else 0.0),
+        "tokens_merged": tokens_merged,
+        "failures": sum(x.failures for x in L),
+        "fragments": frag.P,
+        "per_learner": per_learner,
+    }
+
