@@ -1,0 +1,145 @@
+"""Chaos engineering for real runs: a seeded schedule of faults the launcher injects.
+
+Faults: SIGKILL of a learner (exponential inter-arrival over the whole job, fixed downtime
+before its restart), SIGSTOP/SIGCONT of a learner (a straggler frozen for a while), a
+per-learner slow-down factor, SIGKILL and restart of the syncer, and emulated per-link
+bandwidth and latency. The schedule is a pure function of the config (times and random
+draws); which learner a draw hits is decided at fire time among the learners then running,
+from the same draw, so a run is reproducible given the same progress. Every injected event
+is appended to ``chaos.jsonl`` in the run directory with its time.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["ChaosConfig", "ChaosEvent", "chaos_schedule", "chaos_preset", "CHAOS_PRESETS",
+           "ChaosLog"]
+
+
+@dataclass(kw_only=True, slots=True)
+class ChaosConfig:
+    seed: int = 0
+    """Seed of every random draw of the schedule."""
+    kill_mean_interval_s: float = 0.0
+    """Mean time between learner SIGKILLs over the whole job (exponential); 0: none."""
+    kill_downtime_s: float = 10.0
+    """Time a killed learner stays down before the launcher restarts it."""
+    stop_mean_interval_s: float = 0.0
+    """Mean time between SIGSTOPs of a learner (straggler); 0: none."""
+    stop_duration_s: float = 2.0
+    """How long a stopped learner stays frozen before SIGCONT."""
+    start_after_s: float = 5.0
+    """No fault before this time (let everyone start)."""
+    slowdown: dict[int, float] = field(default_factory=dict)
+    """Per-learner step-time factor (>= 1), e.g. {3: 1.5}."""
+    syncer_kill_at_s: tuple[float, ...] = ()
+    """Times at which the syncer is SIGKILLed and restarted with --resume."""
+    syncer_downtime_s: float = 2.0
+    """Time the syncer stays down after a kill."""
+    kill_at_step: tuple[tuple[int, int], ...] = ()
+    """Deterministic kills: ``(learner, step)`` pairs; the learner is SIGKILLed once it has
+    reported ``step`` (downtime ``kill_downtime_s``)."""
+    syncer_kill_at_step: int = 0
+    """SIGKILL the syncer once the learners' mean reported step reaches this (0: never)."""
+    link_bandwidth_Bps: float = 0.0  # noqa: N815
+    """Emulated learner <-> syncer bandwidth, bytes/s (0: unlimited)."""
+    link_latency_s: float = 0.0
+    """Emulated one-way latency added to each bulk transfer."""
+
+    def __post_init__(self) -> None:
+        for name in ("kill_mean_interval_s", "kill_downtime_s", "stop_mean_interval_s",
+                     "stop_duration_s", "start_after_s", "syncer_downtime_s",
+                     "link_bandwidth_Bps", "link_latency_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"chaos {name} must be >= 0, got {getattr(self, name)}")
+        self.slowdown = {int(k): float(v) for k, v in self.slowdown.items()}
+        if any(v < 1.0 for v in self.slowdown.values()):
+            raise ValueError("chaos slowdown factors must be >= 1")
+        self.syncer_kill_at_s = tuple(float(t) for t in self.syncer_kill_at_s)
+        self.kill_at_step = tuple((int(m), int(s)) for m, s in self.kill_at_step)
+
+    @property
+    def active(self) -> bool:
+        return bool(self.kill_mean_interval_s or self.stop_mean_interval_s or self.slowdown
+                    or self.syncer_kill_at_s or self.kill_at_step or self.syncer_kill_at_step or self.link_bandwidth_Bps or self.link_latency_s)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["syncer_kill_at_s"] = list(self.syncer_kill_at_s)
+        d["kill_at_step"] = [list(x) for x in self.kill_at_step]
+        return d
+
+
+CHAOS_PRESETS = {
+    "none": {},
+    "kill30": {"kill_mean_interval_s": 30.0, "kill_downtime_s": 10.0},
+    "stragglers": {"stop_mean_interval_s": 10.0, "stop_duration_s": 2.0, "slowdown": {0: 1.5}},
+    "syncer-kill": {"syncer_kill_at_s": (15.0,), "syncer_downtime_s": 3.0},
+    "wan": {"link_bandwidth_Bps": 12.5e6, "link_latency_s": 0.05},
+}
+
+
+def chaos_preset(name_or_path: str, seed: int = 0) -> ChaosConfig:
+    """A named preset (``none``, ``kill30``, ``stragglers``, ``syncer-kill``, ``wan``) or a
+    JSON file of ChaosConfig fields."""
+    if name_or_path in CHAOS_PRESETS:
+        return ChaosConfig(seed=seed, **CHAOS_PRESETS[name_or_path])
+    path = Path(name_or_path)
+    if not path.is_file():
+        raise ValueError(f"unknown chaos preset {name_or_path!r}: use one of "
+                         f"{', '.join(CHAOS_PRESETS)} or a JSON file of ChaosConfig fields")
+    fields = json.loads(path.read_text())
+    fields.setdefault("seed", seed)
+    return ChaosConfig(**fields)
+
+
+@dataclass(frozen=True, slots=True)
+class ChaosEvent:
+    at_s: float
+    kind: str
+    """kill-learner, stop-learner, kill-syncer."""
+    draw: float
+    """Uniform draw in [0, 1) that picks the target among running learners."""
+    duration_s: float
+
+
+def chaos_schedule(cfg: ChaosConfig, horizon_s: float) -> list[ChaosEvent]:
+    """All fault events in [0, horizon_s), sorted by time."""
+    rng = np.random.default_rng([cfg.seed, 4242])
+    events: list[ChaosEvent] = []
+    for kind, mean, dur in (("kill-learner", cfg.kill_mean_interval_s, cfg.kill_downtime_s),
+                            ("stop-learner", cfg.stop_mean_interval_s, cfg.stop_duration_s)):
+        if mean <= 0:
+            continue
+        t = cfg.start_after_s
+        while True:
+            t += float(rng.exponential(mean))
+            if t >= horizon_s:
+                break
+            events.append(ChaosEvent(t, kind, float(rng.random()), dur))
+    for t in cfg.syncer_kill_at_s:
+        events.append(ChaosEvent(t, "kill-syncer", 0.0, cfg.syncer_downtime_s))
+    return sorted(events, key=lambda e: (e.at_s, e.kind))
+
+
+class ChaosLog:
+    """Append-only JSONL log of injected events."""
+
+    def __init__(self, path: str | Path, t0: float) -> None:
+        self._f = open(path, "a", encoding="utf-8")
+        self.t0 = t0
+
+    def write(self, kind: str, **kw) -> dict:
+        rec = {"t_s": round(time.monotonic() - self.t0, 3), "wall": time.time(), "kind": kind, **kw}
+        self._f.write(json.dumps(rec) + "\n")
+        self._f.flush()
+        return rec
+
+    def close(self) -> None:
+        self._f.close()

@@ -1,0 +1,218 @@
+"""Command-line entry points of the runtime: ``syncer``, ``learner``, ``status`` and the
+process launcher behind ``ddiloco train --engine processes``.
+
+The main CLI (``ddiloco.cli``) mounts these with ``add_syncer_parser(subparsers)`` etc.;
+``python -m ddiloco.runtime.cli {syncer,learner,status} ...`` runs them directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+__all__ = ["add_syncer_parser", "add_learner_parser", "add_status_parser", "run_processes",
+           "main"]
+
+
+def _logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+# -- syncer ----------------------------------------------------------------------------------
+def add_syncer_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("syncer", help="run the syncer service (gRPC)",
+                              description="Run the Decoupled DiLoCo syncer. The shared-secret "
+                              "token comes from $DDILOCO_TOKEN or --token-file.")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback; "
+                   "0.0.0.0 for other hosts)")
+    p.add_argument("--port", type=int, default=50051, help="port (0: pick a free one)")
+    p.add_argument("--port-file", help="write the bound port here (atomic)")
+    p.add_argument("--token-file", help="file holding the shared secret")
+    p.add_argument("--tls-cert", help="server certificate (PEM) to enable TLS")
+    p.add_argument("--tls-key", help="server private key (PEM)")
+    p.add_argument("--quorum", type=int, default=1, help="K: minimum learners per merge")
+    p.add_argument("--no-grace", action="store_true", help="disable the adaptive grace window")
+    p.add_argument("--gamma", type=float, default=0.5, help="grace window safety factor")
+    p.add_argument("--tau", type=int, default=2, help="learners' overlap steps (for the grace window)")
+    p.add_argument("--merge-rule", default="rda", choices=("rda", "average"))
+    p.add_argument("--outer-lr", type=float, default=0.7)
+    p.add_argument("--outer-momentum", type=float, default=0.9)
+    p.add_argument("--max-staleness", type=int, default=16)
+    p.add_argument("--anchor", default="current", choices=("current", "base"))
+    p.add_argument("--history", type=int, default=4,
+                   help="past versions kept per fragment (delta-encoded pushes need them)")
+    p.add_argument("--downlink-codec", default="fp32", choices=("fp32", "bf16"))
+    p.add_argument("--max-push-bytes", type=int, default=1 << 30)
+    p.add_argument("--heartbeat-timeout", type=float, default=5.0,
+                   help="seconds without heartbeat before a learner is declared dead")
+    p.add_argument("--checkpoint-dir", help="directory for atomic checkpoints (syncer.pt)")
+    p.add_argument("--checkpoint-every", type=int, default=1,
+                   help="1: every merge durable before publication; N: every N merges")
+    p.add_argument("--resume", action="store_true", help="resume from --checkpoint-dir")
+    p.add_argument("--metrics-file", help="append merge/reject/membership events (JSONL)")
+    p.add_argument("--log-level", default="info")
+    p.set_defaults(func=cmd_syncer)
+    return p
+
+
+def syncer_server_config(args):
+    from ddiloco.algorithm.policy import PolicyConfig
+    from ddiloco.algorithm.syncer_state import SyncerConfig
+    from ddiloco.runtime.auth import load_token
+    from ddiloco.runtime.syncer_server import SyncerServerConfig
+
+    sc = SyncerConfig(policy=PolicyConfig(quorum=args.quorum, grace=not args.no_grace,
+                                          gamma=args.gamma, tau=args.tau),
+                      merge_rule=args.merge_rule, outer_lr=args.outer_lr,
+                      outer_momentum=args.outer_momentum, max_staleness=args.max_staleness,
+                      anchor=args.anchor, history=args.history)
+    return SyncerServerConfig(token=load_token(args.token_file), host=args.host, port=args.port,
+                              syncer=sc, downlink_codec=args.downlink_codec,
+                              max_push_bytes=args.max_push_bytes,
+                              heartbeat_timeout_s=args.heartbeat_timeout,
+                              checkpoint_dir=args.checkpoint_dir,
+                              checkpoint_every=args.checkpoint_every, resume=args.resume,
+                              tls_cert=args.tls_cert, tls_key=args.tls_key,
+                              metrics_path=args.metrics_file)
+
+
+def cmd_syncer(args) -> int:
+    from ddiloco.runtime.syncer_server import SyncerServer
+
+    _logging(args.log_level)
+    import torch
+    torch.set_num_threads(1)
+    try:
+        cfg = syncer_server_config(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"ddiloco syncer: {e}", file=sys.stderr)
+        return 2
+    server = SyncerServer(cfg)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    port = server.start()
+    if args.port_file:
+        tmp = Path(args.port_file).with_suffix(".tmp")
+        tmp.write_text(str(port))
+        os.replace(tmp, args.port_file)
+    print(f"ddiloco syncer listening on {cfg.host}:{port}", flush=True)
+    while not stop.wait(1.0):
+        pass
+    logging.getLogger("ddiloco.syncer").info("stopping: final checkpoint")
+    server.close()
+    return 0
+
+
+# -- learner ---------------------------------------------------------------------------------
+def add_learner_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("learner", help="run one learner (or torchrun island) of a built-in model",
+                              description="Train a built-in model against a syncer. Under "
+                              "torchrun, the ranks form one island (DDP inside).")
+    p.add_argument("--syncer", required=True, help="HOST:PORT of the syncer")
+    p.add_argument("--learner", type=int, required=True, help="learner index m in [0, M)")
+    p.add_argument("--config", help="TrainConfig as JSON (fields as in ddiloco.config)")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override a TrainConfig field (JSON value), e.g. --set steps=200")
+    p.add_argument("--run-dir", help="per-learner directory: metrics.jsonl, progress.json")
+    p.add_argument("--token-file", help="file holding the shared secret (else $DDILOCO_TOKEN)")
+    p.add_argument("--tls-ca", help="CA certificate (PEM) to talk TLS to the syncer")
+    p.add_argument("--slowdown", type=float, default=1.0, help="stretch each step by this factor")
+    p.add_argument("--bandwidth", type=float, default=0.0, help="emulated link bytes/s (0: none)")
+    p.add_argument("--latency", type=float, default=0.0, help="emulated one-way latency, s")
+    p.add_argument("--connect-timeout", type=float, default=300.0)
+    p.add_argument("--log-level", default="info")
+    p.set_defaults(func=cmd_learner)
+    return p
+
+
+def train_config_from(config_path: str | None, overrides: list[str]):
+    from ddiloco.config import TrainConfig
+
+    fields = json.loads(Path(config_path).read_text()) if config_path else {}
+    for item in overrides:
+        k, _, v = item.partition("=")
+        try:
+            fields[k] = json.loads(v)
+        except json.JSONDecodeError:
+            fields[k] = v
+    if "speeds" in fields:
+        fields["speeds"] = tuple(fields["speeds"])
+    return TrainConfig(**fields)
+
+
+def cmd_learner(args) -> int:
+    from ddiloco.runtime.learner_client import LinkLimits, SyncerError
+    from ddiloco.runtime.learner_main import run_learner
+
+    _logging(args.log_level)
+    try:
+        cfg = train_config_from(args.config, args.set)
+        run_learner(cfg, syncer=args.syncer, learner=args.learner, run_dir=args.run_dir,
+                    token_file=args.token_file, tls_ca=args.tls_ca, slowdown=args.slowdown,
+                    link=LinkLimits(bandwidth_bytes_per_s=args.bandwidth, latency_s=args.latency),
+                    connect_timeout_s=args.connect_timeout)
+    except (ValueError, SyncerError) as e:
+        print(f"ddiloco learner: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+# -- status ----------------------------------------------------------------------------------
+def add_status_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("status", help="show a syncer's learners, versions and goodput")
+    p.add_argument("address", help="HOST:PORT of the syncer")
+    p.add_argument("--token-file")
+    p.add_argument("--tls-ca")
+    p.add_argument("--json", action="store_true", help="print the raw JSON")
+    p.set_defaults(func=cmd_status)
+    return p
+
+
+def cmd_status(args) -> int:
+    from ddiloco.runtime.status import fetch_status, format_status
+
+    try:
+        st = fetch_status(args.address, token_file=args.token_file, tls_ca=args.tls_ca)
+    except Exception as e:  # noqa: BLE001 - report any connection problem plainly
+        print(f"ddiloco status: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(st, indent=2) if args.json else format_status(st))
+    return 0
+
+
+# -- train --engine processes ------------------------------------------------------------------
+def run_processes(config, args=None) -> int:
+    """Run ``config`` (a TrainConfig) with a real syncer and learner processes on loopback.
+
+    ``args`` may carry ``chaos`` (preset name or JSON path), ``island_size`` (ranks per
+    learner) and ``port``; missing attributes take their defaults."""
+    from ddiloco.runtime.launcher import Launcher, LaunchOptions
+
+    opts = LaunchOptions(chaos=getattr(args, "chaos", None) or "none",
+                         island_size=getattr(args, "island_size", None) or 1,
+                         port=getattr(args, "port", None) or 0)
+    with Launcher(config, opts) as launcher:
+        summary = launcher.run()
+    return 0 if summary.get("ok") else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ddiloco.runtime.cli")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_syncer_parser(sub)
+    add_learner_parser(sub)
+    add_status_parser(sub)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

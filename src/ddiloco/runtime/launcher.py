@@ -1,0 +1,563 @@
+"""``ddiloco train --engine processes``: a syncer and M learner processes on loopback.
+
+The launcher starts the syncer (``python -m ddiloco.runtime.cli syncer``) and M learners
+(``python -m ddiloco.runtime.cli learner``, or ``torchrun --nproc-per-node n -m ...`` for
+islands of n ranks), each in its own process group. It supervises them: a learner that
+crashes (or is killed by chaos) is restarted after its downtime and resumes from its
+progress file with the current global parameters; a syncer that dies is restarted with
+``--resume`` on the same port. It shows live progress, injects the seeded chaos schedule,
+shuts everything down on Ctrl-C (no orphans: every process group is SIGTERMed, then
+SIGKILLed), and writes the same ``summary.json`` / ``metrics.jsonl`` as the in-process
+engine, plus ``logs/*.log``, ``chaos.jsonl`` and per-learner directories.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["LaunchOptions", "Launcher"]
+
+
+@dataclass(kw_only=True, slots=True)
+class LaunchOptions:
+    chaos: str = "none"
+    """Chaos preset name or JSON file (see ``ddiloco.runtime.chaos``)."""
+    island_size: int = 1
+    """Ranks per learner; > 1 runs each learner as a torchrun island."""
+    port: int = 0
+    """Syncer port (0: a free one)."""
+    heartbeat_timeout_s: float = 3.0
+    """Syncer declares a silent learner dead after this long."""
+    checkpoint_every: int = 1
+    """Syncer checkpoint cadence (1: every merge durable before publication)."""
+    restart_crashed: bool = True
+    """Restart a learner that exits with an error (after ``crash_downtime_s``)."""
+    crash_downtime_s: float = 1.0
+    max_restarts: int = 1000
+    startup_timeout_s: float = 120.0
+    """How long the syncer may take to bind."""
+    progress_interval_s: float = 2.0
+    eval_interval_s: float = 0.0
+    """Evaluate the global model every this many seconds (0: at eval_every steps)."""
+    extra_syncer_args: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.island_size < 1:
+            raise ValueError("island_size must be >= 1")
+
+
+@dataclass(slots=True)
+class _Proc:
+    name: str
+    cmd: list[str]
+    log_path: Path
+    popen: subprocess.Popen | None = None
+    state: str = "new"          # running, stopped, down, finished, failed
+    restart_at: float | None = None
+    starts: int = 0
+    kills: int = 0
+    stops: int = 0
+    cont_at: float | None = None
+    exit_codes: list = field(default_factory=list)
+
+
+class Launcher:
+    """Runs one ``TrainConfig`` with real processes. ``run()`` returns the summary."""
+
+    def __init__(self, config, options: LaunchOptions | None = None) -> None:
+        from ddiloco.runtime.chaos import ChaosConfig, chaos_preset
+
+        self.cfg = config
+        self.opts = options or LaunchOptions()
+        self.out = Path(config.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "logs").mkdir(exist_ok=True)
+        chaos = chaos_preset(self.opts.chaos, seed=config.seed)
+        d = chaos.to_dict()
+        if config.mtbi_s > 0 and not chaos.kill_mean_interval_s:
+            # per-learner MTBI -> job-wide kill rate M / MTBI
+            d.update(kill_mean_interval_s=config.mtbi_s / config.learners,
+                     kill_downtime_s=config.downtime_s)
+        if config.speeds and not chaos.slowdown:
+            d["slowdown"] = {m: max(1.0, 1.0 / config.speed(m)) for m in range(config.learners)
+                             if config.speed(m) < 1.0}
+        self.chaos = ChaosConfig(**d)
+        self.procs: dict[str, _Proc] = {}
+        self.port = self.opts.port
+        self.t0 = time.monotonic()
+        self.wall0 = time.time()
+        self._reports: dict[tuple[int, int], dict] = {}
+        self._status: dict | None = None
+        self._closed = False
+        self._fired: set = set()
+        self.env = dict(os.environ)
+        from ddiloco.runtime.auth import TOKEN_ENV, new_token
+        self.env[TOKEN_ENV] = new_token()
+        self.env.setdefault("OMP_NUM_THREADS", "1")
+        self._client = None
+
+    # -- processes ------------------------------------------------------------------------
+    def _now(self) -> float:
+        return time.monotonic() - self.t0
+
+    def _syncer_cmd(self, resume: bool) -> list[str]:
+        c = self.cfg
+        cmd = [sys.executable, "-m", "ddiloco.runtime.cli", "syncer", "--port", str(self.port),
+               "--port-file", str(self.out / "syncer.port"),
+               "--checkpoint-dir", str(self.out / "checkpoint"),
+               "--checkpoint-every", str(self.opts.checkpoint_every),
+               "--metrics-file", str(self.out / "syncer.metrics.jsonl"),
+               "--quorum", str(c.quorum), "--gamma", str(c.gamma), "--tau", str(c.tau),
+               "--merge-rule", c.merge_rule, "--outer-lr", str(c.outer_lr),
+               "--outer-momentum", str(c.outer_momentum), "--max-staleness", str(c.max_staleness),
+               "--anchor", c.anchor, "--history", str(max(4, c.max_staleness if c.anchor == "base" else 4)),
+               "--downlink-codec", c.down_codec if c.down_codec in ("fp32", "bf16") else "fp32",
+               "--heartbeat-timeout", str(self.opts.heartbeat_timeout_s),
+               *self.opts.extra_syncer_args]
+        if not c.grace:
+            cmd.append("--no-grace")
+        if resume:
+            cmd.append("--resume")
+        return cmd
+
+    def _learner_cmd(self, m: int) -> list[str]:
+        n = self.opts.island_size
+        head = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                 f"--nproc-per-node={n}", "-m", "ddiloco.runtime.cli"] if n > 1
+                else [sys.executable, "-m", "ddiloco.runtime.cli"])
+        cmd = head + ["learner", "--syncer", f"127.0.0.1:{self.port}", "--learner", str(m),
+                      "--config", str(self.out / "train_config.json"),
+                      "--run-dir", str(self.out / f"learner_{m}"),
+                      "--slowdown", str(self.chaos.slowdown.get(m, 1.0)),
+                      "--bandwidth", str(self.chaos.link_bandwidth_Bps),
+                      "--latency", str(self.chaos.link_latency_s)]
+        return cmd
+
+    def _spawn(self, p: _Proc) -> None:
+        with open(p.log_path, "ab") as log:
+            log.write(f"\n=== start {p.starts} at t={self._now():.3f}s: {' '.join(p.cmd)}\n".encode())
+            log.flush()
+            p.popen = subprocess.Popen(p.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                       start_new_session=True)
+        p.starts += 1
+        p.state = "running"
+        p.restart_at = None
+
+    def _signal(self, p: _Proc, sig: int) -> None:
+        if p.popen is not None and p.popen.poll() is None:
+            try:
+                os.killpg(p.popen.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def _wait_port(self) -> None:
+        path = self.out / "syncer.port"
+        deadline = time.monotonic() + self.opts.startup_timeout_s
+        syncer = self.procs["syncer"]
+        while time.monotonic() < deadline:
+            if path.is_file():
+                self.port = int(path.read_text())
+                return
+            if syncer.popen.poll() is not None:
+                raise RuntimeError(f"syncer exited with {syncer.popen.returncode}; see "
+                                   f"{syncer.log_path}")
+            time.sleep(0.05)
+        raise RuntimeError(f"syncer did not bind within {self.opts.startup_timeout_s} s; see "
+                           f"{syncer.log_path}")
+
+    def close(self) -> None:
+        """Stop every process group: SIGCONT (stopped ones), SIGTERM, then SIGKILL."""
+        if self._closed:
+            return
+        self._closed = True
+        procs = list(self.procs.values())
+        for p in procs:
+            self._signal(p, signal.SIGCONT)
+        # learners first, the syncer last (its SIGTERM writes a final checkpoint)
+        for group in ([p for p in procs if p.name != "syncer"], [p for p in procs if p.name == "syncer"]):
+            for p in group:
+                self._signal(p, signal.SIGTERM)
+            deadline = time.monotonic() + 10.0
+            for p in group:
+                if p.popen is None:
+                    continue
+                try:
+                    p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    self._signal(p, signal.SIGKILL)
+                    p.popen.wait(timeout=5.0)
+        if self._client is not None:
+            self._client.close()
+
+    def __enter__(self) -> Launcher:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- the run --------------------------------------------------------------------------
+    def run(self) -> dict:
+        from ddiloco.runtime.chaos import ChaosLog, chaos_schedule
+
+        c = self.cfg
+        (self.out / "train_config.json").write_text(json.dumps(
+            {k: (list(v) if isinstance(v, tuple) else v) for k, v in c.to_dict().items()}))
+        (self.out / "config.json").write_text(json.dumps({
+            "train": json.loads((self.out / "train_config.json").read_text()),
+            "chaos": self.chaos.to_dict(),
+            "launch": {k: getattr(self.opts, k) for k in self.opts.__slots__}}, indent=2))
+        for f in ("syncer.port", "chaos.jsonl", "syncer.metrics.jsonl"):
+            (self.out / f).unlink(missing_ok=True)
+        self.chaos_log = ChaosLog(self.out / "chaos.jsonl", self.t0)
+        events = chaos_schedule(self.chaos, horizon_s=24 * 3600.0)
+        interrupted = False
+        try:
+            self.procs["syncer"] = _Proc("syncer", self._syncer_cmd(False),
+                                         self.out / "logs" / "syncer.log")
+            self._spawn(self.procs["syncer"])
+            self._wait_port()
+            self.procs["syncer"].cmd = self._syncer_cmd(True)
+            self._client = self._make_client()
+            self.t_learners = self._now()
+            for m in range(c.learners):
+                p = _Proc(f"learner_{m}", self._learner_cmd(m), self.out / "logs" / f"learner_{m}.log")
+                self.procs[p.name] = p
+                self._spawn(p)
+            self._supervise(events)
+        except KeyboardInterrupt:
+            interrupted = True
+            print("\nddiloco: interrupted, stopping all processes", file=sys.stderr)
+        self.t_end = self._now()
+        final_params = None
+        if not interrupted:
+            self._poll_status()
+            final_params = self._fetch_global()
+        self.close()
+        self.chaos_log.close()
+        return self._summarise(final_params, interrupted)
+
+    def _make_client(self):
+        from ddiloco.runtime.learner_client import SyncerClient
+        from ddiloco.runtime.auth import TOKEN_ENV
+        return SyncerClient(f"127.0.0.1:{self.port}", self.env[TOKEN_ENV])
+
+    def _learners(self) -> list[_Proc]:
+        return [p for n, p in self.procs.items() if n != "syncer"]
+
+    def _supervise(self, events) -> None:
+        c = self.cfg
+        next_progress = 0.0
+        next_status = 0.0
+        ev_i = 0
+        rng_pick = lambda draw, pool: pool[min(int(draw * len(pool)), len(pool) - 1)]  # noqa: E731
+        syncer = self.procs["syncer"]
+        while True:
+            now = self._now()
+            for p in self._learners():
+                if p.state in ("running", "stopped") and p.popen.poll() is not None:
+                    rc = p.popen.returncode
+                    p.exit_codes.append(rc)
+                    if rc == 0:
+                        p.state = "finished"
+                        self.chaos_log.write("learner-finished", target=p.name)
+                    elif p.starts <= self.opts.max_restarts and self.opts.restart_crashed:
+                        p.state = "down"
+                        p.restart_at = now + self.opts.crash_downtime_s
+                        self.chaos_log.write("learner-crashed", target=p.name, rc=rc)
+                    else:
+                        p.state = "failed"
+                if p.state == "down" and p.restart_at is not None and now >= p.restart_at:
+                    self._spawn(p)
+                    self.chaos_log.write("restart-learner", target=p.name)
+                if p.state == "stopped" and p.cont_at is not None and now >= p.cont_at:
+                    self._signal(p, signal.SIGCONT)
+                    p.state, p.cont_at = "running", None
+                    self.chaos_log.write("cont-learner", target=p.name)
+            if syncer.state == "running" and syncer.popen.poll() is not None:
+                self.chaos_log.write("syncer-exited", rc=syncer.popen.returncode)
+                syncer.state, syncer.restart_at = "down", now + 1.0
+            if syncer.state == "down" and now >= syncer.restart_at:
+                self._spawn(syncer)
+                self.chaos_log.write("restart-syncer")
+            if all(p.state in ("finished", "failed") for p in self._learners()):
+                return
+            while ev_i < len(events) and events[ev_i].at_s <= now - self.t_learners:
+                self._inject(events[ev_i], rng_pick)
+                ev_i += 1
+            if now >= next_status:
+                next_status = now + 0.5
+                self._poll_status()
+                self._step_triggers()
+            if c.progress and now >= next_progress:
+                next_progress = now + self.opts.progress_interval_s
+                self._print_progress()
+            time.sleep(0.05)
+
+    def _step_triggers(self) -> None:
+        """Deterministic, progress-based faults (``kill_at_step``, ``syncer_kill_at_step``)."""
+        from ddiloco.runtime.chaos import ChaosEvent
+
+        st = self._status or {}
+        steps = {int(m): (i.get("report") or {}).get("global_step") or 0
+                 for m, i in st.get("learners", {}).items()}
+        for m, step in self.chaos.kill_at_step:
+            key = ("kill", m, step)
+            p = self.procs.get(f"learner_{m}")
+            if key not in self._fired and p is not None and p.state == "running" \
+                    and steps.get(m, 0) >= step:
+                self._fired.add(key)
+                self._inject(ChaosEvent(0.0, "kill-learner", 0.0, self.chaos.kill_downtime_s),
+                             lambda draw, pool: p)
+        s = self.chaos.syncer_kill_at_step
+        if s and "syncer" not in self._fired and steps and \
+                sum(steps.values()) / self.cfg.learners >= s:
+            self._fired.add("syncer")
+            self._inject(ChaosEvent(0.0, "kill-syncer", 0.0, self.chaos.syncer_downtime_s), None)
+
+    def _inject(self, ev, pick) -> None:
+        now = self._now()
+        if ev.kind == "kill-syncer":
+            s = self.procs["syncer"]
+            if s.state == "running":
+                self._signal(s, signal.SIGKILL)
+                s.popen.wait()
+                s.state, s.restart_at, s.kills = "down", now + ev.duration_s, s.kills + 1
+                self.chaos_log.write("kill-syncer", downtime_s=ev.duration_s)
+            return
+        pool = [p for p in self._learners() if p.state == "running"]
+        if not pool:
+            return
+        p = pick(ev.draw, pool)
+        if ev.kind == "kill-learner":
+            self._signal(p, signal.SIGKILL)
+            p.popen.wait()
+            p.exit_codes.append(p.popen.returncode)
+            p.state, p.restart_at, p.kills = "down", now + ev.duration_s, p.kills + 1
+            self.chaos_log.write("kill-learner", target=p.name, downtime_s=ev.duration_s,
+                                 step=self._step_of(p.name))
+        elif ev.kind == "stop-learner":
+            self._signal(p, signal.SIGSTOP)
+            p.state, p.cont_at, p.stops = "stopped", now + ev.duration_s, p.stops + 1
+            self.chaos_log.write("stop-learner", target=p.name, duration_s=ev.duration_s)
+
+    def _step_of(self, name: str):
+        st = self._status or {}
+        rep = st.get("learners", {}).get(name.split("_")[1], {}).get("report", {})
+        return rep.get("global_step")
+
+    def _poll_status(self) -> None:
+        try:
+            st = self._client.status(timeout_s=2.0)
+        except Exception:  # noqa: BLE001 - the syncer may be down (chaos)
+            return
+        self._status = st
+        for m, info in st.get("learners", {}).items():
+            if info.get("report"):
+                self._reports[(int(m), info["incarnation"])] = info["report"]
+
+    def _print_progress(self) -> None:
+        st = self._status or {}
+        steps, losses = [], []
+        for m in range(self.cfg.learners):
+            info = st.get("learners", {}).get(str(m), {})
+            rep = info.get("report") or {}
+            p = self.procs.get(f"learner_{m}")
+            tag = {"running": "", "down": "x", "stopped": "z", "finished": "", "failed": "!"}.get(
+                p.state if p else "", "")
+            steps.append(f"{rep.get('global_step', 0)}{tag}")
+            if rep.get("loss") is not None:
+                losses.append(rep["loss"])
+        from ddiloco.runtime.status import goodput_so_far
+        g = goodput_so_far(st) if st else None
+        print(f"[{self._now():6.1f}s] steps {' '.join(steps)}  merges {st.get('merges', 0)}  "
+              f"loss {sum(losses) / len(losses) if losses else float('nan'):.3f}  "
+              f"goodput~{g if g is None else round(g, 3)}", file=sys.stderr, flush=True)
+
+    def _fetch_global(self):
+        try:
+            got = self._client.fetch(None, timeout_s=30.0)
+        except Exception as e:  # noqa: BLE001
+            print(f"ddiloco: could not fetch the final global model: {e}", file=sys.stderr)
+            return None
+        return got
+
+    # -- summary --------------------------------------------------------------------------
+    def _summarise(self, final_params, interrupted: bool) -> dict:
+        import torch
+
+        from ddiloco.data.synthetic import eval_batches
+        from ddiloco.engine.common import evaluate, make_language, new_model
+        from ddiloco.runtime.spec import fragmentation_from_spec, model_spec
+
+        c = self.cfg
+        torch.set_num_threads(1)
+        lang = make_language(c)
+        floor = lang.sequence_floor(c.block_size)
+        evals = eval_batches(lang, n_batches=c.eval_batches, batch_size=c.batch_size,
+                             block_size=c.block_size, seed=c.seed)
+        model = new_model(c)
+        init_loss = evaluate(model, evals)
+        n_params = sum(p.numel() for p in model.parameters())
+        final_loss = None
+        if final_params is not None:
+            frag = fragmentation_from_spec(model_spec(model, c.fragments, c.fragmentation))
+            named = dict(model.named_parameters())
+            with torch.no_grad():
+                for p, f in enumerate(frag.fragments):
+                    for n, t in zip(f.names, final_params[p][1]):
+                        named[n].copy_(t.view(named[n].shape))
+            final_loss = evaluate(model, evals)
+        rows = self._collect_rows()
+        # the clock starts when the first learner is ready to step (process start-up of the
+        # first launch is reported apart; restarts after failures count against goodput)
+        starts = [r["t_s"] for r in rows["rows"] if r["kind"] == "learner_start"]
+        t_first = max(self.t_learners, min(starts)) if starts else self.t_learners
+        T = max(1e-9, self.t_end - t_first)
+        per_learner, useful_total = [], 0.0
+        st = self._status or {}
+        bytes_up = bytes_down = 0
+        for m in range(c.learners):
+            ledger = {k: 0.0 for k in ("computed", "merged", "dropped", "lost", "pending", "unpushed")}
+            useful = compute = 0.0
+            final_path = self.out / f"learner_{m}" / "final.json"
+            final = json.loads(final_path.read_text()) if final_path.is_file() else None
+            if final is not None:
+                self._reports[(m, final["incarnation"])] = final
+            incs = sorted({inc for (mm, inc) in self._reports if mm == m})
+            steps_by_inc = rows["steps_by_inc"].get(m, {})
+            for inc in incs:
+                rep = self._reports[(m, inc)]
+                if final is not None and inc == incs[-1] and self.procs[f"learner_{m}"].state == "finished":
+                    rep = final
+                    led = dict(rep["ledger"])
+                else:  # a killed incarnation: what it had not got merged is lost
+                    led = dict(rep["ledger"])
+                    extra = max(0, steps_by_inc.get(inc, 0) - led["computed"])
+                    led["lost"] += led["unpushed"] + led["pending"] + extra
+                    led["computed"] += extra
+                    led["unpushed"] = led["pending"] = 0.0
+                for k in ledger:
+                    ledger[k] += led[k]
+                frac = rep["ledger"]["merged"] / rep["ledger"]["computed"] if rep["ledger"]["computed"] else 0.0
+                useful += rep.get("compute_s", 0.0) * frac
+                compute += rep.get("compute_s", 0.0)
+                bytes_up += rep.get("bytes_sent", 0)
+                bytes_down += rep.get("bytes_received", 0)
+            useful_total += useful
+            info = st.get("learners", {}).get(str(m), {})
+            proc = self.procs.get(f"learner_{m}")
+            bal = abs(ledger["computed"] - sum(ledger[k] for k in ledger if k != "computed"))
+            per_learner.append({
+                "learner": m, "steps": (final or {}).get("global_step", info.get("report", {}).get("global_step")),
+                "failures": proc.kills if proc else 0, "starts": proc.starts if proc else 0,
+                "stops": proc.stops if proc else 0,
+                "ledger_steps": {k: round(v, 4) for k, v in ledger.items()},
+                "ledger_tokens": {k: round(v * c.batch_size * c.block_size * self.opts.island_size)
+                                  for k, v in ledger.items()},
+                "ledger_balance_error": bal,
+                "syncer_tokens": info.get("syncer_ledger", {}),
+                "time": {"useful_s": round(useful, 3), "stepping_s": round(compute, 3),
+                         "other_s": round(T - compute, 3)},
+            })
+        model_bytes = 4 * n_params
+        total_steps = sum(pl["ledger_steps"]["computed"] for pl in per_learner)
+        summary = {
+            "ok": (not interrupted and final_loss is not None
+                   and all(self.procs[f"learner_{m}"].state == "finished" for m in range(c.learners))),
+            "method": "decoupled", "engine": "processes", "learners": c.learners,
+            "island_size": self.opts.island_size, "steps": c.steps,
+            "tokens": c.learners * c.steps * c.batch_size * c.block_size * self.opts.island_size,
+            "final_eval_loss": final_loss, "entropy_floor": floor,
+            "gap_to_floor": None if final_loss is None else final_loss - floor,
+            "entropy_rate": lang.entropy_rate, "initial_eval_loss": init_loss,
+            "goodput": useful_total / (c.learners * T), "uptime": rows["uptime"](T),
+            "bytes_up": bytes_up, "bytes_down": bytes_down,
+            "dp_bytes_same_steps": int(total_steps * 2 * model_bytes),
+            "merges": st.get("merges"), "wall_s": round(self._now(), 3),
+            "train_wall_s": round(T, 3), "startup_s": round(t_first - self.t_learners, 3), "versions": st.get("versions"),
+            "mean_quorum": st.get("mean_quorum"), "rejections": st.get("rejections", {}),
+            "syncer_counters": st.get("counters", {}),
+            "chaos_events": rows["n_chaos"], "interrupted": interrupted,
+            "per_learner": per_learner, "n_params": n_params,
+            "config": json.loads((self.out / "train_config.json").read_text()),
+            "chaos": self.chaos.to_dict(),
+        }
+        with open(self.out / "metrics.jsonl", "w", encoding="utf-8") as f:
+            f.write(json.dumps({"kind": "config", **summary["config"]}) + "\n")
+            f.write(json.dumps({"kind": "eval", "t_s": 0.0, "step": 0, "eval_loss": init_loss,
+                                "gap": init_loss - floor}) + "\n")
+            for r in rows["rows"]:
+                f.write(json.dumps(r) + "\n")
+            if final_loss is not None:
+                f.write(json.dumps({"kind": "final", "eval_loss": final_loss,
+                                    "gap": final_loss - floor}) + "\n")
+        tmp = self.out / "summary.json.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(summary, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.out / "summary.json")
+        if c.progress:
+            print(f"ddiloco: {'done' if summary['ok'] else 'FAILED'} in {summary['wall_s']:.1f} s: "
+                  f"eval loss {init_loss:.4f} -> {final_loss}, goodput {summary['goodput']:.3f}, "
+                  f"merges {summary['merges']}, summary in {self.out / 'summary.json'}",
+                  file=sys.stderr)
+        return summary
+
+    def _collect_rows(self) -> dict:
+        """Merge learner step rows, syncer events and chaos events into one time-ordered
+        list (t_s relative to the launch), and compute the uptime."""
+        rows, walls, steps_by_inc = [], [], {}
+        for m in range(self.cfg.learners):
+            path = self.out / f"learner_{m}" / "metrics.jsonl"
+            if not path.is_file():
+                continue
+            inc = 0
+            for line in path.read_text().splitlines():
+                try:
+                    r = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line torn by SIGKILL
+                if r.get("kind") == "learner_start":
+                    inc = r.get("incarnation", inc)
+                if r.get("kind") == "step":
+                    walls.append(r["wall"])
+                    steps_by_inc.setdefault(m, {}).setdefault(inc, 0)
+                    steps_by_inc[m][inc] += 1
+                r["t_s"] = round(r.pop("wall") - self.wall0, 4)
+                r.pop("report", None) if r.get("kind") == "learner_end" else None
+                rows.append(r)
+        for name in ("syncer.metrics.jsonl", "chaos.jsonl"):
+            path = self.out / name
+            if path.is_file():
+                for line in path.read_text().splitlines():
+                    try:
+                        r = json.loads(line)
+                    except json.JSONDecodeError:
+                        continue
+                    r["t_s"] = round(r.pop("wall") - self.wall0, 4)
+                    if name == "chaos.jsonl":
+                        r["kind"] = "chaos-" + r["kind"]
+                    rows.append(r)
+        rows.sort(key=lambda r: r["t_s"])
+        n_chaos = sum(1 for r in rows if r["kind"].startswith("chaos-kill")
+                      or r["kind"].startswith("chaos-stop"))
+        walls.sort()
+
+        def uptime(T: float) -> float:
+            if len(walls) < 2:
+                return 0.0
+            gaps = sorted(b - a for a, b in zip(walls, walls[1:]))
+            med = gaps[len(gaps) // 2]
+            idle = sum(g for g in gaps if g > max(1.0, 10 * med))
+            return max(0.0, 1.0 - idle / T)
+
+        return {"rows": rows, "uptime": uptime, "n_chaos": n_chaos, "steps_by_inc": steps_by_inc}

@@ -1,0 +1,592 @@
+"""The learner side of the runtime: hook a user's model and optimizer to a syncer.
+
+    with DecoupledLearner(model, optimizer, syncer="127.0.0.1:50051", learner=0,
+                          tokens_per_step=B * T) as dl:
+        for x, y in data:
+            loss = model(x, y)[1]; loss.backward(); optimizer.step(); optimizer.zero_grad()
+            # with ``tokens_per_step`` the optimizer post-step hook calls dl.step() for you;
+            # otherwise call dl.step(tokens) after optimizer.step().
+
+The training thread only does bookkeeping (``LearnerSync``: counters, CPU snapshots of the
+fragments due, installs of merged fragments at step t + tau). Three background threads
+talk to the syncer, so a step never waits on the network:
+
+  sender     pushes fragments (chunked stream), retries with backoff, keeps the push seq
+  receiver   long-polls published versions (``Watch``) and fetches the fragments awaited
+  heartbeat  small liveness/metadata call on its own channel; rejoins after a syncer restart
+             or after being declared dead
+
+Results flow back to the training thread through a queue drained at every ``step``.
+An island (a torchrun group running DDP) passes ``process_group``: rank 0 talks to the
+syncer and broadcasts the global model and every installed fragment to the other ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+
+import grpc
+import torch
+
+from ddiloco.algorithm.codecs import get_codec
+from ddiloco.algorithm.learner_state import LearnerSync, Outgoing
+from ddiloco.algorithm.schedule import FragmentSchedule
+from ddiloco.runtime import wire
+from ddiloco.runtime.auth import channel_credentials, load_token
+from ddiloco.runtime.spec import fragmentation_from_spec, model_spec, spec_fingerprint
+
+__all__ = ["DecoupledLearner", "LinkLimits", "SyncerClient", "SyncerError"]
+
+log = logging.getLogger("ddiloco.learner")
+
+_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+              grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
+              grpc.StatusCode.ABORTED}
+
+
+class SyncerError(RuntimeError):
+    """A call the syncer rejected for good (bad token, mismatched model...)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class LinkLimits:
+    """Emulated link between this learner and the syncer (chaos / WAN experiments)."""
+
+    bandwidth_bytes_per_s: float = 0.0
+    """0: unlimited."""
+    latency_s: float = 0.0
+    """One-way latency added to every bulk transfer."""
+
+    def delay_s(self, nbytes: int) -> float:
+        bw = nbytes / self.bandwidth_bytes_per_s if self.bandwidth_bytes_per_s > 0 else 0.0
+        return self.latency_s + bw
+
+
+class SyncerClient:
+    """Thin typed wrapper over the syncer's RPCs (two channels: bulk and control)."""
+
+    def __init__(self, address: str, token: str, tls_ca: str | None = None,
+                 tls: bool = False) -> None:
+        self.address = address
+        self._md = ((wire.TOKEN_METADATA, token),)
+        mk = (lambda: grpc.secure_channel(address, channel_credentials(tls_ca), wire.GRPC_OPTIONS)) \
+            if (tls or tls_ca) else (lambda: grpc.insecure_channel(address, wire.GRPC_OPTIONS))
+        self.bulk = mk()
+        # a distinct channel arg keeps grpc from sharing the bulk connection (liveness must
+        # not queue behind multi-megabyte pushes)
+        self.control = (grpc.secure_channel(address, channel_credentials(tls_ca),
+                                            wire.GRPC_OPTIONS + [("ddiloco.channel", "control")])
+                        if (tls or tls_ca) else
+                        grpc.insecure_channel(address, wire.GRPC_OPTIONS + [("ddiloco.channel",
+                                                                             "control")]))
+
+    def close(self) -> None:
+        self.bulk.close()
+        self.control.close()
+
+    def unary(self, name: str, header: dict, timeout_s: float = 10.0, control: bool = False
+              ) -> dict:
+        ch = self.control if control else self.bulk
+        resp = ch.unary_unary(wire.method(name))(wire.pack(header), timeout=timeout_s,
+                                                 metadata=self._md)
+        return wire.unpack(resp)[0]
+
+    def stream(self, name: str, frames, timeout_s: float = 60.0) -> dict:
+        resp = self.bulk.stream_unary(wire.method(name))(frames, timeout=timeout_s,
+                                                         metadata=self._md)
+        return wire.unpack(resp)[0]
+
+    def fetch(self, fragments: list[int] | None, timeout_s: float = 60.0
+              ) -> dict[int, tuple[int, list[torch.Tensor], int]]:
+        """Published fragments: p -> (version, flat fp32 tensors, wire bytes)."""
+        call = self.bulk.unary_stream(wire.method("Fetch"))(
+            wire.pack({"fragments": fragments}), timeout=timeout_s, metadata=self._md)
+        out: dict[int, tuple[int, list[torch.Tensor], int]] = {}
+        cur: dict | None = None
+        buf = bytearray()
+
+        def finish() -> None:
+            codec = get_codec(cur["codec"])
+            ts, off = [], 0
+            for k in cur["numels"]:
+                nb = codec.nbytes(k)
+                ts.append(codec.decode(memoryview(buf)[off:off + nb], k))
+                off += nb
+            out[cur["fragment"]] = (cur["version"], ts, len(buf))
+
+        for frame in call:
+            h, payload = wire.unpack(frame)
+            if "cont" not in h:
+                if cur is not None:
+                    finish()
+                cur, buf = h, bytearray()
+            buf += payload
+        if cur is not None:
+            finish()
+        return out
+
+    def status(self, timeout_s: float = 5.0) -> dict:
+        return self.unary("Status", {}, timeout_s, control=True)
+
+
+def _code(e: grpc.RpcError) -> grpc.StatusCode:
+    try:
+        return e.code()
+    except Exception:  # noqa: BLE001 - non-call errors
+        return grpc.StatusCode.UNKNOWN
+
+
+def _details(e: grpc.RpcError) -> str:
+    try:
+        return e.details() or ""
+    except Exception:  # noqa: BLE001
+        return str(e)
+
+
+class DecoupledLearner:
+    """One Decoupled DiLoCo learner bound to a user's model (and optionally optimizer).
+
+    Parameters name the paper's symbols: P fragments, each synchronised every H inner
+    steps, merged value installed tau steps after sending, alpha mixing on install.
+    ``codec`` compresses pushes (quantised codecs send the delta against the installed
+    base version). Thread-safety: call ``step`` from the training thread only.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 *, syncer: str, learner: int, P: int | None = None, H: int = 24,  # noqa: N803
+                 tau: int = 2, strategy: str = "balanced", codec: str = "bf16",
+                 alpha: float = 0.0, tokens_per_step: int | None = None,
+                 token: str | None = None, token_file: str | None = None,
+                 tls_ca: str | None = None, tls: bool = False,
+                 connect_timeout: timedelta = timedelta(minutes=5),
+                 heartbeat_interval: timedelta = timedelta(milliseconds=500),
+                 flush_timeout: timedelta = timedelta(seconds=10),
+                 link: LinkLimits | None = None, process_group=None) -> None:
+        if learner < 0:
+            raise ValueError(f"learner must be >= 0, got {learner}")
+        self.model, self.optimizer = model, optimizer
+        self.learner = learner
+        self.codec = get_codec(codec)
+        self.tokens_per_step = tokens_per_step
+        self.link = link or LinkLimits()
+        self.connect_timeout_s = connect_timeout.total_seconds()
+        self.heartbeat_s = heartbeat_interval.total_seconds()
+        self.flush_timeout_s = flush_timeout.total_seconds()
+        self.group = process_group
+        self.rank = 0
+        if process_group is not None:
+            import torch.distributed as dist
+            self.rank = dist.get_rank(process_group)
+        n_tensors = len(list(model.parameters()))
+        P = P if P is not None else min(H, n_tensors, 24)
+        self.spec = model_spec(model, P, strategy)
+        self.fingerprint = spec_fingerprint(self.spec)
+        self.fragmentation = fragmentation_from_spec(self.spec)
+        self.schedule = FragmentSchedule(P, H, tau)
+        self.params = dict(model.named_parameters())
+        self.sync = LearnerSync(self.params, self.fragmentation, self.schedule, alpha=alpha)
+        self._is_root = self.rank == 0
+        self._token = None
+        if self._is_root:
+            self._token = token or load_token(token_file)
+            self.client = SyncerClient(syncer, self._token, tls_ca, tls)
+        self._inbox: queue.Queue = queue.Queue()
+        self._sendq: queue.Queue = queue.Queue()
+        self._closed = threading.Event()
+        self._joined = threading.Event()
+        self._lock = threading.Lock()
+        self._wanted: set[int] = set()
+        self._base_versions: list[int] = [-1] * P
+        self._latest_seq: dict[int, int] = {}
+        self.incarnation = -1
+        self.boot_id = ""
+        self._results_known: dict[int, list[int]] = {p: [] for p in range(P)}
+        self._accepted_by_boot: dict[int, str] = {}
+        self._merged_seq: dict[int, int] = {}
+        self._merged_applied: dict[int, int] = {}
+        self._threads: list[threading.Thread] = []
+        self._last_step_t: float | None = None
+        self.step_s_ema: float | None = None
+        self.compute_s = 0.0
+        self.extra_report: dict = {}
+        self.stats = {"bytes_sent": 0, "bytes_received": 0, "pushes": 0, "pushes_accepted": 0,
+                      "pushes_rejected": 0, "installs": 0, "reconnects": 0, "fetch_s": None,
+                      "push_errors": 0}
+        self._base_params: dict[int, dict[int, list[torch.Tensor]]] = {}
+        self._hook = None
+        self._connected = True
+        self._started = False
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def __enter__(self) -> DecoupledLearner:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def start(self) -> None:
+        """Join the syncer (initialising it if it has no model yet), fetch the current global
+        parameters and install them before the first step. Blocks until done or
+        ``connect_timeout``; retries with backoff while the syncer is unreachable."""
+        if self._is_root:
+            versions, params = self._join_and_fetch(initial=True)
+            self.sync.load_global(params, versions)
+            self._base_versions = list(versions)
+        if self.group is not None:
+            import torch.distributed as dist
+            src = dist.get_global_rank(self.group, 0)
+            with torch.no_grad():
+                for t in self.params.values():
+                    dist.broadcast(t.data, src=src, group=self.group)
+        if self._is_root:
+            for target, name in ((self._sender, "ddiloco-send"), (self._receiver, "ddiloco-recv"),
+                                 (self._heartbeater, "ddiloco-hb")):
+                th = threading.Thread(target=target, name=name, daemon=True)
+                th.start()
+                self._threads.append(th)
+        if self.optimizer is not None and self.tokens_per_step is not None:
+            self._hook = self.optimizer.register_step_post_hook(
+                lambda *_: self.step(self.tokens_per_step))
+        self._started = True
+
+    def _join(self) -> dict:
+        h = {"learner": self.learner, "incarnation": self.incarnation,
+             "fingerprint": self.fingerprint, "host": socket.gethostname(), "pid": os.getpid()}
+        return self.client.unary("Join", h, timeout_s=10.0, control=True)
+
+    def _join_and_fetch(self, initial: bool) -> tuple[list[int], dict[str, torch.Tensor]]:
+        deadline = time.monotonic() + self.connect_timeout_s
+        backoff = 0.1
+        while True:
+            try:
+                r = self._join()
+                if r.get("need_init"):
+                    self._upload_initial()
+                    r = self._join()
+                self.incarnation = r["incarnation"]
+                self.boot_id = r["boot_id"]
+                self._merged_seq = {int(k): v for k, v in r.get("merged_seq", {}).items()}
+                got = self.client.fetch(None)
+                versions = [got[p][0] for p in range(self.fragmentation.P)]
+                params = {}
+                for p, f in enumerate(self.fragmentation.fragments):
+                    shaped = [t.view(self.params[n].shape) for n, t in zip(f.names, got[p][1])]
+                    params.update(zip(f.names, shaped))
+                    self._remember_base(p, got[p][0], shaped)
+                    self.stats["bytes_received"] += got[p][2]
+                self._joined.set()
+                log.info("[learner %d] joined syncer %s (incarnation %d), versions %s",
+                         self.learner, self.boot_id, self.incarnation, versions)
+                return versions, params
+            except grpc.RpcError as e:
+                if _code(e) not in _RETRYABLE:
+                    raise SyncerError(f"[learner {self.learner}] syncer {self.client.address} "
+                                      f"refused: {_code(e).name}: {_details(e)}") from None
+                if time.monotonic() > deadline:
+                    raise SyncerError(f"[learner {self.learner}] syncer {self.client.address} "
+                                      f"unreachable for {self.connect_timeout_s:.0f} s: "
+                                      f"{_details(e)}") from None
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+
+    def _upload_initial(self) -> None:
+        with torch.no_grad():
+            data = b"".join(t.detach().float().cpu().contiguous().numpy().tobytes()
+                            for t in self.params.values())
+        r = self.client.stream("Init", wire.chunks({"learner": self.learner, "spec": self.spec,
+                                                    "nbytes": len(data)}, data))
+        self.stats["bytes_sent"] += len(data)
+        log.info("[learner %d] initial model upload: %s", self.learner,
+                 "accepted" if r.get("accepted") else "another learner was first")
+
+    def close(self) -> None:
+        """Wait (up to ``flush_timeout``) for pushes in flight to be merged, leave, stop."""
+        if self._closed.is_set():
+            return
+        if self._hook is not None:
+            self._hook.remove()
+        if self._is_root and self._started:
+            for o in self.sync.flush():
+                if o.c_steps < 1:  # installed since its last push: nothing left to contribute
+                    self.sync.on_push_result(o.fragment, o.seq, accepted=False)
+                    continue
+                with self._lock:
+                    self._latest_seq[o.fragment] = o.seq
+                self._sendq.put(o)
+            deadline = time.monotonic() + self.flush_timeout_s
+            while time.monotonic() < deadline and self._connected and (
+                    not self._sendq.empty() or self.sync.ledger.pending > 1e-9):
+                time.sleep(0.02)
+                self._drain()
+            try:
+                self.client.unary("Leave", {"learner": self.learner,
+                                            "incarnation": self.incarnation,
+                                            "report": self.report()}, timeout_s=3.0, control=True)
+            except grpc.RpcError:
+                pass
+        self._closed.set()
+        self._sendq.put(None)
+        for th in self._threads:
+            th.join(timeout=3.0)
+        if self._is_root:
+            self.client.close()
+
+    # -- the training thread ----------------------------------------------------------------
+    def step(self, tokens: int) -> list[int]:
+        """Record one inner step of ``tokens`` tokens (the island's total); send the
+        fragments due; install merged fragments whose install step has come. Returns the
+        installed fragment indices. Never blocks on the network."""
+        now = time.monotonic()
+        if self._last_step_t is not None:
+            dt = now - self._last_step_t
+            self.compute_s += dt
+            self.step_s_ema = dt if self.step_s_ema is None else 0.8 * self.step_s_ema + 0.2 * dt
+        self._last_step_t = now
+        installed: list[int] = []
+        if self._is_root:
+            self._drain()
+            outs = self.sync.after_step(tokens)
+            with self._lock:
+                for o in outs:
+                    self._wanted.add(o.fragment)
+                    self._latest_seq[o.fragment] = o.seq
+            for o in outs:
+                self._sendq.put(o)
+            installed = self.sync.install_due()
+            with self._lock:
+                for p in installed:
+                    self._base_versions[p] = self.sync.frags[p].base_version
+                self._wanted = set(self.sync.waiting_fragments)
+            self.stats["installs"] += len(installed)
+        if self.group is not None:
+            installed = self._broadcast_installs(installed)
+        return installed
+
+    def _broadcast_installs(self, installed: list[int]) -> list[int]:
+        import torch.distributed as dist
+        src = dist.get_global_rank(self.group, 0)
+        mask = torch.zeros(self.fragmentation.P, dtype=torch.uint8)
+        mask[installed] = 1
+        dist.broadcast(mask, src=src, group=self.group)
+        out = [int(p) for p in mask.nonzero().flatten()]
+        with torch.no_grad():
+            for p in out:
+                for n in self.fragmentation.fragments[p].names:
+                    dist.broadcast(self.params[n].data, src=src, group=self.group)
+        return out
+
+    def _drain(self) -> None:
+        """Apply what the background threads delivered, in a safe order: push verdicts,
+        received fragments, then merged-seq notices (only for pushes whose verdict is known)."""
+        results, recvs, restarts = [], [], []
+        while True:
+            try:
+                ev = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            {"result": results, "recv": recvs, "restart": restarts}[ev[0]].append(ev[1:])
+        for (merged_seq, old_boot) in restarts:
+            # pushes the old syncer accepted but never published are gone with it
+            for p in range(self.fragmentation.P):
+                ms = merged_seq.get(p, -1)
+                for seq in list(self.sync.frags[p].in_flight):
+                    if seq > ms and self._accepted_by_boot.get(seq) == old_boot:
+                        self.sync.on_push_result(p, seq, accepted=False)
+        for p, seq, accepted, target in results:
+            self.sync.on_push_result(p, seq, accepted, target)
+            self._results_known[p].append(seq)
+        for p, version, tensors in recvs:
+            self.sync.receive(p, version, tensors)
+        with self._lock:
+            merged_seq = dict(self._merged_seq)
+        for p, ms in merged_seq.items():
+            known = [s for s in self._results_known.get(p, []) if s <= ms]
+            if known:
+                s = max(known)
+                if s > self._merged_applied.get(p, -1):
+                    self.sync.mark_merged(p, s)
+                    self._merged_applied[p] = s
+                self._results_known[p] = [x for x in self._results_known[p] if x > s]
+
+    def report(self) -> dict:
+        """What the heartbeat carries: progress, timing, ledger, traffic."""
+        return {"step": self.sync.step, "incarnation": self.incarnation, "step_s": self.step_s_ema, "compute_s": self.compute_s,
+                "ledger": asdict(self.sync.ledger), "tokens_per_step": self.tokens_per_step,
+                "fetch_s": self.stats["fetch_s"], **self.stats, **self.extra_report}
+
+    # -- background threads -----------------------------------------------------------------
+    def _wire_seq(self, o: Outgoing) -> int:
+        return (self.incarnation << 32) + o.seq
+
+    def _remember_base(self, p: int, version: int, tensors: list[torch.Tensor]) -> None:
+        """Keep the last few published versions of p: quantised pushes are deltas against
+        the version the learner installed."""
+        if not self.codec.quantised:
+            return
+        with self._lock:
+            d = self._base_params.setdefault(p, {})
+            d[version] = tensors
+            for v in sorted(d)[:-4]:
+                del d[v]
+
+    def _encode(self, o: Outgoing) -> tuple[bytes, bool]:
+        if self.codec.quantised:
+            with self._lock:
+                base = self._base_params.get(o.fragment, {}).get(o.base_version)
+            if base is not None:
+                return b"".join(self.codec.encode(x - b) for x, b in zip(o.params, base)), True
+        return b"".join(self.codec.encode(x) for x in o.params), False
+
+    def _sender(self) -> None:
+        while not self._closed.is_set():
+            o = self._sendq.get()
+            if o is None:
+                return
+            with self._lock:
+                if self._latest_seq.get(o.fragment, o.seq) > o.seq:
+                    continue  # superseded: a newer push of this fragment carries its progress
+            data, delta = self._encode(o)
+            backoff = 0.1
+            while not self._closed.is_set():
+                self._joined.wait(timeout=1.0)
+                if not self._joined.is_set():
+                    continue
+                header = {"learner": self.learner, "incarnation": self.incarnation,
+                          "fragment": o.fragment, "seq": self._wire_seq(o),
+                          "base_version": o.base_version, "c_steps": o.c_steps,
+                          "c_tokens": o.c_tokens, "codec": self.codec.name, "delta": delta,
+                          "numels": list(self.fragmentation.fragments[o.fragment].numels),
+                          "nbytes": len(data), "step": o.send_step}
+                boot = self.boot_id
+                try:
+                    d = self.link.delay_s(len(data))
+                    if d > 0:
+                        time.sleep(d)
+                    r = self.client.stream("Push", wire.chunks(header, data),
+                                           timeout_s=30.0 + len(data) / 1e6)
+                    self.stats["bytes_sent"] += len(data)
+                    self.stats["pushes"] += 1
+                    ok = r["status"] == "accepted"
+                    self.stats["pushes_accepted" if ok else "pushes_rejected"] += 1
+                    if ok:
+                        self._accepted_by_boot[o.seq] = boot
+                    elif r["status"] != "duplicate":
+                        log.info("[learner %d step %d] push of fragment %d: %s %s", self.learner,
+                                 o.send_step, o.fragment, r["status"], r.get("message", ""))
+                    if r["status"] != "duplicate":
+                        self._inbox.put(("result", o.fragment, o.seq, ok,
+                                         r.get("target_version", -1)))
+                    break
+                except grpc.RpcError as e:
+                    code, msg = _code(e), _details(e)
+                    if code == grpc.StatusCode.FAILED_PRECONDITION and "E_UNKNOWN_LEARNER" in msg:
+                        self._joined.clear()  # the heartbeat thread rejoins
+                        continue
+                    if code in _RETRYABLE:
+                        self.stats["push_errors"] += 1
+                        with self._lock:
+                            if self._latest_seq.get(o.fragment, o.seq) > o.seq:
+                                break  # superseded while the syncer was away
+                        time.sleep(backoff)
+                        backoff = min(backoff * 2, 2.0)
+                        continue
+                    log.error("[learner %d step %d] push of fragment %d rejected: %s",
+                              self.learner, o.send_step, o.fragment, msg)
+                    self._inbox.put(("result", o.fragment, o.seq, False, -1))
+                    break
+
+    def _receiver(self) -> None:
+        cursor: list[int] | None = None
+        got = [-1] * self.fragmentation.P
+        backoff = 0.1
+        while not self._closed.is_set():
+            if not self._joined.wait(timeout=0.5):
+                continue
+            try:
+                with self._lock:
+                    ms = dict(self._merged_seq)
+                r = self.client.unary("Watch", {"learner": self.learner, "cursor": cursor,
+                                                "merged_seq": ms, "timeout_s": 0.5},
+                                      timeout_s=5.0)
+                versions = r["versions"]
+                with self._lock:
+                    self._merged_seq = {int(k): v for k, v in r.get("merged_seq", {}).items()}
+                    need = [p for p in self._wanted
+                            if versions[p] > max(got[p], self._base_versions[p])]
+                if need:
+                    t0 = time.monotonic()
+                    res = self.client.fetch(sorted(need))
+                    nbytes = sum(v[2] for v in res.values())
+                    d = self.link.delay_s(nbytes)
+                    if d > 0:
+                        time.sleep(d)
+                    dt = time.monotonic() - t0
+                    f = self.stats["fetch_s"]
+                    self.stats["fetch_s"] = dt if f is None else 0.8 * f + 0.2 * dt
+                    self.stats["bytes_received"] += nbytes
+                    for p, (v, ts, _) in res.items():
+                        got[p] = max(got[p], v)
+                        shaped = [t.view(self.params[n].shape) for t, n in
+                                  zip(ts, self.fragmentation.fragments[p].names)]
+                        self._remember_base(p, v, shaped)
+                        self._inbox.put(("recv", p, v, shaped))
+                cursor = versions
+                backoff = 0.1
+            except grpc.RpcError as e:
+                if self._closed.is_set():
+                    return
+                if _code(e) == grpc.StatusCode.FAILED_PRECONDITION:
+                    self._joined.clear()
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+                cursor = None
+
+    def _heartbeater(self) -> None:
+        while not self._closed.wait(self.heartbeat_s):
+            try:
+                if not self._joined.is_set():
+                    self._rejoin()
+                    continue
+                r = self.client.unary("Heartbeat", {"learner": self.learner,
+                                                    "incarnation": self.incarnation,
+                                                    "report": self.report()},
+                                      timeout_s=max(2.0, 4 * self.heartbeat_s), control=True)
+                if not self._connected:
+                    log.info("[learner %d step %d] syncer reachable again", self.learner,
+                             self.sync.step)
+                    self._connected = True
+                if r.get("rejoin") or r.get("boot_id") != self.boot_id:
+                    self._joined.clear()
+                    self._rejoin()
+            except grpc.RpcError as e:
+                if self._connected:
+                    log.warning("[learner %d step %d] syncer unreachable (%s); training on, "
+                                "reconnecting", self.learner, self.sync.step, _code(e).name)
+                    self._connected = False
+                    self.stats["reconnects"] += 1
+
+    def _rejoin(self) -> None:
+        old_boot = self.boot_id
+        r = self._join()
+        if r.get("need_init"):
+            # a fresh syncer without a checkpoint: give it our current parameters
+            self._upload_initial()
+            r = self._join()
+        with self._lock:
+            self._merged_seq = {int(k): v for k, v in r.get("merged_seq", {}).items()}
+        self.incarnation = r["incarnation"]
+        if r["boot_id"] != old_boot:
+            log.warning("[learner %d step %d] syncer restarted (boot %s -> %s), versions %s",
+                        self.learner, self.sync.step, old_boot, r["boot_id"], r["versions"])
+            self._inbox.put(("restart", dict(self._merged_seq), old_boot))
+            self.boot_id = r["boot_id"]
+        self._connected = True
+        self._joined.set()

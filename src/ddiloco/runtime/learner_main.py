@@ -1,0 +1,123 @@
+"""``ddiloco learner``: one learner process (or one torchrun island) training a built-in model
+on the synthetic language against a syncer.
+
+The run configuration is the shared ``TrainConfig`` (model, data, P, H, tau, codec...), read
+from a JSON file and/or flags. Under ``torchrun`` (``WORLD_SIZE > 1``) the ranks form an
+island: DDP inside (Gloo on CPU, NCCL on GPU), rank 0 talks to the syncer and broadcasts.
+
+A restarted learner resumes its step count and data position from ``progress.json`` in its
+run directory and fetches the current global parameters before its first step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+from ddiloco.config import TrainConfig
+from ddiloco.data.synthetic import SyntheticStream
+from ddiloco.engine.common import make_language, new_model, new_optimizer
+from ddiloco.runtime.learner_client import DecoupledLearner, LinkLimits
+
+__all__ = ["run_learner"]
+
+log = logging.getLogger("ddiloco.learner")
+
+
+def _write_json_atomic(path: Path, obj: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj))
+    os.replace(tmp, path)
+
+
+def run_learner(cfg: TrainConfig, *, syncer: str, learner: int, run_dir: str | None = None,
+                token_file: str | None = None, tls_ca: str | None = None,
+                slowdown: float = 1.0, link: LinkLimits | None = None,
+                connect_timeout_s: float = 300.0, heartbeat_s: float = 0.25) -> dict:
+    """Train ``cfg.steps`` inner steps (in total over restarts); returns the final report."""
+    world, rank, group = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0")), None
+    if world > 1:
+        import torch.distributed as dist
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(minutes=5))
+        group = dist.group.WORLD
+    torch.set_num_threads(1)
+    out = Path(run_dir) if run_dir else None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+    progress_path = out / "progress.json" if out is not None else None
+    start_step = 0
+    if progress_path is not None and progress_path.is_file():
+        start_step = int(json.loads(progress_path.read_text())["step"])
+    lang = make_language(cfg)
+    model = new_model(cfg)
+    train_model = model
+    if group is not None:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        train_model = DDP(model)
+    opt = new_optimizer(cfg, model)
+    stream = SyntheticStream(lang, learner=learner * world + rank, n_learners=cfg.learners * world,
+                             batch_size=cfg.batch_size, block_size=cfg.block_size, seed=cfg.seed)
+    stream.load_state_dict({"position": start_step})
+    tokens = cfg.batch_size * cfg.block_size * world
+    metrics = open(out / "metrics.jsonl", "a") if out is not None and rank == 0 else None
+    dl = DecoupledLearner(model, syncer=syncer, learner=learner, P=cfg.fragments, H=cfg.H,
+                          tau=cfg.tau, strategy=cfg.fragmentation, codec=cfg.codec,
+                          alpha=cfg.alpha, token_file=token_file, tls_ca=tls_ca, link=link,
+                          connect_timeout=timedelta(seconds=connect_timeout_s),
+                          heartbeat_interval=timedelta(seconds=heartbeat_s),
+                          process_group=group)
+    t_start = time.time()
+    with dl:
+        if metrics:
+            metrics.write(json.dumps({"kind": "learner_start", "learner": learner, "wall": time.time(),
+                                      "step": start_step, "incarnation": dl.incarnation,
+                                      "startup_s": round(time.time() - t_start, 3),
+                                      "pid": os.getpid()}) + "\n")
+        for step in range(start_step, cfg.steps):
+            t0 = time.perf_counter()
+            x, y = stream.next_batch()
+            opt.zero_grad(set_to_none=True)
+            _, loss = train_model(x, y)
+            loss.backward()
+            opt.step()
+            if slowdown > 1.0:
+                time.sleep((slowdown - 1.0) * (time.perf_counter() - t0))
+            installed = dl.step(tokens)
+            lv = loss.item()
+            dl.extra_report.update(loss=lv, global_step=step + 1, total_steps=cfg.steps)
+            if metrics:
+                metrics.write(json.dumps({"kind": "step", "learner": learner, "step": step + 1,
+                                          "wall": time.time(), "loss": round(lv, 5),
+                                          "installed": {p: dl.sync.frags[p].base_version
+                                                        for p in installed}}) + "\n")
+                if (step + 1) % 10 == 0 or step + 1 == cfg.steps:
+                    metrics.flush()
+                    _write_json_atomic(progress_path, {"step": step + 1})
+    report = dl.report()
+    if group is not None:  # every rank of the island must hold the same parameters
+        import torch.distributed as dist
+        with torch.no_grad():
+            diff = torch.zeros(())
+            for t in model.parameters():
+                ref = t.detach().clone()
+                dist.broadcast(ref, src=0, group=group)
+                diff = torch.maximum(diff, (ref - t.detach()).abs().max())
+            dist.all_reduce(diff, op=dist.ReduceOp.MAX, group=group)
+        report["island_size"] = world
+        report["island_max_param_diff"] = float(diff)
+    if metrics:
+        metrics.write(json.dumps({"kind": "learner_end", "learner": learner, "wall": time.time(),
+                                  "report": report}) + "\n")
+        metrics.close()
+        _write_json_atomic(out / "final.json", report)
+    if group is not None:
+        import torch.distributed as dist
+        dist.destroy_process_group()
+    return report

@@ -1,0 +1,72 @@
+"""Helpers for the runtime's integration tests: real processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+TINY = dict(model="gpt_tiny", batch_size=8, block_size=32, vocab_size=64, fragments=4, H=8,
+            tau=2, eval_batches=4, progress=False, inner_lr=3e-3)
+
+
+def tiny_config(out: Path, **kw):
+    from ddiloco.config import TrainConfig
+    return TrainConfig(engine="processes", out=str(out), **{**TINY, **kw})
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    rows = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return rows
+
+
+def step_walls(run: Path, m: int) -> list[float]:
+    return [r["wall"] for r in read_jsonl(run / f"learner_{m}" / "metrics.jsonl")
+            if r["kind"] == "step"]
+
+
+def max_gap_ratio(walls: list[float]) -> tuple[float, float, float]:
+    gaps = sorted(b - a for a, b in zip(walls, walls[1:]))
+    med = gaps[len(gaps) // 2]
+    return max(gaps) / med, max(gaps), med
+
+
+class SyncerProcess:
+    """``python -m ddiloco.runtime.cli syncer`` on an ephemeral port."""
+
+    def __init__(self, tmp: Path, token: str = "test-token", *args: str) -> None:
+        self.tmp, self.token = tmp, token
+        self.env = {**os.environ, "DDILOCO_TOKEN": token}
+        port_file = tmp / "port"
+        self.log = open(tmp / "syncer.log", "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ddiloco.runtime.cli", "syncer", "--port", "0",
+             "--port-file", str(port_file), "--metrics-file", str(tmp / "syncer.jsonl"), *args],
+            env=self.env, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while not port_file.is_file():
+            assert self.proc.poll() is None, (tmp / "syncer.log").read_text()
+            assert time.monotonic() < deadline, "syncer did not start"
+            time.sleep(0.05)
+        self.address = f"127.0.0.1:{port_file.read_text()}"
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
