@@ -1,0 +1,142 @@
+"""Every incoming message is validated before it reaches the syncer state machine: bad
+pushes are rejected with typed errors and the global model is unchanged."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from ddiloco.algorithm.codecs import get_codec
+from ddiloco.models import build_model
+from ddiloco.runtime import wire
+from ddiloco.runtime.learner_client import DecoupledLearner, SyncerClient
+from ddiloco.runtime.spec import fragmentation_from_spec, model_spec, spec_fingerprint
+
+
+def _tiny():
+    torch.manual_seed(0)
+    return build_model("gpt_tiny", n_layer=1, n_embd=32, n_head=2)
+
+
+def _init(client: SyncerClient, model, P: int = 2) -> tuple[dict, int]:
+    spec = model_spec(model, P)
+    fp = spec_fingerprint(spec)
+    r = client.unary("Join", {"learner": 0, "incarnation": -1, "fingerprint": fp})
+    assert r["need_init"]
+    data = b"".join(t.detach().float().numpy().tobytes() for t in model.parameters())
+    assert client.stream("Init", wire.chunks({"learner": 0, "spec": spec, "nbytes": len(data)},
+                                             data))["accepted"]
+    r = client.unary("Join", {"learner": 0, "incarnation": -1, "fingerprint": fp})
+    return spec, r["incarnation"]
+
+
+def _push(client, frag, p, tensors, *, inc, seq=1, codec="fp32", **override):
+    c = get_codec(codec)
+    data = b"".join(c.encode(t) for t in tensors)
+    h = {"learner": 0, "incarnation": inc, "fragment": p, "seq": seq, "base_version": 0,
+         "c_steps": 4, "c_tokens": 400, "codec": codec, "delta": False,
+         "numels": list(frag.fragments[p].numels), "nbytes": len(data), "step": 4}
+    payload = override.pop("payload", data)
+    h.update(override)
+    return client.stream("Push", wire.chunks(h, payload, chunk_bytes=4096))
+
+
+def _expect(code, tag, fn):
+    with pytest.raises(grpc.RpcError) as ei:
+        fn()
+    assert ei.value.code() == code, ei.value
+    assert ei.value.details().startswith(tag), ei.value.details()
+
+
+@pytest.mark.timeout(60)
+def test_bad_pushes_are_rejected_and_the_global_model_is_unchanged(syncer_factory):
+    s = syncer_factory("--max-push-bytes", "200000")
+    client = SyncerClient(s.address, s.token)
+    model = _tiny()
+    spec, inc = _init(client, model)
+    frag = fragmentation_from_spec(spec)
+    before = client.fetch(None)
+    good = [t.clone().view(-1) for t in before[0][1]]
+
+    bad_token = SyncerClient(s.address, "not-the-token")
+    _expect(grpc.StatusCode.UNAUTHENTICATED, "E_AUTH",
+            lambda: _push(bad_token, frag, 0, good, inc=inc))
+    _expect(grpc.StatusCode.UNAUTHENTICATED, "E_AUTH", lambda: bad_token.status())
+    wrong_shape = list(frag.fragments[0].numels)
+    wrong_shape[0] += 1
+    _expect(grpc.StatusCode.INVALID_ARGUMENT, "E_SHAPE",
+            lambda: _push(client, frag, 0, good, inc=inc, numels=wrong_shape))
+    nan = [t.clone() for t in good]
+    nan[0][3] = float("nan")
+    _expect(grpc.StatusCode.INVALID_ARGUMENT, "E_NONFINITE",
+            lambda: _push(client, frag, 0, nan, inc=inc))
+    _expect(grpc.StatusCode.RESOURCE_EXHAUSTED, "E_OVERSIZE",
+            lambda: _push(client, frag, 0, good, inc=inc, nbytes=10 ** 9))
+    _expect(grpc.StatusCode.RESOURCE_EXHAUSTED, "E_OVERSIZE",  # more bytes than declared
+            lambda: _push(client, frag, 0, good, inc=inc,
+                          payload=b"".join(t.numpy().tobytes() for t in good) + b"\0" * 8))
+    _expect(grpc.StatusCode.INVALID_ARGUMENT, "E_SIZE",
+            lambda: _push(client, frag, 0, good, inc=inc, nbytes=12))
+    _expect(grpc.StatusCode.INVALID_ARGUMENT, "E_FRAGMENT",
+            lambda: _push(client, frag, 0, good, inc=inc, fragment=7))
+    _expect(grpc.StatusCode.INVALID_ARGUMENT, "E_CODEC",
+            lambda: client.stream("Push", iter([wire.pack({
+                "learner": 0, "incarnation": inc, "fragment": 0, "seq": 1, "base_version": 0,
+                "c_steps": 1, "c_tokens": 1, "codec": "fp64", "nbytes": 8})])))
+    _expect(grpc.StatusCode.FAILED_PRECONDITION, "E_UNKNOWN_LEARNER",
+            lambda: _push(client, frag, 0, good, inc=inc, learner=5))
+    _expect(grpc.StatusCode.FAILED_PRECONDITION, "E_SPEC",
+            lambda: client.unary("Join", {"learner": 1, "incarnation": -1,
+                                          "fingerprint": "0" * 16}))
+
+    after = client.fetch(None)
+    for p in before:
+        assert after[p][0] == before[p][0] == 0
+        for a, b in zip(after[p][1], before[p][1]):
+            assert torch.equal(a, b)
+    st = client.status()
+    assert st["versions"] == [0, 0] and st["merges"] == 0
+    for code in ("E_AUTH", "E_SHAPE", "E_NONFINITE", "E_OVERSIZE", "E_SIZE", "E_FRAGMENT",
+                 "E_CODEC", "E_UNKNOWN_LEARNER", "E_SPEC"):
+        assert st["rejections"].get(code, 0) >= 1, (code, st["rejections"])
+
+    # a valid push merges (one live learner: all-live); its retry is merged at most once
+    moved = [t - 0.01 for t in good]
+    r = _push(client, frag, 0, moved, inc=inc, seq=11)
+    assert r["status"] == "accepted" and r["target_version"] == 1
+    assert client.status()["versions"][0] == 1
+    r = _push(client, frag, 0, moved, inc=inc, seq=11)
+    assert r["status"] == "duplicate"
+    st = client.status()
+    assert st["versions"] == [1, 0] and st["merges"] == 1
+    # int8 delta against the base version is reconstructed on the syncer
+    r = _push(client, frag, 1, [torch.zeros_like(t).view(-1) for t in before[1][1]], inc=inc,
+              seq=12, codec="int8", delta=True)
+    assert r["status"] == "accepted"
+    bad_token.close()
+    client.close()
+
+
+@pytest.mark.timeout(60)
+def test_hook_api_trains_against_the_syncer(syncer_factory):
+    """The public API: a context manager around the user's model and optimizer; the
+    optimizer post-step hook drives the learner."""
+    s = syncer_factory()
+    model = _tiny()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 64, (4, 16), generator=g)
+    with DecoupledLearner(model, opt, syncer=s.address, learner=0, P=2, H=4, tau=1,
+                          codec="int8", tokens_per_step=64, token=s.token) as dl:
+        for _ in range(24):
+            _, loss = model(x[:, :-1], x[:, 1:])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        assert dl.sync.step == 24
+    rep = dl.report()
+    assert rep["pushes_accepted"] >= 10 and rep["installs"] >= 8
+    assert rep["ledger"]["merged"] > 20
+    st = SyncerClient(s.address, s.token).status()
+    assert st["merges"] >= 10 and st["learners"]["0"]["state"] == "left"
