@@ -59,9 +59,8 @@ def test_streaming_P1_tau0_equals_diloco(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_diloco_H1_sgd_outer_lr1_momentum0_equals_dp(tmp_path):
-    base = TrainConfig(method="dp", H=1, fragments=1, tau=0, inner_optimizer="sgd", inner_lr=0.1,
-                       outer_lr=1.0, outer_momentum=0.0,
-                       **{**TINY, "H": 1, "steps": 8})
+    base = TrainConfig(method="dp", fragments=1, tau=0, inner_optimizer="sgd", inner_lr=0.1,
+                       outer_lr=1.0, outer_momentum=0.0, **{**TINY, "H": 1, "steps": 8})
     dp = final_params(base, run_dp, tmp_path)
     diloco = final_params(base.replace(method="diloco"), run_diloco, tmp_path)
     assert_same(dp, diloco, atol=1e-5)
