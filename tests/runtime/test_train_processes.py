@@ -63,3 +63,50 @@ def test_sigkill_a_learner_the_others_never_pause_and_it_rejoins(tmp_path):
         assert pl["ledger_balance_error"] < 1e-6, pl
         assert pl["ledger_steps"]["computed"] >= 160
     assert s["final_eval_loss"] < s["initial_eval_loss"] - 0.5
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_sigkill_the_syncer_and_resume_loses_no_merged_update(tmp_path):
+    run = tmp_path / "run"
+    chaos = run.parent / "chaos.json"
+    chaos.write_text('{"syncer_kill_at_step": 50, "syncer_downtime_s": 2.0, '
+                     '"slowdown": {"0": 3.0, "1": 3.0}}')
+    cfg = tiny_config(run, learners=2, steps=160, batch_size=16, block_size=64)
+    with Launcher(cfg, LaunchOptions(chaos=str(chaos))) as la:
+        s = la.run()
+    assert s["ok"], s
+    ev = read_jsonl(run / "chaos.jsonl")
+    kill = next(r["wall"] for r in ev if r["kind"] == "kill-syncer")
+    back = next(r["wall"] for r in ev if r["kind"] == "restart-syncer")
+    assert back - kill >= 1.9
+    syncer_rows = read_jsonl(run / "syncer.metrics.jsonl")
+    resume = next(r for r in syncer_rows if r["kind"] == "resume")
+    for m in range(2):
+        walls = step_walls(run, m)
+        # learners keep stepping while the syncer is down ...
+        assert sum(kill < w < back for w in walls) >= 3, f"learner {m} paused"
+        ratio, gap, med = max_gap_ratio(walls)
+        assert ratio <= 3.0, f"learner {m}: longest gap {gap:.3f} s = {ratio:.1f}x median {med:.3f} s"
+        # ... the versions they install never go back ...
+        seen: dict[str, int] = {}
+        for r in read_jsonl(run / f"learner_{m}" / "metrics.jsonl"):
+            if r["kind"] != "step":
+                continue
+            for p, v in r["installed"].items():
+                assert v > seen.get(p, -1), (m, p, v, seen)
+                seen[p] = v
+                # ... and nothing a learner installed before the kill is lost by the resume
+                if r["wall"] < kill:
+                    assert resume["versions"][int(p)] >= v
+    after = [r for r in syncer_rows if r["kind"] == "merge" and r["wall"] > resume["wall"]]
+    assert after, "no merge after the resume"
+    last: dict[int, int] = {}
+    for r in after:
+        p = r["fragment"]
+        assert r["version"] > max(last.get(p, -1), resume["versions"][p])
+        last[p] = r["version"]
+    for pl in s["per_learner"]:
+        assert pl["ledger_balance_error"] < 1e-6, pl
+    assert s["syncer_counters"].get("resumes") == 1
+    assert s["final_eval_loss"] < s["initial_eval_loss"] - 0.5
