@@ -110,3 +110,20 @@ def test_sigkill_the_syncer_and_resume_loses_no_merged_update(tmp_path):
         assert pl["ledger_balance_error"] < 1e-6, pl
     assert s["syncer_counters"].get("resumes") == 1
     assert s["final_eval_loss"] < s["initial_eval_loss"] - 0.5
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_a_two_rank_torchrun_island_is_one_learner(tmp_path):
+    run = tmp_path / "run"
+    cfg = tiny_config(run, learners=1, steps=60)
+    with Launcher(cfg, LaunchOptions(island_size=2)) as la:
+        s = la.run()
+    assert s["ok"], s
+    final = read_jsonl(run / "learner_0" / "metrics.jsonl")[-1]["report"]
+    assert final["island_size"] == 2
+    assert final["island_max_param_diff"] == 0.0  # every rank holds the same parameters
+    assert s["per_learner"][0]["ledger_steps"]["merged"] > 50
+    assert s["final_eval_loss"] < s["initial_eval_loss"] - 0.5
+    st = [r for r in read_jsonl(run / "syncer.metrics.jsonl") if r["kind"] == "join"]
+    assert len(st) == 1  # one learner: only rank 0 talks to the syncer
