@@ -16,8 +16,8 @@ import sys
 import threading
 from pathlib import Path
 
-__all__ = ["add_syncer_parser", "add_learner_parser", "add_status_parser", "run_processes",
-           "main"]
+__all__ = ["add_syncer_parser", "add_learner_parser", "add_status_parser", "add_train_parser",
+           "run_processes", "main"]
 
 
 def _logging(level: str) -> None:
@@ -204,12 +204,28 @@ def run_processes(config, args=None) -> int:
     return 0 if summary.get("ok") else 1
 
 
+def add_train_parser(subparsers) -> argparse.ArgumentParser:
+    """``train``: the launcher alone (the main CLI's ``ddiloco train --engine processes``
+    calls ``run_processes`` instead)."""
+    p = subparsers.add_parser("train", help="syncer + M learner processes on loopback")
+    p.add_argument("--config", help="TrainConfig as JSON")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override a TrainConfig field (JSON value), e.g. --set learners=4")
+    p.add_argument("--chaos", default="none", help="chaos preset or JSON file")
+    p.add_argument("--island-size", type=int, default=1, help="ranks per learner (torchrun)")
+    p.add_argument("--port", type=int, default=0)
+    p.set_defaults(func=lambda a: run_processes(
+        train_config_from(a.config, a.set + ["engine=\"processes\""]), a))
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ddiloco.runtime.cli")
     sub = parser.add_subparsers(dest="command", required=True)
     add_syncer_parser(sub)
     add_learner_parser(sub)
     add_status_parser(sub)
+    add_train_parser(sub)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -19,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -219,6 +220,10 @@ class Launcher:
         self.chaos_log = ChaosLog(self.out / "chaos.jsonl", self.t0)
         events = chaos_schedule(self.chaos, horizon_s=24 * 3600.0)
         interrupted = False
+        if threading.current_thread() is threading.main_thread():
+            def _term(*_):  # SIGTERM stops the run like Ctrl-C: no orphans
+                raise KeyboardInterrupt
+            signal.signal(signal.SIGTERM, _term)
         try:
             self.procs["syncer"] = _Proc("syncer", self._syncer_cmd(False),
                                          self.out / "logs" / "syncer.log")

@@ -1,0 +1,118 @@
+"""Small pieces of the runtime: wire frames, atomic checkpoints, the chaos schedule, TLS,
+``status`` and a clean Ctrl-C of the launcher."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from ddiloco.runtime import wire
+from ddiloco.runtime.chaos import ChaosConfig, chaos_preset, chaos_schedule
+from ddiloco.runtime.checkpoint import load_checkpoint, save_atomic
+from ddiloco.runtime.learner_client import SyncerClient
+from runtime_helpers import SyncerProcess
+
+
+def test_frames_roundtrip_and_chunking():
+    h, p = wire.unpack(wire.pack({"a": 1}, b"xyz"))
+    assert h == {"a": 1} and bytes(p) == b"xyz"
+    frames = list(wire.chunks({"k": 2}, b"0123456789", chunk_bytes=4))
+    assert len(frames) == 3
+    assert wire.unpack(frames[0])[0] == {"k": 2} and wire.unpack(frames[2])[0] == {"cont": 2}
+    assert b"".join(bytes(wire.unpack(f)[1]) for f in frames) == b"0123456789"
+    for bad in (b"", b"\x00\x00\x00\x09{}", b"\x00\x00\x00\x02[]"):
+        with pytest.raises(ValueError):
+            wire.unpack(bad)
+
+
+def test_checkpoint_is_atomic(tmp_path):
+    path = tmp_path / "ck" / "syncer.pt"
+    save_atomic({"x": torch.arange(3), "v": [1, 2]}, path)
+    save_atomic({"x": torch.arange(4), "v": [3]}, path)
+    ck = load_checkpoint(path)
+    assert torch.equal(ck["x"], torch.arange(4)) and ck["v"] == [3]
+    assert [p.name for p in path.parent.iterdir()] == ["syncer.pt"]  # no temp file left
+    with pytest.raises(FileNotFoundError):
+        load_checkpoint(tmp_path / "missing.pt")
+
+
+def test_chaos_schedule_is_seeded():
+    cfg = chaos_preset("kill30", seed=3)
+    a, b = chaos_schedule(cfg, 600.0), chaos_schedule(cfg, 600.0)
+    assert a == b and all(e.kind == "kill-learner" and e.duration_s == 10.0 for e in a)
+    assert 10 <= len(a) <= 35  # ~ (600 - 5) / 30
+    assert chaos_schedule(chaos_preset("kill30", seed=4), 600.0) != a
+    assert chaos_schedule(ChaosConfig(), 600.0) == []
+    with pytest.raises(ValueError):
+        ChaosConfig(slowdown={0: 0.5})
+    with pytest.raises(ValueError):
+        chaos_preset("no-such-preset")
+
+
+@pytest.mark.timeout(60)
+def test_tls_and_status_command(tmp_path):
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    r = subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                        "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1",
+                        "-keyout", str(key), "-out", str(cert)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"openssl cannot make a test certificate: {r.stderr[-200:]!r}")
+    s = SyncerProcess(tmp_path, "tok", "--tls-cert", str(cert), "--tls-key", str(key))
+    try:
+        assert SyncerClient(s.address, "tok", tls_ca=str(cert)).status()["initialised"] is False
+        with pytest.raises(grpc.RpcError):
+            SyncerClient(s.address, "tok").status(timeout_s=2.0)  # plaintext client
+        token_file = tmp_path / "token"
+        token_file.write_text("tok\n")
+        out = subprocess.run([sys.executable, "-m", "ddiloco.runtime.cli", "status", s.address,
+                              "--token-file", str(token_file), "--tls-ca", str(cert)],
+                             capture_output=True, text=True, timeout=30,
+                             env={k: v for k, v in os.environ.items() if k != "DDILOCO_TOKEN"})
+        assert out.returncode == 0, out.stderr
+        assert "syncer boot" in out.stdout and "versions []" in out.stdout
+    finally:
+        s.close()
+
+
+def _procs_mentioning(text: str) -> list[int]:
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and int(d.name) != os.getpid():
+            try:
+                if text in (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+                    pids.append(int(d.name))
+            except OSError:
+                pass
+    return pids
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_ctrl_c_stops_everything_with_no_orphans(tmp_path):
+    run = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ddiloco.runtime.cli", "train", "--set", f'out="{run}"',
+         "--set", "learners=2", "--set", "steps=100000", "--set", "batch_size=4",
+         "--set", "block_size=16", "--set", "progress=false"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.monotonic() + 90
+    metrics = run / "learner_1" / "metrics.jsonl"
+    while not (metrics.is_file() and b'"step"' in metrics.read_bytes()):
+        assert proc.poll() is None, proc.stderr.read()
+        assert time.monotonic() < deadline, "learners never started"
+        time.sleep(0.2)
+    assert len(_procs_mentioning(str(run))) >= 3  # syncer + 2 learners
+    os.kill(proc.pid, signal.SIGINT)
+    proc.wait(timeout=30)
+    assert _procs_mentioning(str(run)) == []
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["interrupted"] is True and summary["ok"] is False
