@@ -157,7 +157,7 @@ def format_summary(s: dict) -> str:
         ("tokens", f"{s['tokens']:,}"),
         ("final eval loss", f"{s['final_eval_loss']:.4f}"),
         ("entropy floor", f"{s['entropy_floor']:.4f}  (gap {s['final_eval_loss'] - s['entropy_floor']:.4f})"),
-        ("goodput", f"{s['goodput']:.3f}"),
+        ("goodput", f"{s['goodput']:.3f}  (of up-time: {s.get('goodput_available', s['goodput']):.3f})"),
         ("uptime", f"{s['uptime']:.3f}"),
         ("merges", f"{s['merges']}"),
         ("bytes up / down", f"{s['bytes_up'] / gib:.1f} / {s['bytes_down'] / gib:.1f} MiB"),

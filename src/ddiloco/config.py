@@ -4,6 +4,7 @@ in-process engine and the process launcher. CLI flags override its fields."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from ddiloco.algorithm.codecs import CODECS
@@ -49,6 +50,12 @@ class TrainConfig:
     """Inner learning rate."""
     weight_decay: float = 0.0
     """Inner AdamW weight decay."""
+    lr_schedule: str = "cosine"
+    """Inner learning-rate schedule over ``steps``: constant, or linear warmup then cosine."""
+    warmup_steps: int = 30
+    """Linear warmup steps of the cosine schedule."""
+    min_lr_frac: float = 0.1
+    """Final learning rate of the cosine schedule, as a fraction of ``inner_lr``."""
     eval_every: int = 100
     """Evaluate the global model every this many inner steps (per learner)."""
     eval_batches: int = 8
@@ -115,6 +122,9 @@ class TrainConfig:
         one_of("engine", self.engine, ENGINES)
         one_of("inner_optimizer", self.inner_optimizer, INNER_OPTIMIZERS)
         one_of("merge_rule", self.merge_rule, MERGE_RULES)
+        one_of("lr_schedule", self.lr_schedule, ("constant", "cosine"))
+        if self.warmup_steps < 0 or not 0 <= self.min_lr_frac <= 1:
+            raise ValueError("warmup_steps must be >= 0 and min_lr_frac in [0, 1]")
         one_of("codec", self.codec, tuple(CODECS))
         one_of("down_codec", self.down_codec, tuple(CODECS))
         one_of("fragmentation", self.fragmentation, STRATEGIES)
@@ -151,6 +161,17 @@ class TrainConfig:
             raise ValueError(f"speeds has {len(self.speeds)} entries for {self.learners} learners")
         if any(not s > 0 for s in self.speeds):
             raise ValueError("speeds must all be > 0")
+
+    def lr_at(self, step: int) -> float:
+        """Inner learning rate for inner step ``step`` (0-based)."""
+        if self.lr_schedule == "constant":
+            return self.inner_lr
+        if step < self.warmup_steps:
+            return self.inner_lr * (step + 1) / self.warmup_steps
+        span = max(1, self.steps - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / span)
+        cos = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return self.inner_lr * (self.min_lr_frac + (1.0 - self.min_lr_frac) * cos)
 
     def speed(self, m: int) -> float:
         return self.speeds[m] if self.speeds else 1.0

@@ -43,6 +43,11 @@ def new_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optim
                              weight_decay=cfg.weight_decay)
 
 
+def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
+    for g in opt.param_groups:
+        g["lr"] = lr
+
+
 @dataclass(slots=True)
 class Worker:
     """One learner's model, inner optimizer and data stream."""
@@ -53,13 +58,17 @@ class Worker:
     stream: SyntheticStream
     params: dict[str, torch.Tensor]
     tokens_per_step: int
+    cfg: TrainConfig
+    steps: int = 0
 
     def train_step(self) -> float:
         x, y = self.stream.next_batch()
         self.opt.zero_grad(set_to_none=True)
         _, loss = self.model(x, y)
         loss.backward()
+        set_lr(self.opt, self.cfg.lr_at(self.steps))
         self.opt.step()
+        self.steps += 1
         return float(loss.detach())
 
 
@@ -72,7 +81,8 @@ def build_workers(cfg: TrainConfig, lang: MarkovLanguage, init: dict[str, torch.
                                  batch_size=cfg.batch_size, block_size=cfg.block_size,
                                  seed=cfg.seed)
         workers.append(Worker(m, model, new_optimizer(cfg, model), stream,
-                              dict(model.named_parameters()), cfg.batch_size * cfg.block_size))
+                              dict(model.named_parameters()), cfg.batch_size * cfg.block_size,
+                              cfg))
     return workers
 
 
@@ -175,4 +185,4 @@ def fragmentation_for(cfg: TrainConfig, model: torch.nn.Module, P: int | None = 
     return fragment_model(model, P if P is not None else cfg.fragments, cfg.fragmentation)
 
 
-__all__ += ["TimeBreakdown", "fragmentation_for", "new_model", "new_optimizer"]
+__all__ += ["TimeBreakdown", "fragmentation_for", "new_model", "new_optimizer", "set_lr"]

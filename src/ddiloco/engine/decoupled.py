@@ -39,6 +39,7 @@ class _Learner:
     next_fail_s: float = math.inf
     down_since_s: float = 0.0
     failures: int = 0
+    stepping: bool = False       # a step is in progress
 
 
 def syncer_config(cfg: TrainConfig) -> SyncerConfig:
@@ -77,11 +78,22 @@ def run_decoupled(cfg: TrainConfig, ctx) -> dict:
 
     up_since = 0.0
     n_up = M
+    started = 0  # inner steps started and not lost to a failure (the global budget is M * N)
     zero_up_s = 0.0
     eval_next = cfg.eval_every
     t = 0.0
     bar = tqdm(total=M * N, desc=f"decoupled M={M}", disable=not cfg.progress, unit="step",
                leave=False)
+
+    def finish(m: int, now: float) -> None:
+        nonlocal n_up, up_since
+        L[m].finished = True
+        for out in syncs[m].flush():
+            send(m, out, now)
+        q.push(now + world.transfer_s(model_bytes_down), 2, "leave", (m, L[m].inc))
+        n_up -= 1
+        if n_up == 0:
+            up_since = now
 
     def send(m: int, out: Outgoing, now: float) -> None:
         base = syncer.published(out.fragment, out.base_version)
@@ -114,11 +126,21 @@ def run_decoupled(cfg: TrainConfig, ctx) -> dict:
                 learners=list(mg.learners), reason=mg.reason)
 
     while q:
-        t, kind, payload = q.pop()
+        t_ev, kind, payload = q.pop()
+        if kind in ("start", "end", "fail", "rejoin", "leave", "receive") and payload[1] != L[payload[0]].inc:
+            continue  # an event of a dead incarnation
+        if kind == "fail" and (not L[payload[0]].alive or L[payload[0]].finished):
+            continue
+        t = t_ev
         if kind == "start":
             m, inc = payload
             if not L[m].alive or inc != L[m].inc:
                 continue
+            if started >= M * N:  # the global budget of inner steps is spent
+                finish(m, t)
+                continue
+            started += 1
+            L[m].stepping = True
             syncs[m].install_due()
             L[m].step_dt = world.step_s(m)
             L[m].step_started_s = t
@@ -129,22 +151,14 @@ def run_decoupled(cfg: TrainConfig, ctx) -> dict:
             if inc != L[m].inc:
                 continue
             L[m].steps += 1
+            L[m].stepping = False
             times[m].compute_s += L[m].step_dt
             syncer.observe_step_s(L[m].step_dt)
             bar.update(1)
             for out in syncs[m].after_step(workers[m].tokens_per_step):
                 send(m, out, t)
-            if L[m].steps >= N:
-                L[m].finished = True
-                for out in syncs[m].flush():
-                    send(m, out, t)
-                q.push(t + world.transfer_s(model_bytes_down), 2, "leave", (m, inc))
-                n_up -= 1
-                if n_up == 0:
-                    up_since = t
-            else:
-                q.push(t, 9, "start", (m, inc))
             done_steps = sum(x.steps for x in L)
+            q.push(t, 9, "start", (m, inc))
             if done_steps >= eval_next * M:
                 eval_next += cfg.eval_every
                 ctx.load_global(syncer.global_params())
@@ -189,7 +203,10 @@ def run_decoupled(cfg: TrainConfig, ctx) -> dict:
             L[m].inc += 1
             L[m].failures += 1
             L[m].down_since_s = t
-            times[m].lost_s += t - L[m].step_started_s  # the interrupted step
+            if L[m].stepping:  # the interrupted step is lost and returns to the budget
+                times[m].lost_s += t - L[m].step_started_s
+                started -= 1
+                L[m].stepping = False
             syncs[m].fail()
             if n_up == 1:
                 up_since = t
@@ -200,7 +217,9 @@ def run_decoupled(cfg: TrainConfig, ctx) -> dict:
             rec.row("failure", t_s=round(t, 4), learner=m, step=L[m].steps)
         elif kind == "rejoin":
             m, inc = payload
-            if inc != L[m].inc:
+            if started >= M * N:  # the budget was spent while it was down
+                L[m].finished = True
+                times[m].down_s += t - L[m].down_since_s
                 continue
             fetch_s = world.transfer_s(model_bytes_down)
             stats["bytes_down"] += model_bytes_down
@@ -246,6 +265,7 @@ def run_decoupled(cfg: TrainConfig, ctx) -> dict:
     return {
         "end_s": end_s,
         "goodput": useful_s / (M * end_s) if end_s > 0 else 0.0,
+        "goodput_available": _ratio(useful_s, M * end_s - sum(x.down_s for x in times)),
         "uptime": 1.0 - zero_up_s / end_s if end_s > 0 else 0.0,
         "bytes_up": stats["bytes_up"],
         "bytes_down": stats["bytes_down"],
@@ -262,3 +282,7 @@ def run_decoupled(cfg: TrainConfig, ctx) -> dict:
         "per_learner": per_learner,
     }
 
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b > 0 else 0.0

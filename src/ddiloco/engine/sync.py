@@ -12,7 +12,7 @@ from ddiloco.algorithm.merge import OuterNesterov, alpha_mix, merge_outer_gradie
 from ddiloco.algorithm.schedule import FragmentSchedule
 from ddiloco.config import TrainConfig
 from ddiloco.engine.common import (TimeBreakdown, World, build_workers, evaluate,
-                                   fragmentation_for)
+                                   fragmentation_for, new_optimizer, set_lr)
 from ddiloco.models import embedding_param_names
 
 __all__ = ["run_local", "run_dp", "run_diloco", "run_streaming"]
@@ -65,7 +65,9 @@ class _Clock:
     def result(self) -> dict:
         T = self.t  # noqa: N806
         useful = sum(x.compute_s for x in self.times)
+        available = self.M * T - sum(x.down_s for x in self.times)
         return {"end_s": T, "goodput": useful / (self.M * T) if T else 0.0,
+                "goodput_available": useful / available if available > 0 else 0.0,
                 "uptime": 1.0 - self.stall_s / T if T else 0.0, "failures": self.failures,
                 "per_learner": [{"learner": m, "time": x.as_dict()}
                                 for m, x in enumerate(self.times)]}
@@ -108,7 +110,6 @@ def run_local(cfg: TrainConfig, ctx) -> dict:
 
 def run_dp(cfg: TrainConfig, ctx) -> dict:
     """Data-parallel: every step, each learner's gradient on its own batch, averaged."""
-    from ddiloco.engine.common import new_optimizer
     M = cfg.learners  # noqa: N806
     world = World(cfg)
     model = ctx.global_model
@@ -124,6 +125,7 @@ def run_dp(cfg: TrainConfig, ctx) -> dict:
             x, y = s.next_batch()
             _, loss = model(x, y)
             (loss / M).backward()
+        set_lr(opt, cfg.lr_at(k - 1))
         opt.step()
         bar.update(1)
         _maybe_eval(ctx, k, cfg, clock.t, bar)

@@ -1,0 +1,96 @@
+"""The in-process engine end to end: it trains, accounts and fails gracefully."""
+
+import json
+
+import pytest
+
+from ddiloco.cli import main
+from ddiloco.config import TrainConfig, preset
+from ddiloco.engine import run
+
+SMALL = dict(learners=3, steps=60, H=12, fragments=4, batch_size=8, block_size=32,
+             eval_every=30, progress=False, vocab_size=16)
+
+
+@pytest.mark.timeout(120)
+def test_decoupled_trains_and_ledger_balances_under_failures(tmp_path):
+    cfg = TrainConfig(out=str(tmp_path), mtbi_s=25.0, downtime_s=5.0, step_noise=0.1, **SMALL)
+    s = run(cfg)
+    assert s["final_eval_loss"] < s["initial_eval_loss"] - 0.3
+    assert s["failures"] > 0
+    assert 0.0 < s["goodput"] < 1.0 and 0.0 < s["uptime"] <= 1.0
+    for pl in s["per_learner"]:
+        led = pl["ledger_steps"]
+        assert pl["ledger_balance_error"] < 1e-6
+        assert led["pending"] == pytest.approx(0.0, abs=1e-9)
+        assert led["unpushed"] == pytest.approx(0.0, abs=1e-9)  # the final flush pushes all
+        assert pl["syncer_tokens"]["tokens_pending"] == 0
+    # a global budget of M*N inner steps; learners stop at their first step boundary after it
+    computed = sum(pl["ledger_steps"]["computed"] for pl in s["per_learner"])
+    assert 3 * 60 <= computed < 3 * 60 + 3
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    kinds = {r["kind"] for r in rows}
+    assert {"config", "eval", "merge", "failure", "rejoin", "final"} <= kinds
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    for key in ("method", "engine", "learners", "steps", "tokens", "final_eval_loss",
+                "entropy_floor", "goodput", "uptime", "bytes_up", "bytes_down", "merges", "wall_s"):
+        assert key in summary
+
+
+@pytest.mark.timeout(120)
+def test_failures_cost_sync_methods_more_than_decoupled(tmp_path):
+    base = TrainConfig(out=str(tmp_path / "x"), mtbi_s=40.0, downtime_s=8.0, **SMALL)
+    dec = run(base.replace(out=str(tmp_path / "dec")))
+    dil = run(base.replace(method="diloco", out=str(tmp_path / "dil")))
+    assert dec["goodput"] > dil["goodput"]
+    assert dec["uptime"] > dil["uptime"]
+
+
+@pytest.mark.timeout(120)
+def test_bytes_ordering_dp_vs_decoupled(tmp_path):
+    dp = run(TrainConfig(method="dp", out=str(tmp_path / "dp"), **{**SMALL, "steps": 24}))
+    dec = run(TrainConfig(out=str(tmp_path / "dec"), codec="int4", **{**SMALL, "steps": 24}))
+    assert dec["bytes_up"] * 20 < dp["bytes_up"]
+
+
+def test_config_validation_messages():
+    with pytest.raises(ValueError, match="quorum K=5 cannot exceed learners M=4"):
+        TrainConfig(quorum=5)
+    with pytest.raises(ValueError, match="fragments P=30 must be <= H=24"):
+        TrainConfig(fragments=30)
+    with pytest.raises(ValueError, match="method must be one of"):
+        TrainConfig(method="sync")
+    with pytest.raises(ValueError, match="speeds has 2 entries for 4 learners"):
+        TrainConfig(speeds=(1.0, 1.0))
+    with pytest.raises(ValueError, match="downtime"):
+        TrainConfig(mtbi_s=10.0)
+    with pytest.raises(ValueError, match="unknown preset"):
+        preset("nope")
+    assert preset("hetero", TrainConfig(learners=4)).speeds == (1.0, 1.0, 1 / 1.18, 1 / 1.18)
+
+
+@pytest.mark.timeout(120)
+def test_cli_train_smoke(tmp_path, capsys):
+    rc = main(["train", "--engine", "inproc", "--steps", "12", "-M", "2", "-H", "6", "-P", "2",
+               "--batch-size", "4", "--out", str(tmp_path), "--no-progress", "--seed", "3"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "final eval loss" in out and "goodput" in out
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 12
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["train", "--steps", "0"], "must be >= 1"),
+    (["train", "--method", "sync"], "invalid choice"),
+    (["train", "--speeds", "a,b"], "comma-separated"),
+])
+def test_cli_rejects_bad_flags(argv, msg, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert msg in capsys.readouterr().err
+
+
+def test_cli_rejects_invalid_combination(capsys):
+    assert main(["train", "--engine", "inproc", "-K", "9"]) == 2
+    assert "quorum K=9 cannot exceed learners M=4" in capsys.readouterr().err
