@@ -66,7 +66,10 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     g.add_argument("--json", action="store_true", help="print summary.json instead of a table")
     g = p.add_argument_group("model and inner optimizer")
-    g.add_argument("--model", default="gpt_tiny")
+    g.add_argument("--model", default="gpt_tiny",
+                   help="model preset: gpt_tiny, gpt_small, moe_tiny, vit_digits, ...")
+    g.add_argument("--data", default=None,
+                   help="synthetic (default), text:PATH, bin:PATH, hf:PATH, digits, images:PATH")
     g.add_argument("--batch-size", type=_positive_int, default=16)
     g.add_argument("--inner-optimizer", choices=INNER_OPTIMIZERS, default="adamw")
     g.add_argument("--inner-lr", type=float, default=None)
@@ -99,7 +102,7 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
-_FLAG_FIELDS = ("method", "learners", "steps", "seed", "out", "model", "batch_size",
+_FLAG_FIELDS = ("method", "learners", "steps", "seed", "out", "model", "data", "batch_size",
                 "inner_optimizer", "inner_lr", "eval_every", "fragments", "H", "tau", "quorum",
                 "gamma", "outer_lr", "outer_momentum", "merge_rule", "alpha", "codec",
                 "fragmentation", "max_staleness", "speeds", "step_noise", "mtbi_s",
@@ -156,7 +159,9 @@ def format_summary(s: dict) -> str:
         ("inner steps / learner", f"{s['steps']}"),
         ("tokens", f"{s['tokens']:,}"),
         ("final eval loss", f"{s['final_eval_loss']:.4f}"),
-        ("entropy floor", f"{s['entropy_floor']:.4f}  (gap {s['final_eval_loss'] - s['entropy_floor']:.4f})"),
+        ("entropy floor", "n/a" if s.get("entropy_floor") is None else
+         f"{s['entropy_floor']:.4f}  (gap {s['final_eval_loss'] - s['entropy_floor']:.4f})"),
+        ("eval accuracy", "n/a" if s.get("eval_accuracy") is None else f"{s['eval_accuracy']:.3f}"),
         ("goodput", f"{s['goodput']:.3f}  (of up-time: {s.get('goodput_available', s['goodput']):.3f})"),
         ("uptime", f"{s['uptime']:.3f}"),
         ("merges", f"{s['merges']}"),

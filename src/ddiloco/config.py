@@ -38,6 +38,8 @@ class TrainConfig:
     # -- model, data, inner optimizer ---------------------------------------------------
     model: str = "gpt_tiny"
     """Model preset (see ``ddiloco.models.MODEL_PRESETS``)."""
+    data: str = "synthetic"
+    """Data source: synthetic, text:PATH, bin:PATH, hf:PATH, digits or images:PATH."""
     batch_size: int = 16
     """Sequences per inner step per learner."""
     block_size: int = 64
@@ -129,6 +131,13 @@ class TrainConfig:
         one_of("down_codec", self.down_codec, tuple(CODECS))
         one_of("fragmentation", self.fragmentation, STRATEGIES)
         one_of("anchor", self.anchor, ("current", "base"))
+        from ddiloco.data import parse_data_spec
+        from ddiloco.models import MODEL_PRESETS
+        parse_data_spec(self.data)  # validates the kind and the path's presence
+        one_of("model", self.model, tuple(MODEL_PRESETS))
+        if self.model.startswith("vit") != (self.data.split(":")[0] in ("digits", "images")):
+            raise ValueError(f"model {self.model!r} does not fit data {self.data!r}: image models "
+                             f"(vit_*) need image data (digits, images:PATH) and vice versa")
         for name in ("learners", "steps", "batch_size", "block_size", "fragments", "H", "quorum",
                      "eval_every", "eval_batches"):
             if getattr(self, name) < 1:

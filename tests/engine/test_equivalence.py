@@ -5,10 +5,10 @@ import torch
 
 from ddiloco.config import TrainConfig
 from ddiloco.engine import RunContext, run
-from ddiloco.engine.common import Recorder, make_language, new_model
+from ddiloco.engine.common import Recorder, data_config, new_model
 from ddiloco.engine.decoupled import run_decoupled
 from ddiloco.engine.sync import run_diloco, run_dp, run_streaming
-from ddiloco.data.synthetic import eval_batches
+from ddiloco.data import build_eval_batches
 
 TINY = dict(learners=3, steps=24, H=6, batch_size=4, block_size=16, model="gpt_tiny",
             eval_every=1000, progress=False, codec="fp32", merge_rule="average", latency_s=0.0,
@@ -17,9 +17,9 @@ TINY = dict(learners=3, steps=24, H=6, batch_size=4, block_size=16, model="gpt_t
 
 def final_params(cfg, runner, tmp_path):
     cfg = cfg.replace(out=str(tmp_path / cfg.method))
-    lang = make_language(cfg)
-    evals = eval_batches(lang, n_batches=1, batch_size=2, block_size=cfg.block_size, seed=0)
-    ctx = RunContext(lang=lang, evals=evals, floor=0.0, global_model=new_model(cfg),
+    data = data_config(cfg)
+    evals = build_eval_batches(data, n_batches=1, batch_size=2, block_size=cfg.block_size, seed=0)
+    ctx = RunContext(data=data, evals=evals, floor=0.0, global_model=new_model(cfg),
                      recorder=Recorder(cfg))
     runner(cfg, ctx)
     return {n: p.detach().clone() for n, p in ctx.global_model.named_parameters()}

@@ -45,8 +45,9 @@ class StepLedger:
     """Per-learner accounting of inner steps, in fragment-weighted step units.
 
     Each inner step is split over fragments by their byte share; a step's share of fragment p
-    ends up merged, dropped (stale push), lost (learner died before pushing it) or outstanding
-    (not yet pushed/merged when the run ended). ``computed == merged + dropped + lost + pending
+    ends up merged, dropped (stale push), lost (the learner died before pushing it, or a
+    merged value installed after its install step overwrote it) or outstanding (not yet
+    pushed/merged when the run ended). ``computed == merged + dropped + lost + pending
     + unpushed`` always holds."""
 
     computed: float = 0.0
@@ -204,6 +205,13 @@ class LearnerSync:
             with torch.no_grad():
                 for t, g in zip(self._tensors(p), params):
                     alpha_mix(t, g.to(t.device, t.dtype), self.alpha)
+            # Progress made on p after its install step was overwritten: lost. (The tau
+            # overlap steps themselves are the method's designed cost and count as useful.)
+            late = min(self.step - fr.due_step, fr.unpushed_steps)
+            if late > 0:
+                fr.unpushed_steps -= late
+                self.ledger.unpushed -= late * self.share[p]
+                self.ledger.lost += late * self.share[p]
             fr.base_version = version
             fr.c_steps = fr.c_tokens = 0
             fr.waiting = False

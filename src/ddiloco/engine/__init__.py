@@ -13,8 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from ddiloco.config import TrainConfig
-from ddiloco.data.synthetic import eval_batches
-from ddiloco.engine.common import Recorder, evaluate, make_language, new_model
+from ddiloco.data import DataConfig, build_eval_batches
+from ddiloco.data.synthetic import MarkovLanguage
+from ddiloco.engine.common import Recorder, data_config, evaluate_metrics, new_model
 
 __all__ = ["run", "RunContext"]
 
@@ -23,9 +24,9 @@ __all__ = ["run", "RunContext"]
 class RunContext:
     """What a method needs besides its config: data, eval set, the global model, output."""
 
-    lang: object
+    data: DataConfig
     evals: list
-    floor: float
+    floor: float | None
     global_model: torch.nn.Module
     recorder: Recorder
 
@@ -44,27 +45,30 @@ def run(cfg: TrainConfig) -> dict:
         raise ValueError("ddiloco.engine.run drives the inproc engine; use the launcher for "
                          "engine='processes'")
     torch.set_num_threads(1)
-    lang = make_language(cfg)
-    floor = lang.sequence_floor(cfg.block_size)
-    evals = eval_batches(
-        lang, n_batches=cfg.eval_batches, batch_size=cfg.batch_size, block_size=cfg.block_size,
-        seed=cfg.seed)
+    data = data_config(cfg)
+    lang = MarkovLanguage(data.markov) if data.kind == "synthetic" else None
+    floor = lang.sequence_floor(cfg.block_size) if lang is not None else None
+    evals = build_eval_batches(data, n_batches=cfg.eval_batches, batch_size=cfg.batch_size,
+                               block_size=cfg.block_size, seed=cfg.seed)
     recorder = Recorder(cfg)
-    ctx = RunContext(lang=lang, evals=evals, floor=floor, global_model=new_model(cfg),
+    ctx = RunContext(data=data, evals=evals, floor=floor, global_model=new_model(cfg),
                      recorder=recorder)
     recorder.row("config", **_jsonable(cfg.to_dict()))
-    init_loss = evaluate(ctx.global_model, evals)
-    recorder.row("eval", t_s=0.0, step=0, eval_loss=init_loss, gap=init_loss - floor)
+    init_loss, _ = evaluate_metrics(ctx.global_model, evals)
+    recorder.row("eval", t_s=0.0, step=0, eval_loss=init_loss, gap=_gap(init_loss, floor))
     runner = {"local": run_local, "dp": run_dp, "diloco": run_diloco,
               "streaming": run_streaming, "decoupled": run_decoupled}[cfg.method]
     res = runner(cfg, ctx)
-    final = evaluate(ctx.global_model, evals)
+    final, accuracy = evaluate_metrics(ctx.global_model, evals)
     learners = res.pop("learners", cfg.learners)
-    tokens = learners * cfg.steps * cfg.batch_size * cfg.block_size
+    per_step = cfg.batch_size if data.kind in ("digits", "images") else cfg.batch_size * cfg.block_size
+    tokens = learners * cfg.steps * per_step
     summary = {
         "method": cfg.method, "engine": cfg.engine, "learners": learners, "steps": cfg.steps,
         "tokens": tokens, "final_eval_loss": final, "entropy_floor": floor,
-        "gap_to_floor": final - floor, "entropy_rate": lang.entropy_rate,
+        "gap_to_floor": _gap(final, floor),
+        "entropy_rate": lang.entropy_rate if lang is not None else None,
+        "eval_accuracy": accuracy, "data": cfg.data, "model": cfg.model,
         "initial_eval_loss": init_loss,
         "goodput": res.pop("goodput"), "goodput_available": res.pop("goodput_available"),
         "uptime": res.pop("uptime"),
@@ -72,8 +76,12 @@ def run(cfg: TrainConfig) -> dict:
         "merges": res.pop("merges"), "virtual_time_s": res.pop("end_s"),
         **res, "config": _jsonable(cfg.to_dict()),
     }
-    recorder.row("final", eval_loss=final, gap=final - floor)
+    recorder.row("final", eval_loss=final, gap=_gap(final, floor), accuracy=accuracy)
     return recorder.finish(summary)
+
+
+def _gap(loss: float, floor: float | None) -> float | None:
+    return None if floor is None else loss - floor
 
 
 def _jsonable(d: dict) -> dict:

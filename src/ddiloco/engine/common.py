@@ -18,11 +18,12 @@ import torch
 from ddiloco.algorithm.codecs import get_codec
 from ddiloco.algorithm.fragments import Fragmentation, fragment_model
 from ddiloco.config import TrainConfig
-from ddiloco.data.synthetic import MarkovConfig, MarkovLanguage, SyntheticStream, eval_batches
+from ddiloco.data import DataConfig, build_stream, parse_data_spec
+from ddiloco.data.synthetic import MarkovConfig, MarkovLanguage
 from ddiloco.models import build_model
 
 __all__ = ["World", "Worker", "EventQueue", "Recorder", "build_workers", "evaluate",
-           "make_language"]
+           "evaluate_metrics", "make_language", "data_config", "is_image_model"]
 
 _WORLD_DOMAIN = 7919  # keeps the world's random streams apart from the data's
 
@@ -31,9 +32,25 @@ def make_language(cfg: TrainConfig) -> MarkovLanguage:
     return MarkovLanguage(MarkovConfig(vocab_size=cfg.vocab_size, seed=cfg.seed))
 
 
+def data_config(cfg: TrainConfig) -> DataConfig:
+    """The run's data source; the synthetic language takes its size and seed from ``cfg``."""
+    d = parse_data_spec(cfg.data)
+    if d.kind == "synthetic":
+        return DataConfig(kind="synthetic", markov=MarkovConfig(vocab_size=cfg.vocab_size,
+                                                                seed=cfg.seed))
+    return d
+
+
+def is_image_model(cfg: TrainConfig) -> bool:
+    return cfg.model.startswith("vit")
+
+
 def new_model(cfg: TrainConfig) -> torch.nn.Module:
     torch.manual_seed(cfg.seed)
-    return build_model(cfg.model, vocab_size=cfg.vocab_size, block_size=cfg.block_size)
+    if is_image_model(cfg):
+        return build_model(cfg.model)
+    vocab = data_config(cfg).vocab_size or cfg.vocab_size
+    return build_model(cfg.model, vocab_size=vocab, block_size=cfg.block_size)
 
 
 def new_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -72,27 +89,40 @@ class Worker:
         return float(loss.detach())
 
 
-def build_workers(cfg: TrainConfig, lang: MarkovLanguage, init: dict[str, torch.Tensor]) -> list[Worker]:
+def build_workers(cfg: TrainConfig, data: DataConfig, init: dict[str, torch.Tensor]) -> list[Worker]:
     workers = []
+    tokens = cfg.batch_size if is_image_model(cfg) else cfg.batch_size * cfg.block_size
     for m in range(cfg.learners):
         model = new_model(cfg)
         model.load_state_dict(init)
-        stream = SyntheticStream(lang, learner=m, n_learners=cfg.learners,
-                                 batch_size=cfg.batch_size, block_size=cfg.block_size,
-                                 seed=cfg.seed)
+        stream = build_stream(data, learner=m, n_learners=cfg.learners, batch_size=cfg.batch_size,
+                              block_size=cfg.block_size, seed=cfg.seed)
         workers.append(Worker(m, model, new_optimizer(cfg, model), stream,
-                              dict(model.named_parameters()), cfg.batch_size * cfg.block_size,
-                              cfg))
+                              dict(model.named_parameters()), tokens, cfg))
     return workers
 
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, batches) -> float:
+    return evaluate_metrics(model, batches)[0]
+
+
+@torch.no_grad()
+def evaluate_metrics(model: torch.nn.Module, batches) -> tuple[float, float | None]:
+    """Mean held-out loss, and accuracy for classifiers (None for language models)."""
     was = model.training
     model.eval()
-    total = sum(float(model(x, y)[1]) for x, y in batches) / len(batches)
+    loss = correct = count = 0.0
+    classify = False
+    for x, y in batches:
+        logits, batch_loss = model(x, y)
+        loss += float(batch_loss)
+        if logits.dim() == 2 and y.dim() == 1:
+            classify = True
+            correct += float((logits.argmax(-1) == y).sum())
+            count += y.numel()
     model.train(was)
-    return total
+    return loss / len(batches), (correct / count if classify and count else None)
 
 
 class World:

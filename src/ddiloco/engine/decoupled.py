@@ -58,7 +58,7 @@ def run_decoupled(cfg: TrainConfig, ctx) -> dict:
     sched = FragmentSchedule(P=frag.P, H=cfg.H, tau=cfg.tau)
     init = {n: p.detach().clone() for n, p in ctx.global_model.named_parameters()}
     syncer = SyncerState(frag, init, syncer_config(cfg))
-    workers = build_workers(cfg, ctx.lang, ctx.global_model.state_dict())
+    workers = build_workers(cfg, ctx.data, ctx.global_model.state_dict())
     syncs = [LearnerSync(w.params, frag, sched, alpha=cfg.alpha) for w in workers]
     L = [_Learner() for _ in workers]
     times = [TimeBreakdown() for _ in workers]
@@ -164,7 +164,7 @@ def run_decoupled(cfg: TrainConfig, ctx) -> dict:
                 ctx.load_global(syncer.global_params())
                 ev = evaluate(ctx.global_model, ctx.evals)
                 rec.row("eval", t_s=round(t, 4), step=done_steps / M, eval_loss=ev,
-                        gap=ev - ctx.floor, versions=sum(syncer.versions()))
+                        gap=None if ctx.floor is None else ev - ctx.floor, versions=sum(syncer.versions()))
                 bar.set_postfix(eval=f"{ev:.3f}")
         elif kind == "arrive":
             m, c = payload

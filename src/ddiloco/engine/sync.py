@@ -87,7 +87,8 @@ def _maybe_eval(ctx, rec_step: int, cfg: TrainConfig, t: float, bar, params=None
         if params is not None:
             ctx.load_global(params)
         ev = evaluate(ctx.global_model, ctx.evals)
-        ctx.recorder.row("eval", t_s=round(t, 4), step=rec_step, eval_loss=ev, gap=ev - ctx.floor)
+        ctx.recorder.row("eval", t_s=round(t, 4), step=rec_step, eval_loss=ev,
+                          gap=None if ctx.floor is None else ev - ctx.floor)
         bar.set_postfix(eval=f"{ev:.3f}")
 
 
@@ -95,7 +96,7 @@ def run_local(cfg: TrainConfig, ctx) -> dict:
     """One learner alone (learner 0's data), no synchronisation: the reference."""
     one = cfg.replace(learners=1, speeds=cfg.speeds[:1], quorum=1)
     world = World(one)
-    w = build_workers(one, ctx.lang, ctx.global_model.state_dict())[0]
+    w = build_workers(one, ctx.data, ctx.global_model.state_dict())[0]
     clock = _Clock(one, world, 1)
     bar = tqdm(total=cfg.steps, desc="local", disable=not cfg.progress, leave=False)
     for k in range(1, cfg.steps + 1):
@@ -114,7 +115,7 @@ def run_dp(cfg: TrainConfig, ctx) -> dict:
     world = World(cfg)
     model = ctx.global_model
     opt = new_optimizer(cfg, model)
-    streams = [w.stream for w in build_workers(cfg, ctx.lang, model.state_dict())]
+    streams = [w.stream for w in build_workers(cfg, ctx.data, model.state_dict())]
     grad_bytes = _ring_bytes(M, world.up_codec.nbytes(_model_numel(model)))
     clock = _Clock(cfg, world, M)
     bar = tqdm(total=cfg.steps, desc=f"dp M={M}", disable=not cfg.progress, leave=False)
@@ -146,7 +147,7 @@ def run_diloco(cfg: TrainConfig, ctx) -> dict:
     """DiLoCo: every H inner steps all learners merge the whole model (synchronous)."""
     M = cfg.learners  # noqa: N806
     world = World(cfg)
-    workers = build_workers(cfg, ctx.lang, ctx.global_model.state_dict())
+    workers = build_workers(cfg, ctx.data, ctx.global_model.state_dict())
     names = [n for n, _ in ctx.global_model.named_parameters()]
     emb = embedding_param_names(ctx.global_model)
     embedding = [n in emb for n in names]
@@ -188,7 +189,7 @@ def run_streaming(cfg: TrainConfig, ctx) -> dict:
     learners; the result is installed tau steps later with alpha mixing."""
     M = cfg.learners  # noqa: N806
     world = World(cfg)
-    workers = build_workers(cfg, ctx.lang, ctx.global_model.state_dict())
+    workers = build_workers(cfg, ctx.data, ctx.global_model.state_dict())
     frag = fragmentation_for(cfg, ctx.global_model)
     sched = FragmentSchedule(P=frag.P, H=cfg.H, tau=cfg.tau)
     glob = {n: p.detach().clone().float() for n, p in ctx.global_model.named_parameters()}
@@ -240,5 +241,6 @@ def run_streaming(cfg: TrainConfig, ctx) -> dict:
 
 def _final_eval_row(ctx, cfg: TrainConfig, t: float) -> None:
     ev = evaluate(ctx.global_model, ctx.evals)
-    ctx.recorder.row("eval", t_s=round(t, 4), step=cfg.steps, eval_loss=ev, gap=ev - ctx.floor)
+    ctx.recorder.row("eval", t_s=round(t, 4), step=cfg.steps, eval_loss=ev,
+                          gap=None if ctx.floor is None else ev - ctx.floor)
 

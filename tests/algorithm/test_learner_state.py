@@ -1,0 +1,87 @@
+import pytest
+import torch
+
+from ddiloco.algorithm.fragments import fragment_parameters
+from ddiloco.algorithm.learner_state import LearnerSync
+from ddiloco.algorithm.schedule import FragmentSchedule
+
+
+def make(tau=1, alpha=0.0):
+    params = {"a": torch.zeros(3), "b": torch.zeros(3)}
+    fr = fragment_parameters([("a", 3, 4), ("b", 3, 4)], 2, "balanced")
+    ls = LearnerSync(params, fr, FragmentSchedule(P=2, H=4, tau=tau), alpha=alpha)
+    ls.load_global({"a": torch.zeros(3), "b": torch.zeros(3)}, [0, 0])
+    return ls, params, fr
+
+
+def test_sends_follow_schedule_with_counters_since_receipt():
+    ls, params, fr = make()
+    sent = {t: ls.after_step(tokens=10) for t in range(1, 5)}
+    assert [o.fragment for o in sent[2]] == [0] and [o.fragment for o in sent[4]] == [1]
+    assert sent[2][0].c_steps == 2 and sent[2][0].c_tokens == 20
+    assert sent[4][0].c_steps == 4 and sent[4][0].base_version == 0
+    assert sent[4][0].seq == 2
+
+
+def test_install_at_t_plus_tau_resets_counters_and_never_waits():
+    ls, params, fr = make(tau=1)
+    ls.after_step(10)
+    (out,) = ls.after_step(10)  # step 2: fragment 0 leaves
+    params[fr.fragments[0].names[0]].add_(1.0)
+    ls.on_push_result(0, out.seq, accepted=True, target_version=1)
+    ls.receive(0, 1, [torch.full((3,), 5.0)])
+    assert ls.install_due() == []  # not before step 3
+    ls.after_step(10)
+    assert ls.install_due() == [0]
+    name = fr.fragments[0].names[0]
+    assert torch.equal(params[name], torch.full((3,), 5.0))
+    assert ls.frags[0].c_steps == 0 and ls.frags[0].base_version == 1
+    ls.mark_merged(0, out.seq)
+    assert ls.ledger.merged == pytest.approx(2 * 0.5)
+    assert ls.ledger.balance_error() < 1e-12
+
+
+def test_late_install_loses_overwritten_progress_and_alpha_mixing():
+    ls, params, fr = make(tau=1)
+    ls.after_step(10)
+    (out,) = ls.after_step(10)
+    ls.on_push_result(0, out.seq, True, 1)
+    for _ in range(3):  # steps 3..5: result not there yet; the learner keeps training
+        ls.after_step(10)
+        assert ls.install_due() == []
+    ls.receive(0, 1, [torch.full((3,), 5.0)])
+    assert ls.install_due() == [0]
+    assert ls.ledger.lost == pytest.approx(2 * 0.5)  # steps 4 and 5 were past the install step
+    assert ls.ledger.balance_error() < 1e-12
+    mix, p2, fr2 = make(tau=0, alpha=0.25)
+    mix.after_step(10)
+    (o,) = mix.after_step(10)
+    name = fr2.fragments[0].names[0]
+    p2[name].fill_(1.0)
+    mix.on_push_result(0, o.seq, True, 1)
+    mix.receive(0, 1, [torch.full((3,), 5.0)])
+    assert mix.install_due() == [0]
+    assert torch.allclose(p2[name], torch.full((3,), 0.25 * 1 + 0.75 * 5))
+
+
+def test_dropped_push_installs_latest_and_failure_loses_unpushed():
+    ls, params, fr = make(tau=1)
+    ls.after_step(10)
+    (out,) = ls.after_step(10)
+    ls.on_push_result(0, out.seq, accepted=False)
+    assert ls.ledger.dropped == pytest.approx(1.0)
+    ls.receive(0, 3, [torch.full((3,), 2.0)])
+    ls.after_step(10)
+    assert ls.install_due() == [0] and ls.frags[0].base_version == 3
+    ls.fail()
+    assert ls.ledger.unpushed == 0 and ls.ledger.lost > 0
+    assert ls.ledger.balance_error() < 1e-12
+
+
+def test_never_installed_learner_does_not_contribute():
+    params = {"a": torch.zeros(3), "b": torch.zeros(3)}
+    fr = fragment_parameters([("a", 3, 4), ("b", 3, 4)], 2, "balanced")
+    ls = LearnerSync(params, fr, FragmentSchedule(P=2, H=4, tau=1))
+    assert ls.after_step(1) == [] and ls.after_step(1) == []
+    with pytest.raises(ValueError, match="schedule has P=1"):
+        LearnerSync(params, fr, FragmentSchedule(P=1, H=4))
