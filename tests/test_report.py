@@ -1,0 +1,210 @@
+"""``ddiloco report``: plots and HTML from run directories of both engines, and its errors."""
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ddiloco.cli import main
+from ddiloco.report import goodput_timeline, learner_states, load_run, make_report
+
+PNGS = ("loss.png", "goodput.png", "learners.png", "bytes.png")
+TINY = dict(steps=30, batch_size=4, block_size=16, vocab_size=16, learners=2, eval_every=10,
+            eval_batches=2, progress=False)
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+    """A decoupled run with failures and a dp run, trained in-process."""
+    from ddiloco.config import TrainConfig
+    from ddiloco.engine import run
+
+    root = tmp_path_factory.mktemp("runs")
+    run(TrainConfig(out=str(root / "dec"), H=6, fragments=3, mtbi_s=12.0, downtime_s=3.0, **TINY))
+    run(TrainConfig(out=str(root / "dp"), method="dp", **TINY))
+    return root / "dec", root / "dp"
+
+
+def _write_run(d: Path, summary: dict, rows: list, extra_lines: tuple = ()) -> Path:
+    d.mkdir(parents=True)
+    (d / "summary.json").write_text(json.dumps(summary))
+    with open(d / "metrics.jsonl", "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+        for line in extra_lines:
+            f.write(line + "\n")
+    return d
+
+
+def _processes_run(d: Path) -> Path:
+    """A run directory shaped like the process runtime's: wall clock, learner_start rows,
+    chaos-* rows, an unknown row kind and rows with missing fields."""
+    summary = {"method": "decoupled", "engine": "processes", "learners": 2, "steps": 10,
+               "tokens": 1280, "final_eval_loss": 2.5, "entropy_floor": 1.2, "goodput": 0.5,
+               "uptime": 1.0, "bytes_up": 4 << 20, "bytes_down": 8 << 20, "merges": 3,
+               "wall_s": 14.0, "train_wall_s": 10.0, "config": {"fragments": 1},
+               "per_learner": [{"learner": 0, "ledger_steps": {"computed": 10, "merged": 6,
+                                                               "dropped": 1, "lost": 3}},
+                               {"learner": 1}]}
+    rows = [
+        {"kind": "config", "fragments": 1},
+        {"kind": "eval", "t_s": 0.0, "step": 0, "eval_loss": 2.8},
+        {"kind": "learner_start", "learner": 0, "t_s": 2.0, "incarnation": 0},
+        {"kind": "learner_start", "learner": 1, "t_s": 2.0, "incarnation": 1},
+        {"kind": "step", "learner": 0, "step": 1, "t_s": 3.0, "loss": 2.7},
+        {"kind": "merge", "t_s": 4.0, "fragment": 0, "version": 1, "learners": [0, 1]},
+        {"kind": "chaos-kill-learner", "t_s": 5.0, "target": "learner_1", "downtime_s": 2},
+        {"kind": "dead", "t_s": 8.0, "learner": 1},
+        {"kind": "chaos-restart-learner", "t_s": 7.0, "target": "learner_1"},
+        {"kind": "learner_start", "learner": 1, "t_s": 8.0, "incarnation": 2},
+        {"kind": "chaos-stop-learner", "t_s": 6.0, "target": "learner_0", "duration_s": 1},
+        {"kind": "chaos-cont-learner", "t_s": 7.0, "target": "learner_0"},
+        {"kind": "merge", "t_s": 10.0, "fragment": 0, "version": 2, "learners": [0, 1]},
+        {"kind": "merge", "t_s": 11.0},                       # no learners: ignored
+        {"kind": "a-row-kind-from-the-future", "t_s": 11.5},
+        {"kind": "eval", "eval_loss": 9.9},                   # no step: ignored
+        {"no_kind": True},
+        {"kind": "learner_end", "learner": 0, "t_s": 12.0},
+        {"kind": "learner_end", "learner": 1, "t_s": 12.0},
+        {"kind": "final", "eval_loss": 2.5},
+    ]
+    return _write_run(d, summary, rows, extra_lines=('{"kind": "step", "learn', "[1, 2]"))
+
+
+def _check_png(path: Path) -> None:
+    import matplotlib.image
+
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", path
+    assert len(data) > 5_000, (path, len(data))
+    img = matplotlib.image.imread(path)
+    assert img.ndim == 3 and img.shape[0] > 200 and img.shape[1] > 200
+    colours = np.unique(img.reshape(-1, img.shape[2])[::7], axis=0)
+    assert len(colours) > 10, (path, len(colours))
+
+
+@pytest.mark.timeout(60)
+def test_report_of_two_inproc_runs(two_runs, tmp_path, capsys):
+    dec, dp = two_runs
+    out = tmp_path / "rep"
+    assert main(["report", str(dec), str(dp), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out.split()
+    assert printed == [str(out / f) for f in (*PNGS, "index.html")]
+    for f in PNGS:
+        _check_png(out / f)
+    page = (out / "index.html").read_text()
+    for f in PNGS:
+        assert f'src="{f}"' in page
+    assert "dec (decoupled)" in page and "dp (dp)" in page
+    assert page.count("<tr>") == 3  # header + one row per run
+
+
+def test_report_default_out_dir_for_one_run(two_runs, capsys, monkeypatch, tmp_path):
+    dec, _ = two_runs
+    assert main(["report", str(dec), "--x-axis", "step"]) == 0
+    assert (dec / "report" / "index.html").is_file()
+    monkeypatch.chdir(tmp_path)  # several runs: ./report
+    assert main(["report", str(dec), str(dec)]) == 0
+    assert sorted(p.name for p in (tmp_path / "report").iterdir()) == sorted(
+        (*PNGS, "index.html"))
+
+
+def test_inproc_timeline_matches_failure_and_rejoin_rows(two_runs):
+    run = load_run(two_runs[0])
+    states = learner_states(run)
+    fails = [r for r in run.rows if r["kind"] == "failure"]
+    assert fails, "the fixture should have failures"
+    for r in fails:
+        assert any(st == "down" and s == r["t_s"] for s, _, st in states[r["learner"]])
+    tl = goodput_timeline(run)
+    assert tl["derived"]
+    # the row-derived estimate lands near the engine's own accounting
+    assert abs(tl["goodput"][-1] - run.summary["goodput"]) < 0.15
+    assert 0.0 < tl["goodput"][-1] <= tl["available"][-1] <= 1.0
+
+
+def test_goodput_timeline_exact(tmp_path):
+    # one learner, one fragment: up 0-4, down 4-6, up 6-10; merges at t=2 and t=8.
+    # credits: 2 s (0-2) and 2 s (6-8, the work of 2-4 was lost at the failure)
+    d = _write_run(tmp_path / "r", {"method": "decoupled", "learners": 1, "fragments": 1,
+                                    "virtual_time_s": 10.0, "goodput": 0.4}, [
+        {"kind": "merge", "t_s": 2.0, "fragment": 0, "learners": [0]},
+        {"kind": "failure", "t_s": 4.0, "learner": 0},
+        {"kind": "rejoin", "t_s": 6.0, "learner": 0},
+        {"kind": "merge", "t_s": 8.0, "fragment": 0, "learners": [0]},
+    ])
+    run = load_run(d)
+    assert learner_states(run) == {0: [(0.0, 4.0, "up"), (4.0, 6.0, "down"), (6.0, 10.0, "up")]}
+    tl = goodput_timeline(run, n=10)
+    assert tl["t"] == pytest.approx([1.0 * i for i in range(1, 11)])
+    assert tl["goodput"][-1] == pytest.approx(0.4)
+    assert tl["goodput"][1] == pytest.approx(2.0 / 2.0)      # t=2: credited 0-2
+    assert tl["goodput"][6] == pytest.approx(2.0 / 7.0)      # t=7: nothing since
+    assert tl["available"][-1] == pytest.approx(0.8)
+
+
+def test_processes_run_rows_and_tolerance(tmp_path, caplog):
+    d = _processes_run(tmp_path / "proc")
+    with caplog.at_level(logging.WARNING, logger="ddiloco.report"):
+        run = load_run(d)
+    assert run.skipped_lines == 2
+    assert "skipped 2 corrupt lines" in caplog.text
+    assert learner_states(run) == {
+        0: [(2.0, 6.0, "up"), (6.0, 7.0, "stopped"), (7.0, 12.0, "up")],
+        1: [(2.0, 5.0, "up"), (5.0, 8.0, "down"), (8.0, 12.0, "up")],
+    }
+    tl = goodput_timeline(run, n=10)
+    # clock from the first learner_start (t=2) to the last row (t=12); credits at t=4:
+    # 2 + 2, at t=10: learner 0 up 4-6 and 7-10 (5 s), learner 1 since rejoin 8-10 (2 s)
+    assert tl["derived"] and tl["goodput"][-1] == pytest.approx((4 + 5 + 2) / (2 * 10))
+    paths = make_report([d], tmp_path / "out")
+    assert [p.name for p in paths] == [*PNGS, "index.html"]
+    assert "skipped 2 corrupt line(s)" in paths[-1].read_text()
+
+
+def test_chaos_jsonl_is_read_when_metrics_lack_chaos_rows(tmp_path):
+    d = _write_run(tmp_path / "r", {"method": "decoupled", "learners": 1}, [
+        {"kind": "learner_start", "learner": 0, "t_s": 0.0},
+        {"kind": "learner_end", "learner": 0, "t_s": 10.0},
+    ])
+    (d / "chaos.jsonl").write_text(
+        json.dumps({"t_s": 3.0, "kind": "kill-learner", "target": "learner_0"}) + "\n"
+        + json.dumps({"t_s": 4.0, "kind": "restart-learner", "target": "learner_0"}) + "\n")
+    with open(d / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"kind": "learner_start", "learner": 0, "t_s": 5.0}) + "\n")
+    assert learner_states(load_run(d))[0] == [(0.0, 3.0, "up"), (3.0, 5.0, "down"),
+                                              (5.0, 10.0, "up")]
+
+
+def test_errors_are_user_errors(tmp_path, capsys):
+    assert main(["report", str(tmp_path / "nope")]) == 2
+    assert "no such run directory" in capsys.readouterr().err
+
+    (tmp_path / "empty").mkdir()
+    assert main(["report", str(tmp_path / "empty")]) == 2
+    err = capsys.readouterr().err
+    assert f"not a ddiloco run directory: {tmp_path / 'empty'} (expected summary.json)" in err
+
+    (tmp_path / "file.txt").write_text("x")
+    assert main(["report", str(tmp_path / "file.txt")]) == 2
+    assert "not a directory" in capsys.readouterr().err
+
+    (tmp_path / "torn").mkdir()
+    (tmp_path / "torn" / "summary.json").write_text('{"method": "dp", ')
+    assert main(["report", str(tmp_path / "torn")]) == 2
+    assert "summary.json is not valid JSON" in capsys.readouterr().err
+
+    ok = _write_run(tmp_path / "ok", {"method": "dp", "learners": 1}, [])
+    assert main(["report", str(ok), "--out", str(tmp_path / "file.txt")]) == 2
+    assert "exists and is not a directory" in capsys.readouterr().err
+    assert not (tmp_path / "ok" / "report").exists()
+
+
+def test_minimal_run_without_metrics(tmp_path, capsys):
+    d = tmp_path / "bare"
+    d.mkdir()
+    (d / "summary.json").write_text(json.dumps({"method": "local"}))
+    assert main(["report", str(d)]) == 0
+    assert (d / "report" / "index.html").is_file()
