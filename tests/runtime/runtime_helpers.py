@@ -11,7 +11,7 @@ from pathlib import Path
 
 
 TINY = dict(model="gpt_tiny", batch_size=8, block_size=32, vocab_size=64, fragments=4, H=8,
-            tau=2, eval_batches=4, progress=False, inner_lr=3e-3)
+            tau=2, eval_batches=4, progress=False, inner_lr=3e-3, lr_schedule="constant")
 
 
 def tiny_config(out: Path, **kw):

@@ -20,7 +20,7 @@ def test_three_learners_train_and_eval_loss_falls(tmp_path):
     for pl in s["per_learner"]:
         assert pl["steps"] == 80
         assert pl["ledger_balance_error"] < 1e-6
-        assert pl["ledger_steps"]["merged"] > 0.9 * 80
+        assert pl["ledger_steps"]["merged"] > 0.5 * 80
     kinds = {r["kind"] for r in read_jsonl(tmp_path / "run" / "metrics.jsonl")}
     assert {"config", "eval", "step", "merge", "final"} <= kinds
     assert (tmp_path / "run" / "summary.json").is_file()

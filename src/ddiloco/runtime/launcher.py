@@ -14,7 +14,6 @@ engine, plus ``logs/*.log``, ``chaos.jsonl`` and per-learner directories.
 from __future__ import annotations
 
 import json
-import math
 import os
 import signal
 import subprocess
@@ -398,16 +397,19 @@ class Launcher:
     def _summarise(self, final_params, interrupted: bool) -> dict:
         import torch
 
-        from ddiloco.data.synthetic import eval_batches
-        from ddiloco.engine.common import evaluate, make_language, new_model
+        from ddiloco.data import build_eval_batches
+        from ddiloco.data.synthetic import MarkovLanguage
+        from ddiloco.engine.common import evaluate, new_model
+        from ddiloco.runtime.learner_main import data_config
         from ddiloco.runtime.spec import fragmentation_from_spec, model_spec
 
         c = self.cfg
         torch.set_num_threads(1)
-        lang = make_language(c)
-        floor = lang.sequence_floor(c.block_size)
-        evals = eval_batches(lang, n_batches=c.eval_batches, batch_size=c.batch_size,
-                             block_size=c.block_size, seed=c.seed)
+        data = data_config(c)
+        lang = MarkovLanguage(data.markov) if data.kind == "synthetic" else None
+        floor = lang.sequence_floor(c.block_size) if lang is not None else None
+        evals = build_eval_batches(data, n_batches=c.eval_batches, batch_size=c.batch_size,
+                                   block_size=c.block_size, seed=c.seed)
         model = new_model(c)
         init_loss = evaluate(model, evals)
         n_params = sum(p.numel() for p in model.parameters())
@@ -420,6 +422,7 @@ class Launcher:
                     for n, t in zip(f.names, final_params[p][1]):
                         named[n].copy_(t.view(named[n].shape))
             final_loss = evaluate(model, evals)
+        per_step = c.batch_size if data.kind in ("digits", "images") else c.batch_size * c.block_size
         rows = self._collect_rows()
         # the clock starts when the first learner is ready to step (process start-up of the
         # first launch is reported apart; restarts after failures count against goodput)
@@ -465,7 +468,7 @@ class Launcher:
                 "failures": proc.kills if proc else 0, "starts": proc.starts if proc else 0,
                 "stops": proc.stops if proc else 0,
                 "ledger_steps": {k: round(v, 4) for k, v in ledger.items()},
-                "ledger_tokens": {k: round(v * c.batch_size * c.block_size * self.opts.island_size)
+                "ledger_tokens": {k: round(v * per_step * self.opts.island_size)
                                   for k, v in ledger.items()},
                 "ledger_balance_error": bal,
                 "syncer_tokens": info.get("syncer_ledger", {}),
@@ -479,10 +482,11 @@ class Launcher:
                    and all(self.procs[f"learner_{m}"].state == "finished" for m in range(c.learners))),
             "method": "decoupled", "engine": "processes", "learners": c.learners,
             "island_size": self.opts.island_size, "steps": c.steps,
-            "tokens": c.learners * c.steps * c.batch_size * c.block_size * self.opts.island_size,
+            "tokens": c.learners * c.steps * per_step * self.opts.island_size,
             "final_eval_loss": final_loss, "entropy_floor": floor,
-            "gap_to_floor": None if final_loss is None else final_loss - floor,
-            "entropy_rate": lang.entropy_rate, "initial_eval_loss": init_loss,
+            "gap_to_floor": None if final_loss is None or floor is None else final_loss - floor,
+            "entropy_rate": lang.entropy_rate if lang is not None else None,
+            "initial_eval_loss": init_loss, "data": c.data, "model": c.model,
             "goodput": useful_total / (c.learners * T), "uptime": rows["uptime"](T),
             "bytes_up": bytes_up, "bytes_down": bytes_down,
             "dp_bytes_same_steps": int(total_steps * 2 * model_bytes),
@@ -498,12 +502,12 @@ class Launcher:
         with open(self.out / "metrics.jsonl", "w", encoding="utf-8") as f:
             f.write(json.dumps({"kind": "config", **summary["config"]}) + "\n")
             f.write(json.dumps({"kind": "eval", "t_s": 0.0, "step": 0, "eval_loss": init_loss,
-                                "gap": init_loss - floor}) + "\n")
+                                "gap": None if floor is None else init_loss - floor}) + "\n")
             for r in rows["rows"]:
                 f.write(json.dumps(r) + "\n")
             if final_loss is not None:
                 f.write(json.dumps({"kind": "final", "eval_loss": final_loss,
-                                    "gap": final_loss - floor}) + "\n")
+                                    "gap": None if floor is None else final_loss - floor}) + "\n")
         tmp = self.out / "summary.json.tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(summary, f, indent=2)

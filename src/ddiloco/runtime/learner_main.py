@@ -21,13 +21,23 @@ from pathlib import Path
 import torch
 
 from ddiloco.config import TrainConfig
-from ddiloco.data.synthetic import SyntheticStream
-from ddiloco.engine.common import make_language, new_model, new_optimizer
+from ddiloco.data import build_stream
+from ddiloco.engine import common as _engine
+from ddiloco.engine.common import new_model, new_optimizer, set_lr
 from ddiloco.runtime.learner_client import DecoupledLearner, LinkLimits
 
-__all__ = ["run_learner"]
+__all__ = ["run_learner", "data_config"]
 
 log = logging.getLogger("ddiloco.learner")
+
+
+def data_config(cfg: TrainConfig):
+    """The run's data source, exactly as the in-process engine builds it."""
+    if hasattr(_engine, "data_config"):
+        return _engine.data_config(cfg)
+    from ddiloco.data import DataConfig
+    from ddiloco.data.synthetic import MarkovConfig
+    return DataConfig(kind="synthetic", markov=MarkovConfig(vocab_size=cfg.vocab_size, seed=cfg.seed))
 
 
 def _write_json_atomic(path: Path, obj: dict) -> None:
@@ -55,17 +65,18 @@ def run_learner(cfg: TrainConfig, *, syncer: str, learner: int, run_dir: str | N
     start_step = 0
     if progress_path is not None and progress_path.is_file():
         start_step = int(json.loads(progress_path.read_text())["step"])
-    lang = make_language(cfg)
+    data = data_config(cfg)
     model = new_model(cfg)
     train_model = model
     if group is not None:
         from torch.nn.parallel import DistributedDataParallel as DDP
         train_model = DDP(model)
     opt = new_optimizer(cfg, model)
-    stream = SyntheticStream(lang, learner=learner * world + rank, n_learners=cfg.learners * world,
-                             batch_size=cfg.batch_size, block_size=cfg.block_size, seed=cfg.seed)
-    stream.load_state_dict({"position": start_step})
-    tokens = cfg.batch_size * cfg.block_size * world
+    stream = build_stream(data, learner=learner * world + rank, n_learners=cfg.learners * world,
+                          batch_size=cfg.batch_size, block_size=cfg.block_size, seed=cfg.seed)
+    stream.load_state_dict({**stream.state_dict(), "position": start_step})
+    images = data.kind in ("digits", "images")
+    tokens = cfg.batch_size * (1 if images else cfg.block_size) * world
     metrics = open(out / "metrics.jsonl", "a") if out is not None and rank == 0 else None
     dl = DecoupledLearner(model, syncer=syncer, learner=learner, P=cfg.fragments, H=cfg.H,
                           tau=cfg.tau, strategy=cfg.fragmentation, codec=cfg.codec,
@@ -86,6 +97,7 @@ def run_learner(cfg: TrainConfig, *, syncer: str, learner: int, run_dir: str | N
             opt.zero_grad(set_to_none=True)
             _, loss = train_model(x, y)
             loss.backward()
+            set_lr(opt, cfg.lr_at(step))  # the same inner schedule as the in-process engine
             opt.step()
             if slowdown > 1.0:
                 time.sleep((slowdown - 1.0) * (time.perf_counter() - t0))
