@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -214,8 +215,11 @@ class Launcher:
             "train": json.loads((self.out / "train_config.json").read_text()),
             "chaos": self.chaos.to_dict(),
             "launch": {k: getattr(self.opts, k) for k in self.opts.__slots__}}, indent=2))
-        for f in ("syncer.port", "chaos.jsonl", "syncer.metrics.jsonl"):
+        # a new run starts fresh: no progress, checkpoint or metrics of an earlier run in OUT
+        for f in ("syncer.port", "chaos.jsonl", "syncer.metrics.jsonl", "summary.json"):
             (self.out / f).unlink(missing_ok=True)
+        for d in [self.out / "checkpoint", *self.out.glob("learner_*")]:
+            shutil.rmtree(d, ignore_errors=True)
         self.chaos_log = ChaosLog(self.out / "chaos.jsonl", self.t0)
         events = chaos_schedule(self.chaos, horizon_s=24 * 3600.0)
         interrupted = False
