@@ -46,8 +46,6 @@ class LaunchOptions:
     startup_timeout_s: float = 120.0
     """How long the syncer may take to bind."""
     progress_interval_s: float = 2.0
-    eval_interval_s: float = 0.0
-    """Evaluate the global model every this many seconds (0: at eval_every steps)."""
     extra_syncer_args: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
