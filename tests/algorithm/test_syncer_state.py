@@ -6,11 +6,12 @@ from ddiloco.algorithm.policy import PolicyConfig, WaitUntil
 from ddiloco.algorithm.syncer_state import Contribution, Status, SyncerConfig, SyncerState
 
 
-def make(quorum=1, grace=True, M=3, rule="average", lr=1.0, mom=0.0, **kw):
+def make(quorum=1, grace=True, M=3, rule="average", lr=1.0, mom=0.0, scale_partial=False, **kw):
     init = {"w": torch.zeros(4), "emb": torch.zeros(2)}
     fr = fragment_parameters([("w", 4, 4), ("emb", 2, 4)], 2, "balanced", {"emb"})
     cfg = SyncerConfig(policy=PolicyConfig(quorum=quorum, grace=grace, gamma=0.5, tau=2),
-                       merge_rule=rule, outer_lr=lr, outer_momentum=mom, **kw)
+                       merge_rule=rule, outer_lr=lr, outer_momentum=mom,
+                       scale_partial=scale_partial, **kw)
     s = SyncerState(fr, init, cfg)
     for m in range(M):
         s.join(m)
@@ -138,3 +139,23 @@ def test_grace_window_with_late_learner_then_timer_sequence():
     assert r2.target_version == 2
     d = s.on_timer(p, r0.wake_at_s + 5)
     assert d is None or isinstance(d, WaitUntil)
+
+
+def test_partial_rounds_take_their_share_of_an_outer_step():
+    s, p = make(quorum=1, M=4, grace=False, scale_partial=True)
+    m = s.submit(push(0, p, 1.0), 0.0).merged  # 1 of 4 live learners: a quarter step
+    assert torch.allclose(m.params[0], torch.full((4,), 0.25))
+    full, pf = make(quorum=2, M=2, grace=False, scale_partial=True)
+    full.submit(push(0, pf, 1.0), 0.0)
+    m = full.submit(push(1, pf, 1.0), 0.0).merged  # everyone: a whole step
+    assert torch.allclose(m.params[0], torch.full((4,), 1.0))
+
+
+def test_overflowing_merge_is_never_published():
+    s, p = make(quorum=1, M=1, grace=False, lr=0.7, mom=0.9)
+    before = s.global_params()["w"].clone()
+    r = s.submit(push(0, p, 3e38), 0.0)
+    assert r.status is Status.ACCEPTED and r.merged is None
+    assert s.version(p) == 0 and s.nonfinite_merges == 1
+    assert torch.equal(s.global_params()["w"], before)
+    assert s.ledger[0].tokens_dropped == 100 and s.ledger[0].tokens_pending == 0

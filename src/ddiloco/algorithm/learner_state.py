@@ -140,6 +140,13 @@ class LearnerSync:
         for p, fr in enumerate(self.frags):
             if fr.unpushed_steps == 0 or fr.base_version < 0:
                 continue
+            if fr.c_steps == 0:
+                # only overlap steps since an install: they were overwritten by design (the
+                # tau window) and count with the push before them
+                self.ledger.unpushed -= fr.unpushed_steps * self.share[p]
+                self.ledger.merged += fr.unpushed_steps * self.share[p]
+                fr.unpushed_steps = 0
+                continue
             out.append(self._send(p))
         return out
 

@@ -52,6 +52,10 @@ class SyncerConfig:
     history: int = 0
     """Past published versions kept per fragment (needed for ``anchor='base'`` and for
     reconstructing delta-encoded pushes). 0 keeps none beyond the current one."""
+    scale_partial: bool = True
+    """Scale the outer gradient of a round that merges k of n live learners by k/n, so that
+    asynchronous small merges add up to about one outer step per round (with K = M or all
+    learners present the factor is 1)."""
 
     def __post_init__(self) -> None:
         if self.merge_rule not in MERGE_RULES:
@@ -166,6 +170,7 @@ class SyncerState:
         self.ledger: dict[int, LedgerEntry] = {}
         self._seen_seq: dict[tuple[int, int], int] = {}
         self.merges = 0
+        self.nonfinite_merges = 0
         self.quorum_sizes: list[int] = []
 
     # -- membership ---------------------------------------------------------------------
@@ -177,12 +182,8 @@ class SyncerState:
         """Declare a learner dead. Its already-arrived contributions stay valid; rounds that
         were only waiting for it may now merge."""
         self.live.discard(learner)
-        out = []
-        for p in range(len(self.frags)):
-            m = self._evaluate(p, now_s)
-            if isinstance(m, Merged):
-                out.append(m)
-        return out
+        out = [self._evaluate(p, now_s) for p in range(len(self.frags))]
+        return [m for m in out if isinstance(m, Merged)]
 
     @property
     def n_live(self) -> int:
@@ -276,7 +277,8 @@ class SyncerState:
 
     def flush(self, now_s: float) -> list[Merged]:
         """Merge every round holding contributions, quorum or not (end of training)."""
-        return [self._merge(p, now_s, "flush") for p, s in enumerate(self.frags) if s.round.pending]
+        merged = [self._merge(p, now_s, "flush") for p, s in enumerate(self.frags) if s.round.pending]
+        return [m for m in merged if m is not None]
 
     def _evaluate(self, p: int, now_s: float) -> Merged | WaitUntil | None:
         s = self.frags[p]
@@ -302,7 +304,7 @@ class SyncerState:
             return d
         return self._merge(p, now_s, d.reason)
 
-    def _merge(self, p: int, now_s: float, reason: str) -> Merged:
+    def _merge(self, p: int, now_s: float, reason: str) -> Merged | None:
         s = self.frags[p]
         frag = self.fragmentation.fragments[p]
         contribs = [s.round.pending[m] for m in sorted(s.round.pending)]
@@ -312,11 +314,30 @@ class SyncerState:
             anchor = s.theta if self.config.anchor == "current" else self.published(p, c.base_version)
             deltas.append([a - x.float() for a, x in zip(anchor, c.params)])
         update = merge_outer_gradients(deltas, weights, frag.embedding, self.config.merge_rule)
+        n_live = max(len(contribs), len(self.live | set(s.round.pending)))
+        if self.config.scale_partial and len(contribs) < n_live:
+            # a round merging some of the live learners takes that share of an outer step, so
+            # that asynchronous single-learner merges add up to about one step per round
+            for u in update:
+                u.mul_(len(contribs) / n_live)
+        theta = [t.clone() for t in s.theta]
+        momentum = [b.clone() for b in s.momentum]
+        self.outer.step(theta, update, momentum)
+        if not all(bool(torch.isfinite(t).all()) for t in theta):
+            # finite pushes can still overflow (a diverging learner): never publish inf/NaN
+            for c in contribs:
+                led = self.ledger[c.learner]
+                led.tokens_pending -= c.c_tokens
+                led.tokens_dropped += c.c_tokens
+                led.pushes_dropped += 1
+            s.round = _Round()
+            self.nonfinite_merges += 1
+            return None
         if self.config.history > 0:
-            s.history.append((s.version, [t.clone() for t in s.theta]))
+            s.history.append((s.version, s.theta))
             while len(s.history) > self.config.history:
                 s.history.popleft()
-        self.outer.step(s.theta, update, s.momentum)
+        s.theta, s.momentum = theta, momentum
         s.version += 1
         for c in contribs:
             led = self.ledger[c.learner]
