@@ -4,7 +4,20 @@ Learners train independently and push parameter fragments to a syncer that merge
 asynchronously (minimum quorum, adaptive grace window, token-weighted radial-directional
 averaging, Nesterov outer step). Importing ``ddiloco`` does not import torch; the
 simulator (``ddiloco.sim``) and the bandwidth planner stay torch-free.
+
+``ddiloco.DecoupledLearner`` (the hook for your own model, optimizer and loop) and
+``ddiloco.TrainConfig`` are loaded on first use.
 """
 
 __version__ = "0.1.0"
-__all__ = ["__version__"]
+__all__ = ["__version__", "DecoupledLearner", "TrainConfig"]
+
+
+def __getattr__(name: str):
+    if name == "DecoupledLearner":
+        from ddiloco.runtime.learner_client import DecoupledLearner
+        return DecoupledLearner
+    if name == "TrainConfig":
+        from ddiloco.config import TrainConfig
+        return TrainConfig
+    raise AttributeError(f"module 'ddiloco' has no attribute {name!r}")

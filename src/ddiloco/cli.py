@@ -53,8 +53,9 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("run")
     g.add_argument("--engine", choices=ENGINES, default=None,
-                   help="inproc: virtual clock, one process; processes: real syncer and learner "
-                   "processes on loopback (default: processes when available, else inproc)")
+                   help="processes: a real gRPC syncer and learner processes on loopback; "
+                   "inproc: all learners in one process on a virtual clock, deterministic "
+                   "(default: processes for --method decoupled, inproc for the baselines)")
     g.add_argument("--method", choices=METHODS, default="decoupled")
     g.add_argument("--preset", choices=tuple(PRESETS), default="default",
                    help="failures: each learner down ~15%% of the time; hetero: half the "
@@ -65,6 +66,12 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--out", default="runs/latest", help="run directory")
     g.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     g.add_argument("--json", action="store_true", help="print summary.json instead of a table")
+    g = p.add_argument_group("processes engine")
+    g.add_argument("--chaos", default=None,
+                   help="chaos preset (none, kill30, stragglers, syncer-kill, wan) or a JSON file")
+    g.add_argument("--island-size", type=_positive_int, default=None,
+                   help="ranks per learner (a torchrun island running DDP inside)")
+    g.add_argument("--port", type=int, default=None, help="syncer port (default: ephemeral)")
     g = p.add_argument_group("model and inner optimizer")
     g.add_argument("--model", default="gpt_tiny",
                    help="model preset: gpt_tiny, gpt_small, moe_tiny, vit_digits, ...")
@@ -120,7 +127,14 @@ def train_config_from_args(args: argparse.Namespace):
         changes["grace"] = False
     if args.no_progress or args.json:
         changes["progress"] = False
-    changes["engine"] = args.engine or "inproc"
+    method = changes.get("method", cfg.method)
+    if args.engine is None:  # the real runtime runs Decoupled DiLoCo; baselines run in-process
+        changes["engine"] = "processes" if method == "decoupled" else "inproc"
+    elif args.engine == "processes" and method != "decoupled":
+        raise ValueError(f"--engine processes runs --method decoupled; run {method} with "
+                         f"--engine inproc")
+    else:
+        changes["engine"] = args.engine
     if "learners" in changes and "speeds" not in changes and cfg.speeds:
         changes["speeds"] = preset(args.preset, TrainConfig(learners=changes["learners"])).speeds
     return cfg.replace(**changes)
