@@ -90,6 +90,10 @@ class TrainConfig:
     """Codec of merged fragments sent back."""
     fragmentation: str = "balanced"
     """Fragmentation strategy."""
+    schedule: str = "time"
+    """When a learner sends fragment p: ``time`` (at its slot in elapsed time, in units of
+    step_time_s: learners of different speeds send together, so the grace window can
+    gather them) or ``steps`` (every H of its own inner steps)."""
     max_staleness: int = 16
     """Pushes more than this many versions behind are dropped."""
     anchor: str = "current"
@@ -131,6 +135,7 @@ class TrainConfig:
         one_of("down_codec", self.down_codec, tuple(CODECS))
         one_of("fragmentation", self.fragmentation, STRATEGIES)
         one_of("anchor", self.anchor, ("current", "base"))
+        one_of("schedule", self.schedule, ("time", "steps"))
         from ddiloco.data import parse_data_spec
         from ddiloco.models import MODEL_PRESETS
         parse_data_spec(self.data)  # validates the kind and the path's presence

@@ -98,3 +98,15 @@ def test_schedule_P1_is_diloco_and_staggering():
 def test_schedule_validation(kw, msg):
     with pytest.raises(ValueError, match=msg):
         FragmentSchedule(**kw)
+
+
+def test_time_driven_schedule_sends_each_fragment_once_per_period():
+    s = FragmentSchedule(P=3, H=6, tau=1)  # offsets 2, 4, 0 -> slots at 2, 4, 6 (+ 6k)
+    assert s.fragments_due(0.0, 1.9) == ()
+    assert s.fragments_due(1.9, 2.0) == (0,)
+    assert s.fragments_due(2.0, 6.5) == (1, 2)
+    assert s.fragments_due(0.0, 100.0) == (0, 1, 2)  # missed slots are sent once
+    # a learner 18% slower crosses the same slots at about the same elapsed time
+    fast = [p for k in range(1, 13) for p in s.fragments_due((k - 1) * 1.0, k * 1.0)]
+    slow = [p for k in range(1, 11) for p in s.fragments_due((k - 1) * 1.18, k * 1.18)]
+    assert fast[:4] == slow[:4] == [0, 1, 2, 0]

@@ -85,3 +85,19 @@ def test_never_installed_learner_does_not_contribute():
     assert ls.after_step(1) == [] and ls.after_step(1) == []
     with pytest.raises(ValueError, match="schedule has P=1"):
         LearnerSync(params, fr, FragmentSchedule(P=1, H=4))
+
+
+def test_time_driven_sends_carry_more_steps_for_faster_learners():
+    params = {"a": torch.zeros(3), "b": torch.zeros(3)}
+    fr = fragment_parameters([("a", 3, 4), ("b", 3, 4)], 2, "balanced")
+    sched = FragmentSchedule(P=2, H=4, tau=1)
+    fast = LearnerSync(dict(params), fr, sched, slot_s=1.0)
+    slow = LearnerSync({k: v.clone() for k, v in params.items()}, fr, sched, slot_s=1.0)
+    for ls in (fast, slow):
+        ls.load_global(params, [0, 0], now_s=0.0)
+    f = [o for k in range(1, 9) for o in fast.after_step(10, now_s=k * 0.5)]
+    s = [o for k in range(1, 5) for o in slow.after_step(10, now_s=k * 1.0)]
+    assert [o.fragment for o in f] == [o.fragment for o in s] == [0, 1]
+    assert f[0].c_steps == 4 and s[0].c_steps == 2  # same moment, twice the steps
+    with pytest.raises(ValueError, match="now_s"):
+        fast.after_step(10)

@@ -14,10 +14,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 __all__ = ["Codec", "CODECS", "get_codec"]
+
+_CHUNK = 1 << 16
+"""Elements processed per pass: the fp32 temporaries of one chunk stay in cache, so each
+elementwise op runs at cache rather than memory speed."""
+_ROUND_MAGIC = float(1 << 23)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,23 +50,66 @@ class Codec:
         if self.name == "bf16":
             return x.to(torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes()
         numel = x.numel()
-        nb = math.ceil(numel / self.block)
-        padded = torch.zeros(nb * self.block, dtype=torch.float32)
-        padded[:numel] = x.float()
-        blocks = padded.view(nb, self.block)
-        if self.bits == 1:
-            counts = torch.full((nb,), float(self.block))
-            counts[-1] = numel - (nb - 1) * self.block
-            scale = blocks.abs().sum(dim=1) / counts
-            q = (blocks >= 0).to(torch.uint8)
+        B = self.block
+        nb = math.ceil(numel / B)
+        if numel == nb * B and x.dtype == torch.float32 and x.device.type == "cpu":
+            flat = x.contiguous()  # whole blocks: no padded copy
         else:
-            levels = (1 << self.bits) - 1
-            scale = blocks.abs().amax(dim=1)
-            step = torch.where(scale > 0, 2 * scale / levels, torch.ones_like(scale))
-            q = torch.round((blocks + scale[:, None]) / step[:, None]).clamp_(0, levels)
-            q = q.to(torch.uint8)
-        packed = _pack(q.reshape(-1), self.bits)[: math.ceil(numel * self.bits / 8)]
-        return scale.numpy().astype(np.float32).tobytes() + packed.numpy().tobytes()
+            flat = torch.zeros(nb * B, dtype=torch.float32)
+            flat[:numel] = x
+        n_packed = math.ceil(numel * self.bits / 8)
+        out = torch.empty(nb * 4 + (nb * B * self.bits) // 8, dtype=torch.uint8)
+        scale = out[: nb * 4].view(torch.float32)
+        payload = out[nb * 4:]
+        cb = _CHUNK // B  # blocks per chunk
+        chunks = [(b0, min(nb, b0 + cb)) for b0 in range(0, nb, cb)]
+        if self.bits == 1:
+            for b0, b1 in chunks:
+                blocks = flat[b0 * B:b1 * B].view(b1 - b0, B)
+                torch.sum(blocks.abs(), dim=1, out=scale[b0:b1])
+                q = (blocks >= 0).view(torch.uint8).view(-1, 8)
+                acc = q[:, 0].clone()
+                for i in range(1, 8):
+                    acc |= q[:, i] << i
+                payload[b0 * B // 8:b1 * B // 8] = acc
+            counts = torch.full((nb,), float(B))
+            counts[-1] = numel - (nb - 1) * B
+            scale.div_(counts)
+            return out[: nb * 4 + n_packed].numpy().tobytes()
+        levels = (1 << self.bits) - 1
+        per = 8 // self.bits
+        for b0, b1 in chunks:  # absmax per block (the abs temporary stays in cache)
+            torch.amax(flat[b0 * B:b1 * B].view(b1 - b0, B).abs(), dim=1, out=scale[b0:b1])
+        # q = round((x + absmax) / step), step = 2 absmax / levels, in [0, levels]
+        inv = torch.where(scale > 0, levels / (2 * scale), torch.ones_like(scale))[:, None]
+        offset = scale[:, None] * inv
+        qf = torch.empty(cb, B)
+        cbuf = torch.empty(cb * B, dtype=torch.uint8)
+        for b0, b1 in chunks:
+            q = qf[: b1 - b0]
+            torch.mul(flat[b0 * B:b1 * B].view(b1 - b0, B), inv[b0:b1], out=q)
+            q.add_(offset[b0:b1])
+            # adding 2^23 rounds to the nearest integer (ties to even, like torch.round) and
+            # leaves it in the low mantissa bits: the low byte of each fp32 word is the code,
+            # and an int32 -> uint8 copy keeps exactly that byte
+            q.add_(_ROUND_MAGIC)
+            words = q.view(-1).view(torch.int32)
+            dst = payload[b0 * B * self.bits // 8:b1 * B * self.bits // 8]
+            if per == 1:
+                dst.copy_(words)
+                continue
+            # pack `per` codes per byte, code i of a group in bits [i*b, (i+1)*b): read the
+            # group's `per` code bytes as one little-endian integer w; the low byte of
+            # w | w >> (8-b) | w >> 2(8-b) ... is the packed byte
+            codes = cbuf[: words.numel()]
+            codes.copy_(words)
+            w = codes.view(torch.int16 if per == 2 else torch.int32)
+            acc = w >> (8 - self.bits)
+            acc |= w
+            for i in range(2, per):
+                acc |= w >> (i * (8 - self.bits))
+            dst.copy_(acc)
+        return out[: nb * 4 + n_packed].numpy().tobytes()
 
     def decode(self, buf: bytes | bytearray | memoryview, numel: int) -> torch.Tensor:
         """Decode to a flat fp32 tensor; raises ValueError if the size does not match."""
@@ -76,42 +123,38 @@ class Codec:
             return torch.frombuffer(bytearray(buf), dtype=torch.float32)
         if self.name == "bf16":
             return torch.frombuffer(bytearray(buf), dtype=torch.bfloat16).float()
-        nb = math.ceil(numel / self.block)
+        B = self.block
+        nb = math.ceil(numel / B)
         raw = torch.frombuffer(bytearray(buf), dtype=torch.uint8)
-        scale = raw[: nb * 4].view(torch.float32)
-        packed = torch.zeros(nb * self.block * self.bits // 8, dtype=torch.uint8)
-        packed[: raw.numel() - nb * 4] = raw[nb * 4:]
-        q = _unpack(packed, self.bits).view(nb, self.block).float()
+        scale_all = raw[: nb * 4].view(torch.float32)
+        packed = raw[nb * 4:]
+        full = nb * B * self.bits // 8
+        if packed.numel() != full:
+            packed = torch.cat([packed, packed.new_zeros(full - packed.numel())])
+        out = torch.empty(nb * B, dtype=torch.float32)
+        levels = (1 << self.bits) - 1
+        per = 8 // self.bits
+        cb = _CHUNK // B
         if self.bits == 1:
-            vals = (q * 2 - 1) * scale[:, None]
+            step, neg = 2 * scale_all[:, None], -scale_all[:, None]
         else:
-            levels = (1 << self.bits) - 1
-            step = 2 * scale / levels
-            vals = q * step[:, None] - scale[:, None]
-        return vals.reshape(-1)[:numel].contiguous()
+            step, neg = (2 * scale_all / levels)[:, None], -scale_all[:, None]
+        for b0 in range(0, nb, cb):
+            b1 = min(nb, b0 + cb)
+            pv = packed[b0 * B * self.bits // 8:b1 * B * self.bits // 8].view(b1 - b0, -1)
+            o2 = out[b0 * B:b1 * B].view(b1 - b0, B)
+            if per == 1:
+                o2.copy_(pv)
+            else:  # unpack the codes into fp32
+                ov = o2.view(b1 - b0, B // per, per)
+                for i in range(per):
+                    ov[:, :, i] = (pv >> (i * self.bits)) & levels if i else pv & levels
+            o2.mul_(step[b0:b1]).add_(neg[b0:b1])  # x = q * step - absmax (addcmul is slower)
+        return out if numel == out.numel() else out[:numel].contiguous()
 
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
         """``decode(encode(x))`` reshaped like x (what the receiver sees)."""
         return self.decode(self.encode(x), x.numel()).view(x.shape)
-
-
-def _pack(q: torch.Tensor, bits: int) -> torch.Tensor:
-    if bits == 8:
-        return q
-    per = 8 // bits
-    q = q.view(-1, per)
-    out = torch.zeros(q.shape[0], dtype=torch.uint8)
-    for i in range(per):
-        out |= q[:, i] << (i * bits)
-    return out
-
-
-def _unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    if bits == 8:
-        return packed
-    per = 8 // bits
-    mask = (1 << bits) - 1
-    return torch.stack([(packed >> (i * bits)) & mask for i in range(per)], dim=1).reshape(-1)
 
 
 CODECS: dict[str, Codec] = {

@@ -79,7 +79,11 @@ class LearnerSync:
     """Counters, sends and installs for one learner."""
 
     def __init__(self, params: Mapping[str, torch.Tensor], fragmentation: Fragmentation,
-                 schedule: FragmentSchedule, *, alpha: float = 0.0) -> None:
+                 schedule: FragmentSchedule, *, alpha: float = 0.0,
+                 slot_s: float | None = None) -> None:
+        """``slot_s``: None sends on the learner's own step count; a duration (the nominal
+        step time) sends on elapsed time instead (``after_step(tokens, now_s)``), so that
+        learners of different speeds send each fragment together."""
         if schedule.P != fragmentation.P:
             raise ValueError(f"schedule has P={schedule.P} but the fragmentation has {fragmentation.P}")
         if not 0.0 <= alpha < 1.0:
@@ -88,6 +92,10 @@ class LearnerSync:
         self.fragmentation = fragmentation
         self.schedule = schedule
         self.alpha = alpha
+        if slot_s is not None and not slot_s > 0:
+            raise ValueError(f"slot_s must be > 0, got {slot_s}")
+        self.slot_s = slot_s
+        self.last_s = 0.0
         self.step = 0
         self.seq = 0
         self.frags = [_Frag() for _ in range(fragmentation.P)]
@@ -99,8 +107,11 @@ class LearnerSync:
         return [self.params[n] for n in self.fragmentation.fragments[p].names]
 
     # -- (re)start ------------------------------------------------------------------------
-    def load_global(self, global_params: Mapping[str, torch.Tensor], versions: list[int]) -> None:
+    def load_global(self, global_params: Mapping[str, torch.Tensor], versions: list[int],
+                    now_s: float | None = None) -> None:
         """Install the whole global model (start or rejoin); counters reset."""
+        if now_s is not None:
+            self.last_s = now_s
         with torch.no_grad():
             for p, f in enumerate(self.fragmentation.fragments):
                 for n in f.names:
@@ -121,8 +132,9 @@ class LearnerSync:
             fr.unpushed_steps = 0
 
     # -- the step boundary -----------------------------------------------------------------
-    def after_step(self, tokens: int) -> list[Outgoing]:
-        """Record one inner step of ``tokens`` tokens; return the fragments to send now."""
+    def after_step(self, tokens: int, now_s: float | None = None) -> list[Outgoing]:
+        """Record one inner step of ``tokens`` tokens; return the fragments to send now
+        (``now_s`` is required with a time-driven schedule)."""
         self.step += 1
         self.ledger.computed += 1.0
         self.ledger.unpushed += 1.0
@@ -130,9 +142,15 @@ class LearnerSync:
             fr.c_steps += 1
             fr.c_tokens += tokens
             fr.unpushed_steps += 1
+        if self.slot_s is None:
+            due = self.schedule.fragments_to_send(self.step)
+        else:
+            if now_s is None:
+                raise ValueError("a time-driven schedule needs after_step(tokens, now_s)")
+            due = self.schedule.fragments_due(self.last_s / self.slot_s, now_s / self.slot_s)
+            self.last_s = now_s
         # a learner that never installed a published version may not contribute
-        return [self._send(p) for p in self.schedule.fragments_to_send(self.step)
-                if self.frags[p].base_version >= 0]
+        return [self._send(p) for p in due if self.frags[p].base_version >= 0]
 
     def flush(self) -> list[Outgoing]:
         """Push every fragment holding progress not yet pushed (end of training)."""

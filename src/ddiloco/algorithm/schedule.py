@@ -10,6 +10,7 @@ The merged value of a fragment sent at step t is installed after step ``t + tau`
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 __all__ = ["FragmentSchedule"]
@@ -58,6 +59,20 @@ class FragmentSchedule:
     def install_step(self, send_step: int) -> int:
         """Inner step after which the merged value of a fragment sent at ``send_step`` is installed."""
         return send_step + self.tau
+
+    def slots_until(self, p: int, x_steps: float) -> int:
+        """Number of fragment p's send slots at or before ``x_steps`` nominal steps
+        (slots at ``offset(p) + k*H``, the first one at a step >= 1)."""
+        o = self.offset(p) or self.H
+        return 0 if x_steps < o else math.floor((x_steps - o) / self.H) + 1
+
+    def fragments_due(self, prev_steps: float, now_steps: float) -> tuple[int, ...]:
+        """Time-driven schedule: fragments with a send slot in (prev_steps, now_steps], where
+        both are elapsed time in units of the nominal step time. Every learner then sends
+        fragment p at about the same moment whatever its speed, so a grace window can
+        gather them; a faster learner's push carries more steps and tokens (and weight)."""
+        return tuple(p for p in range(self.P)
+                     if self.slots_until(p, now_steps) > self.slots_until(p, prev_steps))
 
     def send_steps(self, p: int, n_steps: int) -> list[int]:
         """All steps in [1, n_steps] at which fragment p is sent."""

@@ -59,7 +59,8 @@ def run_decoupled(cfg: TrainConfig, ctx) -> dict:
     init = {n: p.detach().clone() for n, p in ctx.global_model.named_parameters()}
     syncer = SyncerState(frag, init, syncer_config(cfg))
     workers = build_workers(cfg, ctx.data, ctx.global_model.state_dict())
-    syncs = [LearnerSync(w.params, frag, sched, alpha=cfg.alpha) for w in workers]
+    slot_s = cfg.step_time_s if cfg.schedule == "time" else None
+    syncs = [LearnerSync(w.params, frag, sched, alpha=cfg.alpha, slot_s=slot_s) for w in workers]
     L = [_Learner() for _ in workers]
     times = [TimeBreakdown() for _ in workers]
     model_bytes_down = world.down_codec.nbytes(sum(f.numel for f in frag.fragments))
@@ -155,7 +156,7 @@ def run_decoupled(cfg: TrainConfig, ctx) -> dict:
             times[m].compute_s += L[m].step_dt
             syncer.observe_step_s(L[m].step_dt)
             bar.update(1)
-            for out in syncs[m].after_step(workers[m].tokens_per_step):
+            for out in syncs[m].after_step(workers[m].tokens_per_step, t):
                 send(m, out, t)
             done_steps = sum(x.steps for x in L)
             q.push(t, 9, "start", (m, inc))
@@ -224,7 +225,7 @@ def run_decoupled(cfg: TrainConfig, ctx) -> dict:
             fetch_s = world.transfer_s(model_bytes_down)
             stats["bytes_down"] += model_bytes_down
             syncer.join(m)
-            syncs[m].load_global(syncer.global_params(), syncer.versions())
+            syncs[m].load_global(syncer.global_params(), syncer.versions(), t + fetch_s)
             L[m].alive = True
             times[m].down_s += t + fetch_s - L[m].down_since_s
             if n_up == 0:
