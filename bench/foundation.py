@@ -12,6 +12,7 @@ Usage: python bench/foundation.py [--steps N] [--seeds S] [--only quality,failur
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import statistics
 import sys
@@ -22,16 +23,22 @@ from ddiloco.config import TrainConfig, preset
 from ddiloco.engine import run
 
 ROOT = Path(__file__).resolve().parent.parent
+POOL: concurrent.futures.ProcessPoolExecutor | None = None
+
+
+def _one(args: tuple[str, TrainConfig]) -> dict:
+    name, cfg = args
+    t = time.perf_counter()
+    r = run(cfg)
+    print(f"  {name} seed {cfg.seed}: loss {r['final_eval_loss']:.4f} goodput {r['goodput']:.3f} "
+          f"({time.perf_counter() - t:.0f} s)", file=sys.stderr, flush=True)
+    return r
 
 
 def cell(name: str, cfg: TrainConfig, seeds: list[int], out: Path) -> dict:
-    rows = []
-    for s in seeds:
-        t = time.perf_counter()
-        r = run(cfg.replace(seed=s, out=str(out / f"{name}-s{s}"), progress=False))
-        rows.append(r)
-        print(f"  {name} seed {s}: loss {r['final_eval_loss']:.4f} goodput {r['goodput']:.3f} "
-              f"({time.perf_counter() - t:.0f} s)", file=sys.stderr, flush=True)
+    jobs = [(name, cfg.replace(seed=s, out=str(out / f"{name}-s{s}"), progress=False))
+            for s in seeds]
+    rows = list(POOL.map(_one, jobs)) if POOL else [_one(j) for j in jobs]
     mean = lambda k: statistics.fmean(r[k] for r in rows)  # noqa: E731
     return {"name": name, "seeds": seeds, "final_eval_loss": mean("final_eval_loss"),
             "entropy_floor": rows[0]["entropy_floor"], "goodput": mean("goodput"),
@@ -45,12 +52,26 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=TrainConfig().steps)
     ap.add_argument("--seeds", type=int, default=2)
     ap.add_argument("--only", default="quality,failures,hetero")
+    ap.add_argument("--workers", type=int, default=2, help="runs in parallel")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                    help="override a TrainConfig field of the base config")
     args = ap.parse_args()
     seeds = list(range(args.seeds))
     out = ROOT / "bench" / "results" / "foundation-runs"
-    base = TrainConfig(learners=4, steps=args.steps)
+    overrides = {}
+    for kv in args.set:
+        k, _, v = kv.partition("=")
+        overrides[k] = json.loads(v) if v[:1] in "0123456789-[{tf\"" else v
+    base = TrainConfig(learners=4, steps=args.steps, **overrides)
+    res_base = {k: v for k, v in base.to_dict().items() if k in overrides or k in (
+        "vocab_size", "batch_size", "block_size", "fragments", "H", "tau", "outer_lr",
+        "outer_momentum", "inner_lr", "codec")}
+    global POOL
+    if args.workers > 1:
+        POOL = concurrent.futures.ProcessPoolExecutor(args.workers)
     parts = set(args.only.split(","))
-    res: dict = {"steps": args.steps, "learners": 4, "seeds": seeds}
+    res: dict = {"steps": args.steps, "learners": 4, "seeds": seeds, "base": res_base,
+                 "command": "python bench/foundation.py " + " ".join(sys.argv[1:])}
     t0 = time.perf_counter()
     if "quality" in parts:
         res["quality"] = [cell(m, base.replace(method=m), seeds, out)
@@ -61,9 +82,16 @@ def main() -> int:
                            for m in ("decoupled", "diloco", "dp")]
     if "hetero" in parts:
         h = preset("hetero", base)
-        res["hetero"] = [cell("K=M", h.replace(quorum=4, grace=False), seeds, out),
-                         cell("K=1", h.replace(quorum=1, grace=False), seeds, out),
-                         cell("K=1+grace", h.replace(quorum=1, grace=True), seeds, out)]
+        res["hetero"] = [
+            cell("K=M", h.replace(quorum=4, grace=False), seeds, out),
+            cell("K=1", h.replace(quorum=1, grace=False), seeds, out),
+            cell("K=1+grace", h.replace(quorum=1, grace=True), seeds, out),
+            cell("K=1, whole step per merge", h.replace(quorum=1, grace=False,
+                                                        scale_partial=False), seeds, out),
+            cell("K=M, step schedule", h.replace(quorum=4, grace=False, schedule="steps"),
+                 seeds, out),
+            cell("K=1+grace, step schedule", h.replace(quorum=1, grace=True, schedule="steps"),
+                 seeds, out)]
     res["wall_s"] = round(time.perf_counter() - t0, 1)
     (ROOT / "bench" / "results").mkdir(parents=True, exist_ok=True)
     (ROOT / "bench" / "results" / "foundation.json").write_text(json.dumps(res, indent=2))
@@ -75,9 +103,9 @@ def main() -> int:
 def write_markdown(res: dict, path: Path) -> None:
     lines = ["# Foundation results (in-process engine)", "",
              f"M = {res['learners']} learners, {res['steps']} inner steps per learner (equal tokens), "
-             f"seeds {res['seeds']}, built-in synthetic language. Produced by "
-             f"`python bench/foundation.py --steps {res['steps']} --seeds {len(res['seeds'])}` "
-             f"in {res['wall_s']:.0f} s on a 2-core CPU.", ""]
+             f"seeds {res['seeds']}, built-in synthetic language; base settings "
+             f"`{json.dumps(res['base'])}`. Produced by `{res['command']}` in "
+             f"{res['wall_s']:.0f} s on a shared 2-core CPU.", ""]
 
     def table(rows, cols):
         out = ["| " + " | ".join(c for c, _ in cols) + " |", "|" + "---|" * len(cols)]
@@ -115,7 +143,10 @@ def write_markdown(res: dict, path: Path) -> None:
             ("mean learners per merge", lambda r: f"{r['mean_quorum']:.2f}"),
             ("final eval loss", lambda r: f"{r['final_eval_loss']:.4f}")])
         lines += ["", "Paper (M = 8): K = 8: goodput 84%, text 54.4; K = 1: 100%, 51.4; "
-                  "K = 1 + grace: 100%, 55.3.", ""]
+                  "K = 1 + grace: 100%, 55.3. 'step schedule': each learner sends fragment p "
+                  "every H of its own steps (fast learners run ahead); default 'time' schedule: "
+                  "learners send p at the same elapsed-time slot. 'whole step per merge': a "
+                  "single-learner merge takes a full outer step instead of 1/M of one.", ""]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
 

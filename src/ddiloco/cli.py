@@ -96,6 +96,10 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--codec", choices=tuple(CODECS), default=None)
     g.add_argument("--fragmentation", choices=STRATEGIES, default=None)
     g.add_argument("--max-staleness", type=int, default=None)
+    g.add_argument("--schedule", choices=("time", "steps"), default=None,
+                   help="send fragments on elapsed time (learners in step) or own step count")
+    g.add_argument("--no-scale-partial", action="store_true",
+                   help="give a partial round a whole outer step")
     g = p.add_argument_group("simulated world (inproc)")
     g.add_argument("--speeds", type=_speeds, default=None,
                    help="per-learner speed factors, e.g. 1,1,0.85,0.85")
@@ -112,7 +116,7 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
 _FLAG_FIELDS = ("method", "learners", "steps", "seed", "out", "model", "data", "batch_size",
                 "inner_optimizer", "inner_lr", "eval_every", "fragments", "H", "tau", "quorum",
                 "gamma", "outer_lr", "outer_momentum", "merge_rule", "alpha", "codec",
-                "fragmentation", "max_staleness", "speeds", "step_noise", "mtbi_s",
+                "fragmentation", "max_staleness", "schedule", "speeds", "step_noise", "mtbi_s",
                 "downtime_s", "latency_s", "bandwidth_Bps")
 
 
@@ -125,6 +129,8 @@ def train_config_from_args(args: argparse.Namespace):
     changes = {f: getattr(args, f) for f in _FLAG_FIELDS if getattr(args, f, None) is not None}
     if args.no_grace:
         changes["grace"] = False
+    if args.no_scale_partial:
+        changes["scale_partial"] = False
     if args.no_progress or args.json:
         changes["progress"] = False
     method = changes.get("method", cfg.method)

@@ -94,6 +94,8 @@ class TrainConfig:
     """When a learner sends fragment p: ``time`` (at its slot in elapsed time, in units of
     step_time_s: learners of different speeds send together, so the grace window can
     gather them) or ``steps`` (every H of its own inner steps)."""
+    scale_partial: bool = True
+    """Scale a round that merges k of n live learners to k/n of an outer step."""
     max_staleness: int = 16
     """Pushes more than this many versions behind are dropped."""
     anchor: str = "current"
