@@ -61,7 +61,10 @@ def main() -> int:
     overrides = {}
     for kv in args.set:
         k, _, v = kv.partition("=")
-        overrides[k] = json.loads(v) if v[:1] in "0123456789-[{tf\"" else v
+        try:
+            overrides[k] = json.loads(v)
+        except json.JSONDecodeError:
+            overrides[k] = v
     base = TrainConfig(learners=4, steps=args.steps, **overrides)
     res_base = {k: v for k, v in base.to_dict().items() if k in overrides or k in (
         "vocab_size", "batch_size", "block_size", "fragments", "H", "tau", "outer_lr",
