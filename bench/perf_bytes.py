@@ -1,0 +1,61 @@
+"""Target 5: bytes on the wire per inner step, measured on the in-process engine
+(``ddiloco.engine.run``) for DP, DiLoCo, Streaming DiLoCo and Decoupled DiLoCo at each
+codec; ratio to DP at fp32. Runs are tiny (bytes per step do not depend on length)."""
+
+from __future__ import annotations
+
+import tempfile
+
+from ddiloco.config import TrainConfig
+from ddiloco.engine import run
+from perf_common import row
+
+METHODS = ("dp", "diloco", "streaming", "decoupled")
+CODECS = ("fp32", "bf16", "int8", "int4")
+
+
+def main(quick: bool = False) -> dict:
+    steps, H, P, M = (24, 24, 8, 4)  # noqa: N806
+    codecs = ("fp32", "int4") if quick else CODECS
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for method in METHODS:
+            variants = [(c, "fp32") for c in codecs]
+            if method == "decoupled":
+                variants.append(("int4", "bf16"))
+            for codec, down in variants:
+                key = f"{method}/{codec}" + ("" if down == "fp32" else f"+{down}-down")
+                cfg = TrainConfig(method=method, codec=codec, down_codec=down, steps=steps,
+                                  H=H, fragments=P,
+                                  learners=M, eval_every=10_000, eval_batches=1,
+                                  progress=False, out=f"{tmp}/{key}".replace("+", "_"))
+                s = run(cfg)
+                n = s["learners"] * s["steps"]
+                out[key] = {
+                    "up_per_learner_step": s["bytes_up"] / n,
+                    "down_per_learner_step": s["bytes_down"] / n,
+                    "total_per_learner_step": (s["bytes_up"] + s["bytes_down"]) / n}
+    dp = out["dp/fp32"]["total_per_learner_step"]
+    dp_up = out["dp/fp32"]["up_per_learner_step"]
+    for v in out.values():
+        v["dp_fp32_over_this"] = dp / v["total_per_learner_step"]
+        v["dp_fp32_over_this_up"] = dp_up / v["up_per_learner_step"]
+    best = out["decoupled/int4"]["dp_fp32_over_this"]
+    up = out["decoupled/int4"]["dp_fp32_over_this_up"]
+    bf = out["decoupled/int4+bf16-down"]["dp_fp32_over_this"]
+    notes = "; ".join(f"{k}: {v['up_per_learner_step']:.0f} B up + "
+                      f"{v['down_per_learner_step']:.0f} B down/step, DP/x {v['dp_fp32_over_this']:.1f}"
+                      for k, v in out.items())
+    return {"rows": [row("5. bytes per inner step vs DP (decoupled, int4 up)",
+                         f"DP-fp32 / decoupled-int4: {best:.0f}x up+down (fp32 down), "
+                         f"{bf:.0f}x (bf16 down), {up:.0f}x up only",
+                         ">= 100x (paper: ~1000x with int4)", best >= 100, notes,
+                         ratio=best, ratio_up=up, ratio_bf16_down=bf)],
+            "details": {"config": {"steps": steps, "H": H, "P": P, "M": M,
+                                   "model": "gpt_tiny", "down_codec": "fp32"},
+                        "per_step": out}}
+
+
+if __name__ == "__main__":
+    import json
+    print(json.dumps(main(quick=True), indent=1))

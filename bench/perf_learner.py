@@ -1,0 +1,95 @@
+"""Target 1: learner overhead. One learner (gpt_small on CPU, AdamW) trains in this process
+against a syncer in its own process, Decoupled DiLoCo with P = H = 24, tau = 2, bf16 codec.
+Blocks of H inner steps alternate between sync on (``DecoupledLearner.step`` after every
+optimizer step: snapshot, sends, installs; the background threads encode, push, fetch,
+decode) and sync off (the same loop without ``step``), same model, same run. Between blocks
+the learner is left to go idle (send queue empty), so each off block starts clean; the on
+blocks' steady-state overhead includes every push they trigger except the last one or two
+still in flight at the block's end. Ratio = off step time / on step time."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from datetime import timedelta
+
+import torch
+
+from perf_common import (PROFILES, SyncerProc, pyspy_start, row, summarise_collapsed,
+                         wait_proc)
+
+THRESHOLD = 0.97
+
+
+def main(quick: bool = False) -> dict:
+    from ddiloco.models import build_model
+    from ddiloco.runtime.learner_client import DecoupledLearner
+    H, P, tau = 24, 24, 2  # noqa: N806
+    if quick:
+        model = build_model("gpt_tiny", n_layer=4)
+        B, T, reps, name = 8, 64, 4, "gpt_tiny(n_layer=4)"  # noqa: N806
+    else:
+        model = build_model("gpt_small")
+        B, T, reps, name = 8, 128, 6, "gpt_small"  # noqa: N806
+    P = min(P, len(list(model.parameters())))  # noqa: N806
+    V = model.cfg.vocab_size if hasattr(model, "cfg") else 256  # noqa: N806
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, V, (B, T), generator=g)
+    y = torch.randint(0, V, (B, T), generator=g)
+
+    def train_step() -> None:
+        opt.zero_grad(set_to_none=True)
+        _, loss = model(x, y)
+        loss.backward()
+        opt.step()
+
+    for _ in range(3):
+        train_step()
+    times = {"on": [], "off": []}
+    spy = None
+    with SyncerProc(threads=1) as sy, DecoupledLearner(
+            model, syncer=sy.address, learner=0, P=P, H=H, tau=tau, codec="bf16",
+            token="perf-bench-token", heartbeat_interval=timedelta(milliseconds=500)) as dl:
+        if not quick:
+            # estimate the run length for the profiler from one block of steps
+            t = time.perf_counter()
+            for _ in range(4):
+                train_step()
+            est = (time.perf_counter() - t) / 4 * H * 2 * reps * 1.3 + 10
+            spy = pyspy_start(os.getpid(), est, PROFILES / "learner.raw")
+        for rep in range(reps):
+            for mode in (("on", "off") if rep % 2 == 0 else ("off", "on")):
+                while not dl._sendq.empty():  # idle between blocks
+                    time.sleep(0.01)
+                time.sleep(0.2)
+                t0 = time.perf_counter()
+                for _ in range(H):
+                    train_step()
+                    if mode == "on":
+                        dl.step(B * T)
+                times[mode].append((time.perf_counter() - t0) / H)
+        stats = dict(dl.stats)
+    wait_proc(spy, 120)
+    prof = ""
+    if spy is not None:
+        prof = summarise_collapsed(PROFILES / "learner.raw", PROFILES / "learner.txt",
+                                   f"learner process ({name}, P=H={H}, tau={tau}, bf16) "
+                                   f"during perf_learner, sync on and off blocks")
+    on, off = statistics.median(times["on"]), statistics.median(times["off"])
+    ratio = off / on
+    return {"rows": [row("1. learner throughput with sync / without (P=H=24, tau=2, bf16)",
+                         f"{ratio:.1%} (step {on * 1e3:.0f} ms on, {off * 1e3:.0f} ms off)",
+                         f">= {THRESHOLD:.0%}", ratio >= THRESHOLD,
+                         f"{name}, batch {B}x{T}, {reps} on + {reps} off blocks of {H} steps "
+                         f"(median of blocks); pushes {stats['pushes']}, installs "
+                         f"{stats['installs']}; fp32 compute on CPU (bf16 = wire codec)",
+                         ratio=ratio)],
+            "details": {"block_step_s": times, "stats": stats, "model": name,
+                        "profile": bool(prof)}}
+
+
+if __name__ == "__main__":
+    import json
+    print(json.dumps(main(quick=True), indent=1))
