@@ -44,7 +44,7 @@ class TrainConfig:
     """Sequences per inner step per learner."""
     block_size: int = 64
     """Tokens per sequence."""
-    vocab_size: int = 64
+    vocab_size: int = 32
     """Vocabulary of the built-in synthetic language (and the model)."""
     inner_optimizer: str = "adamw"
     """Inner optimizer of each learner: adamw or sgd."""
