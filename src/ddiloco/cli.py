@@ -10,27 +10,9 @@ import json
 import sys
 from collections.abc import Sequence
 
+from ddiloco.argtypes import nonneg_float, positive_int
+
 __all__ = ["main", "build_parser", "train_config_from_args"]
-
-
-def _positive_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
-
-
-def _nonneg_float(s: str) -> float:
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
-    if not v >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {s}")
-    return v
 
 
 def _speeds(s: str) -> tuple[float, ...]:
@@ -60,8 +42,8 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--preset", choices=tuple(PRESETS), default="default",
                    help="failures: each learner down ~15%% of the time; hetero: half the "
                    "learners 18%% slower plus 10%% step noise")
-    g.add_argument("--learners", "-M", type=_positive_int, default=4)
-    g.add_argument("--steps", type=_positive_int, default=600, help="inner steps per learner")
+    g.add_argument("--learners", "-M", type=positive_int, default=4)
+    g.add_argument("--steps", type=positive_int, default=600, help="inner steps per learner")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--out", default="runs/latest", help="run directory")
     g.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -69,7 +51,7 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
     g = p.add_argument_group("processes engine")
     g.add_argument("--chaos", default=None,
                    help="chaos preset (none, kill30, stragglers, syncer-kill, wan) or a JSON file")
-    g.add_argument("--island-size", type=_positive_int, default=None,
+    g.add_argument("--island-size", type=positive_int, default=None,
                    help="ranks per learner (a torchrun island running DDP inside)")
     g.add_argument("--port", type=int, default=None, help="syncer port (default: ephemeral)")
     g = p.add_argument_group("model and inner optimizer")
@@ -77,16 +59,16 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
                    help="model preset: gpt_tiny, gpt_small, moe_tiny, vit_digits, ...")
     g.add_argument("--data", default=None,
                    help="synthetic (default), text:PATH, bin:PATH, hf:PATH, digits, images:PATH")
-    g.add_argument("--batch-size", type=_positive_int, default=16)
+    g.add_argument("--batch-size", type=positive_int, default=16)
     g.add_argument("--inner-optimizer", choices=INNER_OPTIMIZERS, default="adamw")
     g.add_argument("--inner-lr", type=float, default=None)
-    g.add_argument("--eval-every", type=_positive_int, default=100)
+    g.add_argument("--eval-every", type=positive_int, default=100)
     g = p.add_argument_group("synchronisation")
-    g.add_argument("--fragments", "-P", type=_positive_int, default=None)
-    g.add_argument("-H", type=_positive_int, default=None, dest="H",
+    g.add_argument("--fragments", "-P", type=positive_int, default=None)
+    g.add_argument("-H", type=positive_int, default=None, dest="H",
                    help="inner steps between syncs of a fragment")
     g.add_argument("--tau", type=int, default=None, help="overlap steps")
-    g.add_argument("--quorum", "-K", type=_positive_int, default=None)
+    g.add_argument("--quorum", "-K", type=positive_int, default=None)
     g.add_argument("--no-grace", action="store_true", help="disable the adaptive grace window")
     g.add_argument("--gamma", type=float, default=None)
     g.add_argument("--outer-lr", type=float, default=None)
@@ -103,12 +85,12 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
     g = p.add_argument_group("simulated world (inproc)")
     g.add_argument("--speeds", type=_speeds, default=None,
                    help="per-learner speed factors, e.g. 1,1,0.85,0.85")
-    g.add_argument("--step-noise", type=_nonneg_float, default=None)
-    g.add_argument("--mtbi-s", type=_nonneg_float, default=None,
+    g.add_argument("--step-noise", type=nonneg_float, default=None)
+    g.add_argument("--mtbi-s", type=nonneg_float, default=None,
                    help="mean up-time between a learner's failures (step = 1 s)")
-    g.add_argument("--downtime-s", type=_nonneg_float, default=None)
-    g.add_argument("--latency-s", type=_nonneg_float, default=None)
-    g.add_argument("--bandwidth-Bps", type=_nonneg_float, default=None, dest="bandwidth_Bps")
+    g.add_argument("--downtime-s", type=nonneg_float, default=None)
+    g.add_argument("--latency-s", type=nonneg_float, default=None)
+    g.add_argument("--bandwidth-Bps", type=nonneg_float, default=None, dest="bandwidth_Bps")
     p.set_defaults(func=_cmd_train)
     return p
 

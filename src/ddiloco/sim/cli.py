@@ -9,35 +9,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import sys
 from collections.abc import Sequence
+
+from ddiloco.argtypes import positive_float, positive_int
 
 __all__ = ["add_simulate_parser", "add_bandwidth_parser", "build_parser", "main"]
 
 
-def _positive_int(text: str) -> int:
-    try:
-        v = int(float(text)) if "e" in text.lower() else int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
-
-
-def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not (v > 0 and math.isfinite(v)):
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return v
-
-
 def _fraction(text: str) -> float:
-    v = _positive_float(text)
+    v = positive_float(text)
     if v > 1:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
     return v
@@ -52,18 +33,18 @@ def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
         description="Event-driven chaos simulation with the calibrated costs "
                     "(see docs/simulator.md). Goodput and uptime with 95%% CIs over seeds.")
     p.add_argument("--system", choices=("dp", "elastic-dp", "decoupled"))
-    p.add_argument("--chips", type=_positive_int, help="N: chips in the cluster")
-    p.add_argument("--learners", type=_positive_int, help="M (decoupled only; default 8)")
-    p.add_argument("--quorum", type=_positive_int, help="K, 1 <= K <= M (decoupled only)")
+    p.add_argument("--chips", type=positive_int, help="N: chips in the cluster")
+    p.add_argument("--learners", type=positive_int, help="M (decoupled only; default 8)")
+    p.add_argument("--quorum", type=positive_int, help="K, 1 <= K <= M (decoupled only)")
     p.add_argument("--no-grace", action="store_true", help="decoupled: no grace window")
-    p.add_argument("--mtbi-years", type=_positive_float, default=1.0,
+    p.add_argument("--mtbi-years", type=positive_float, default=1.0,
                    help="per-chip mean time between interruptions (default 1)")
-    p.add_argument("--weibull-shape", type=_positive_float,
+    p.add_argument("--weibull-shape", type=positive_float,
                    help="Weibull failures with this shape instead of Poisson")
-    p.add_argument("--seeds", type=_positive_int, default=5)
-    p.add_argument("--hours", type=_positive_float, default=6.0,
+    p.add_argument("--seeds", type=positive_int, default=5)
+    p.add_argument("--hours", type=positive_float, default=6.0,
                    help="simulated hours per seed (default 6)")
-    p.add_argument("--target-ci", type=_positive_float,
+    p.add_argument("--target-ci", type=positive_float,
                    help="add seeds until the goodput 95%% half-width is <= this (in pp)")
     p.add_argument("--field-costs", action="store_true",
                    help="use field-typical costs instead of the calibrated ones")
@@ -189,23 +170,23 @@ def add_bandwidth_parser(subparsers) -> argparse.ArgumentParser:
         description="Compute-utilisation model of DP, DiLoCo, Streaming DiLoCo and Decoupled "
                     "DiLoCo across D datacenters (see docs/bandwidth.md for the assumptions).")
     p.add_argument("--method", choices=METHODS, help="one method (default: all)")
-    p.add_argument("--params", type=_positive_float, default=5e9, help="N parameters")
-    p.add_argument("--step-time", type=_positive_float, default=1.0, help="T seconds")
-    p.add_argument("--datacenters", type=_positive_int, default=8, help="D >= 2")
-    p.add_argument("--up-bits", type=_positive_int, default=16,
+    p.add_argument("--params", type=positive_float, default=5e9, help="N parameters")
+    p.add_argument("--step-time", type=positive_float, default=1.0, help="T seconds")
+    p.add_argument("--datacenters", type=positive_int, default=8, help="D >= 2")
+    p.add_argument("--up-bits", type=positive_int, default=16,
                    help="bits/param a learner sends (16 bf16, 4 int4)")
-    p.add_argument("--down-bits", type=_positive_int, default=16)
-    p.add_argument("--grad-bits", type=_positive_int, default=16)
-    p.add_argument("--fragments", type=_positive_int, default=24, help="P")
-    p.add_argument("--inner-steps", type=_positive_int, default=24, help="H")
+    p.add_argument("--down-bits", type=positive_int, default=16)
+    p.add_argument("--grad-bits", type=positive_int, default=16)
+    p.add_argument("--fragments", type=positive_int, default=24, help="P")
+    p.add_argument("--inner-steps", type=positive_int, default=24, help="H")
     p.add_argument("--tau", type=int, default=2)
     p.add_argument("--latency", type=float, default=0.0, help="seconds per transfer")
     p.add_argument("--target-cu", type=_fraction, default=0.95,
                    help="utilisation for the minimum-bandwidth answer (default 0.95)")
-    p.add_argument("--bandwidth-gbps", type=_positive_float,
+    p.add_argument("--bandwidth-gbps", type=positive_float,
                    help="also report utilisation (and training time) at this bandwidth")
-    p.add_argument("--tokens", type=_positive_float, help="token budget for time to train")
-    p.add_argument("--tokens-per-step", type=_positive_float, default=4 * 2**20)
+    p.add_argument("--tokens", type=positive_float, help="token budget for time to train")
+    p.add_argument("--tokens-per-step", type=positive_float, default=4 * 2**20)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_run_bandwidth, _parser=p)
     return p
