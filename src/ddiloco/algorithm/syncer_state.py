@@ -325,12 +325,7 @@ class SyncerState:
         self.outer.step(theta, update, momentum)
         if not all(bool(torch.isfinite(t).all()) for t in theta):
             # finite pushes can still overflow (a diverging learner): never publish inf/NaN
-            for c in contribs:
-                led = self.ledger[c.learner]
-                led.tokens_pending -= c.c_tokens
-                led.tokens_dropped += c.c_tokens
-                led.pushes_dropped += 1
-            s.round = _Round()
+            self._settle(s, contribs, merged=False)
             self.nonfinite_merges += 1
             return None
         if self.config.history > 0:
@@ -339,17 +334,25 @@ class SyncerState:
                 s.history.popleft()
         s.theta, s.momentum = theta, momentum
         s.version += 1
-        for c in contribs:
-            led = self.ledger[c.learner]
-            led.tokens_pending -= c.c_tokens
-            led.tokens_merged += c.c_tokens
-            led.pushes_merged += 1
-        s.round = _Round()
+        self._settle(s, contribs, merged=True)
         self.merges += 1
         self.quorum_sizes.append(len(contribs))
         return Merged(fragment=p, version=s.version, params=[t.clone() for t in s.theta],
                       learners=tuple(c.learner for c in contribs), weights=tuple(weights),
                       reason=reason, at_s=now_s)
+
+    def _settle(self, s: _FragmentState, contribs: list[Contribution], *, merged: bool) -> None:
+        """Close fragment s's round: its pushes' tokens move from pending to merged/dropped."""
+        for c in contribs:
+            led = self.ledger[c.learner]
+            led.tokens_pending -= c.c_tokens
+            if merged:
+                led.tokens_merged += c.c_tokens
+                led.pushes_merged += 1
+            else:
+                led.tokens_dropped += c.c_tokens
+                led.pushes_dropped += 1
+        s.round = _Round()
 
     def _validate(self, c: Contribution) -> str:
         if not 0 <= c.fragment < len(self.frags):
