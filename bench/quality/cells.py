@@ -9,16 +9,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# The study's base: M = 4 learners on the built-in synthetic language (V = 32), gpt_tiny,
-# equal tokens for every method. Decoupled settings are the paper's defaults except P = 8
-# fragments (gpt_tiny has 29 tensors) and the inner learning rate, picked for this task.
+# The study's base: M = 4 learners on the built-in synthetic language, gpt_tiny, equal
+# tokens for every method. The DiLoCo-family settings are not the paper's defaults (H = 24,
+# tau = 2, outer Nesterov 0.7 / 0.9): on this tiny, short CPU task those are far from DP, so
+# the base syncs each fragment every H = 8 steps with tau = 1 and plain outer steps
+# (lr 1, no momentum), the best of a small pilot; (a) also runs the paper's defaults.
+# V = 16 and 32-token sequences keep the whole study within the CPU budget.
 BASE: dict = dict(
     method="decoupled", engine="inproc", learners=4, steps=400,
-    model="gpt_tiny", data="synthetic", batch_size=16, block_size=64, vocab_size=32,
-    inner_optimizer="adamw", inner_lr=3e-3, weight_decay=0.0, lr_schedule="cosine",
+    model="gpt_tiny", data="synthetic", batch_size=16, block_size=32, vocab_size=16,
+    inner_optimizer="adamw", inner_lr=1e-2, weight_decay=0.0, lr_schedule="cosine",
     warmup_steps=30, min_lr_frac=0.1, eval_every=50, eval_batches=8,
-    fragments=8, H=24, tau=2, quorum=1, grace=True, gamma=0.5,
-    outer_lr=0.7, outer_momentum=0.9, merge_rule="rda", alpha=0.0,
+    fragments=4, H=8, tau=1, quorum=1, grace=True, gamma=0.5,
+    outer_lr=1.0, outer_momentum=0.0, merge_rule="rda", alpha=0.0,
     codec="bf16", down_codec="fp32", fragmentation="balanced", max_staleness=16,
     anchor="current",
     step_time_s=1.0, speeds=(), step_noise=0.0, mtbi_s=0.0, downtime_s=0.0,
@@ -31,6 +34,9 @@ FAILURES = dict(mtbi_s=170.0, downtime_s=30.0)
 # Heterogeneous speeds: half the learners 18% slower, 10% step-time noise (the "hetero"
 # preset for M = 4, spelled out).
 HETERO = dict(speeds=(1.0, 1.0, 1 / 1.18, 1 / 1.18), step_noise=0.1)
+
+# The paper's (and TrainConfig's) DiLoCo-family defaults, for comparison in (a).
+PAPER_DEFAULTS = dict(fragments=8, H=24, tau=2, outer_lr=0.7, outer_momentum=0.9)
 
 # (f): P = 3 for the layer-based strategies (gpt_tiny has 6 layers: with P = 6 per-layer
 # and strided coincide); per-tensor gives one fragment per tensor (29), so H = 30 for all.
@@ -69,22 +75,24 @@ def cells(quick: bool = False) -> list[Cell]:
 
     # a) every method at equal tokens (local: one learner alone, a quarter of the tokens)
     for m in ("local", "dp", "diloco", "streaming", "decoupled"):
-        add("a", m, dict(method=m), two)
-    # b) failures
-    for m in ("dp", "diloco", "streaming", "decoupled"):
-        add("b", f"{m}+failures", dict(method=m, **FAILURES), two)
+        add("a", m, dict(method=m), two if m in ("dp", "decoupled") else one)
+    add("a", "decoupled, paper defaults", dict(PAPER_DEFAULTS, method="decoupled"), one)
+    # b) failures (a synchronous method's loss does not change with failures, only its time)
+    for m in ("dp", "diloco", "streaming"):
+        add("b", f"{m}+failures", dict(method=m, **FAILURES), one)
+    add("b", "decoupled+failures", dict(method="decoupled", **FAILURES), two)
     # c) heterogeneous speeds
-    add("c", "K=M", dict(HETERO, quorum=M, grace=False), two)
-    add("c", "K=1", dict(HETERO, quorum=1, grace=False), two)
-    add("c", "K=1+grace", dict(HETERO, quorum=1, grace=True), two)
+    add("c", "K=M", dict(HETERO, quorum=M, grace=False), one)
+    add("c", "K=1", dict(HETERO, quorum=1, grace=False), one)
+    add("c", "K=1+grace", dict(HETERO, quorum=1, grace=True), one)
     # d) merge rule at M = 8 and 16, equal total tokens (fewer steps per learner)
     for m in (8, 16):
         for rule in ("rda", "average"):
             add("d", f"M={m} {rule}", dict(learners=m, steps=steps * M // m, merge_rule=rule),
-                two, M=m, rule=rule)
+                two if m == 8 else one, M=m, rule=rule)
     # e) codecs (bf16 is the base decoupled run of (a))
     for c in ("bf16", "int4", "int2", "1bit"):
-        add("e", c, dict(codec=c), two, codec=c)
+        add("e", c, dict(codec=c), one if c == "1bit" else two, codec=c)
     # f) fragmentation
     for s in ("balanced", "per-layer", "strided", "per-tensor"):
         P = 29 if s == "per-tensor" else FRAG_P  # noqa: N806
@@ -98,7 +106,7 @@ def cells(quick: bool = False) -> list[Cell]:
     vis = dict(model="vit_digits", data="digits", eval_batches=22)
     add("h", "dp", dict(vis, method="dp"), two)
     add("h", "decoupled", dict(vis, method="decoupled"), two)
-    add("h", "decoupled+failures", dict(vis, method="decoupled", **FAILURES), two)
+    add("h", "decoupled+failures", dict(vis, method="decoupled", **FAILURES), one)
     return out
 
 

@@ -19,6 +19,7 @@ DIR/quality/*.png, DIR/runs/).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -46,7 +47,9 @@ def _run_one(job: dict) -> dict:
     from ddiloco.config import TrainConfig
     from ddiloco.engine import run
 
-    cfg = TrainConfig(**job["config"], seed=job["seed"], out=job["dir"], progress=False)
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    config = {k: v for k, v in job["config"].items() if k in known}
+    cfg = TrainConfig(**config, seed=job["seed"], out=job["dir"], progress=False)
     summary = run(cfg)
     return {"key": job["key"], "summary": summary}
 
@@ -139,6 +142,33 @@ def aggregate(cell, summaries: list[dict], dirs: list[Path]) -> dict:
     return out
 
 
+def _pinning(base: dict) -> dict:
+    """TrainConfig fields the study leaves at their defaults, and base keys the installed
+    TrainConfig does not know (both reported in the markdown, never silent)."""
+    from ddiloco.config import TrainConfig
+
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    default = TrainConfig()
+    unpinned = {n: getattr(default, n) for n in fields
+                if n not in base and n not in ("seed", "out", "progress")}
+    return {"unpinned_defaults": _jsonable(unpinned),
+            "unknown_base_keys": sorted(k for k in base if k not in fields)}
+
+
+def _git_state() -> str:
+    """The commit the study ran on, noting uncommitted changes under src/."""
+    import subprocess
+
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                             text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "src"], cwd=ROOT,
+                               capture_output=True, text=True, check=True).stdout.split()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return rev + (f" (uncommitted changes in {', '.join(dirty[1::2])})" if dirty else "")
+
+
 def _display(p: Path) -> str:
     try:
         return str(p.resolve().relative_to(ROOT))
@@ -155,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--resume", action="store_true",
                     help="reuse finished runs whose summary.json matches the cell's config")
     ap.add_argument("--only", default="abcdefgh", help="sections to run, e.g. abe")
+    ap.add_argument("--render-only", action="store_true",
+                    help="rewrite the markdown and plots from the existing quality.json (no runs)")
     args = ap.parse_args(argv)
 
     if args.out is None:
@@ -170,6 +202,12 @@ def main(argv: list[str] | None = None) -> int:
         md_path = ROOT / "bench" / "results" / "quality-quick.md"
         png_dir = ROOT / "bench" / "results" / "quality-quick"
         runs_dir = ROOT / "bench" / "results" / "quality-quick-runs"
+    if args.render_only:
+        from report import write_report
+
+        write_report(json.loads(json_path.read_text()), md_path, png_dir)
+        print(json.dumps({"markdown": str(md_path), "plots": str(png_dir)}))
+        return 0
     if runs_dir.exists() and not args.resume:
         shutil.rmtree(runs_dir)
 
@@ -229,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         "cpu_count": os.cpu_count(), "loadavg_end": list(os.getloadavg()),
         "run_cpu_s": round(sum(results[k].get("wall_s", 0.0) for k in jobs), 1),
         "base": _jsonable(base_config(args.quick)), "cells": agg,
+        "git": _git_state(), **_pinning(base_config(args.quick)),
         "sections": SECTIONS, "json_name": _display(json_path), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }
     json_path.parent.mkdir(parents=True, exist_ok=True)
