@@ -335,7 +335,8 @@ class Launcher:
             if s.state == "running":
                 self._signal(s, signal.SIGKILL)
                 s.popen.wait()
-                s.state, s.restart_at, s.kills = "down", now + ev.duration_s, s.kills + 1
+                # downtime counts from the moment the process is gone
+                s.state, s.restart_at, s.kills = "down", self._now() + ev.duration_s, s.kills + 1
                 self.chaos_log.write("kill-syncer", downtime_s=ev.duration_s)
             return
         pool = [p for p in self._learners() if p.state == "running"]
@@ -346,7 +347,7 @@ class Launcher:
             self._signal(p, signal.SIGKILL)
             p.popen.wait()
             p.exit_codes.append(p.popen.returncode)
-            p.state, p.restart_at, p.kills = "down", now + ev.duration_s, p.kills + 1
+            p.state, p.restart_at, p.kills = "down", self._now() + ev.duration_s, p.kills + 1
             self.chaos_log.write("kill-learner", target=p.name, downtime_s=ev.duration_s,
                                  step=self._step_of(p.name))
         elif ev.kind == "stop-learner":
