@@ -3,7 +3,10 @@ pushes are rejected with typed errors and the global model is unchanged."""
 
 from __future__ import annotations
 
+import time
+
 import grpc
+
 import pytest
 import torch
 
@@ -132,6 +135,7 @@ def test_hook_api_trains_against_the_syncer(syncer_factory):
         for _ in range(24):
             _, loss = model(x[:, :-1], x[:, 1:])
             loss.backward()
+            time.sleep(0.05)  # a step of real length, so merged fragments can come back in tau
             opt.step()
             opt.zero_grad()
         assert dl.sync.step == 24

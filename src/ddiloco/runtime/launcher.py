@@ -96,6 +96,7 @@ class Launcher:
         self._reports: dict[tuple[int, int], dict] = {}
         self._status: dict | None = None
         self._closed = False
+        self._stop_requested = False
         self._fired: set = set()
         self.env = dict(os.environ)
         from ddiloco.runtime.auth import TOKEN_ENV, new_token
@@ -222,9 +223,12 @@ class Launcher:
         events = chaos_schedule(self.chaos, horizon_s=24 * 3600.0)
         interrupted = False
         if threading.current_thread() is threading.main_thread():
-            def _term(*_):  # SIGTERM stops the run like Ctrl-C: no orphans
-                raise KeyboardInterrupt
-            signal.signal(signal.SIGTERM, _term)
+            # Ctrl-C and SIGTERM set a flag that the supervision loop acts on: an exception
+            # raised inside a blocking gRPC status call could be swallowed as an RPC error
+            def _stop(*_):
+                self._stop_requested = True
+            signal.signal(signal.SIGTERM, _stop)
+            signal.signal(signal.SIGINT, _stop)
         try:
             self.procs["syncer"] = _Proc("syncer", self._syncer_cmd(False),
                                          self.out / "logs" / "syncer.log")
@@ -266,6 +270,8 @@ class Launcher:
         rng_pick = lambda draw, pool: pool[min(int(draw * len(pool)), len(pool) - 1)]  # noqa: E731
         syncer = self.procs["syncer"]
         while True:
+            if self._stop_requested:
+                raise KeyboardInterrupt
             now = self._now()
             for p in self._learners():
                 if p.state in ("running", "stopped") and p.popen.poll() is not None:
