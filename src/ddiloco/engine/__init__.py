@@ -13,9 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from ddiloco.config import TrainConfig
-from ddiloco.data import DataConfig, build_eval_batches
-from ddiloco.data.synthetic import MarkovLanguage
-from ddiloco.engine.common import Recorder, data_config, evaluate_metrics, new_model
+from ddiloco.data import DataConfig
+from ddiloco.engine.common import Recorder, eval_setup, evaluate_metrics, new_model
 
 __all__ = ["run", "RunContext"]
 
@@ -45,11 +44,7 @@ def run(cfg: TrainConfig) -> dict:
         raise ValueError("ddiloco.engine.run drives the inproc engine; use the launcher for "
                          "engine='processes'")
     torch.set_num_threads(1)
-    data = data_config(cfg)
-    lang = MarkovLanguage(data.markov) if data.kind == "synthetic" else None
-    floor = lang.sequence_floor(cfg.block_size) if lang is not None else None
-    evals = build_eval_batches(data, n_batches=cfg.eval_batches, batch_size=cfg.batch_size,
-                               block_size=cfg.block_size, seed=cfg.seed)
+    data, lang, floor, evals = eval_setup(cfg)
     recorder = Recorder(cfg)
     ctx = RunContext(data=data, evals=evals, floor=floor, global_model=new_model(cfg),
                      recorder=recorder)

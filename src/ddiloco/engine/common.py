@@ -18,12 +18,12 @@ import torch
 from ddiloco.algorithm.codecs import get_codec
 from ddiloco.algorithm.fragments import Fragmentation, fragment_model
 from ddiloco.config import TrainConfig
-from ddiloco.data import DataConfig, build_stream, parse_data_spec
+from ddiloco.data import DataConfig, build_eval_batches, build_stream, parse_data_spec
 from ddiloco.data.synthetic import MarkovConfig, MarkovLanguage
 from ddiloco.models import build_model
 
 __all__ = ["World", "Worker", "EventQueue", "Recorder", "build_workers", "evaluate",
-           "evaluate_metrics", "make_language", "data_config", "is_image_model"]
+           "evaluate_metrics", "make_language", "data_config", "eval_setup", "is_image_model"]
 
 _WORLD_DOMAIN = 7919  # keeps the world's random streams apart from the data's
 
@@ -39,6 +39,17 @@ def data_config(cfg: TrainConfig) -> DataConfig:
         return DataConfig(kind="synthetic", markov=MarkovConfig(vocab_size=cfg.vocab_size,
                                                                 seed=cfg.seed))
     return d
+
+
+def eval_setup(cfg: TrainConfig) -> tuple[DataConfig, MarkovLanguage | None, float | None, list]:
+    """The run's data source, its synthetic language (None for other data), the entropy
+    floor of the eval sequences (None without a known floor) and the held-out batches."""
+    data = data_config(cfg)
+    lang = MarkovLanguage(data.markov) if data.kind == "synthetic" else None
+    floor = lang.sequence_floor(cfg.block_size) if lang is not None else None
+    evals = build_eval_batches(data, n_batches=cfg.eval_batches, batch_size=cfg.batch_size,
+                               block_size=cfg.block_size, seed=cfg.seed)
+    return data, lang, floor, evals
 
 
 def is_image_model(cfg: TrainConfig) -> bool:

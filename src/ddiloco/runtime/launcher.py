@@ -406,19 +406,12 @@ class Launcher:
     def _summarise(self, final_params, interrupted: bool) -> dict:
         import torch
 
-        from ddiloco.data import build_eval_batches
-        from ddiloco.data.synthetic import MarkovLanguage
-        from ddiloco.engine.common import evaluate, new_model
-        from ddiloco.runtime.learner_main import data_config
+        from ddiloco.engine.common import eval_setup, evaluate, new_model
         from ddiloco.runtime.spec import fragmentation_from_spec, model_spec
 
         c = self.cfg
         torch.set_num_threads(1)
-        data = data_config(c)
-        lang = MarkovLanguage(data.markov) if data.kind == "synthetic" else None
-        floor = lang.sequence_floor(c.block_size) if lang is not None else None
-        evals = build_eval_batches(data, n_batches=c.eval_batches, batch_size=c.batch_size,
-                                   block_size=c.block_size, seed=c.seed)
+        data, lang, floor, evals = eval_setup(c)
         model = new_model(c)
         init_loss = evaluate(model, evals)
         n_params = sum(p.numel() for p in model.parameters())

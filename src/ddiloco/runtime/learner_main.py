@@ -22,22 +22,12 @@ import torch
 
 from ddiloco.config import TrainConfig
 from ddiloco.data import build_stream
-from ddiloco.engine import common as _engine
-from ddiloco.engine.common import new_model, new_optimizer, set_lr
+from ddiloco.engine.common import data_config, new_model, new_optimizer, set_lr
 from ddiloco.runtime.learner_client import DecoupledLearner, LinkLimits
 
-__all__ = ["run_learner", "data_config"]
+__all__ = ["run_learner"]
 
 log = logging.getLogger("ddiloco.learner")
-
-
-def data_config(cfg: TrainConfig):
-    """The run's data source, exactly as the in-process engine builds it."""
-    if hasattr(_engine, "data_config"):
-        return _engine.data_config(cfg)
-    from ddiloco.data import DataConfig
-    from ddiloco.data.synthetic import MarkovConfig
-    return DataConfig(kind="synthetic", markov=MarkovConfig(vocab_size=cfg.vocab_size, seed=cfg.seed))
 
 
 def _write_json_atomic(path: Path, obj: dict) -> None:
