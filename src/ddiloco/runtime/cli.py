@@ -57,6 +57,9 @@ def add_syncer_parser(subparsers) -> argparse.ArgumentParser:
                    help="1: every merge durable before publication; N: every N merges")
     p.add_argument("--resume", action="store_true", help="resume from --checkpoint-dir")
     p.add_argument("--metrics-file", help="append merge/reject/membership events (JSONL)")
+    p.add_argument("--step-budget", type=int, default=0,
+                   help="total inner steps of all learners together; once reached, learners "
+                        "are told to finish (0: each learner runs its own --steps)")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=cmd_syncer)
     return p
@@ -80,7 +83,7 @@ def syncer_server_config(args):
                               checkpoint_dir=args.checkpoint_dir,
                               checkpoint_every=args.checkpoint_every, resume=args.resume,
                               tls_cert=args.tls_cert, tls_key=args.tls_key,
-                              metrics_path=args.metrics_file)
+                              metrics_path=args.metrics_file, step_budget=args.step_budget)
 
 
 def cmd_syncer(args) -> int:

@@ -46,6 +46,14 @@ class LaunchOptions:
     startup_timeout_s: float = 120.0
     """How long the syncer may take to bind."""
     progress_interval_s: float = 2.0
+    fork_server: bool = True
+    """Fork single-process learners from a warm server that has imported torch once
+    (``ddiloco.runtime.forkserver``): a restart after a kill costs milliseconds instead of
+    seconds of start-up. Islands (torchrun) are always started afresh."""
+    global_budget: bool = True
+    """The syncer holds a global budget of M x steps inner steps (as the in-process engine
+    does): learners run until it is spent, so one that lost time to a failure is made up
+    for by the others and nobody idles at the end. False: each learner runs ``steps``."""
     extra_syncer_args: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -103,6 +111,7 @@ class Launcher:
         self.env[TOKEN_ENV] = new_token()
         self.env.setdefault("OMP_NUM_THREADS", "1")
         self._client = None
+        self._forkserver = None
 
     # -- processes ------------------------------------------------------------------------
     def _now(self) -> float:
@@ -121,6 +130,7 @@ class Launcher:
                "--anchor", c.anchor, "--history", str(max(4, c.max_staleness if c.anchor == "base" else 4)),
                "--downlink-codec", c.down_codec if c.down_codec in ("fp32", "bf16") else "fp32",
                "--heartbeat-timeout", str(self.opts.heartbeat_timeout_s),
+               "--step-budget", str(c.learners * c.steps if self.opts.global_budget else 0),
                *self.opts.extra_syncer_args]
         if not c.grace:
             cmd.append("--no-grace")
@@ -142,11 +152,16 @@ class Launcher:
         return cmd
 
     def _spawn(self, p: _Proc) -> None:
+        forked = self._forkserver is not None and p.name != "syncer"
         with open(p.log_path, "ab") as log:
-            log.write(f"\n=== start {p.starts} at t={self._now():.3f}s: {' '.join(p.cmd)}\n".encode())
+            log.write(f"\n=== start {p.starts} at t={self._now():.3f}s"
+                      f"{' (forked)' if forked else ''}: {' '.join(p.cmd)}\n".encode())
             log.flush()
-            p.popen = subprocess.Popen(p.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                       start_new_session=True)
+            if forked:  # p.cmd is [python, -m, ddiloco.runtime.cli, learner, ...]
+                p.popen = self._forkserver.spawn(p.cmd[3:], str(p.log_path))
+            else:
+                p.popen = subprocess.Popen(p.cmd, stdout=log, stderr=subprocess.STDOUT,
+                                           env=self.env, start_new_session=True)
         p.starts += 1
         p.state = "running"
         p.restart_at = None
@@ -156,7 +171,10 @@ class Launcher:
             try:
                 os.killpg(p.popen.pid, sig)
             except ProcessLookupError:
-                pass
+                try:  # a just-forked learner may not lead its own session yet
+                    os.kill(p.popen.pid, sig)
+                except ProcessLookupError:
+                    pass
 
     def _wait_port(self) -> None:
         path = self.out / "syncer.port"
@@ -194,6 +212,8 @@ class Launcher:
                 except subprocess.TimeoutExpired:
                     self._signal(p, signal.SIGKILL)
                     p.popen.wait(timeout=5.0)
+        if self._forkserver is not None:
+            self._forkserver.close()
         if self._client is not None:
             self._client.close()
 
@@ -233,6 +253,10 @@ class Launcher:
             self.procs["syncer"] = _Proc("syncer", self._syncer_cmd(False),
                                          self.out / "logs" / "syncer.log")
             self._spawn(self.procs["syncer"])
+            if self.opts.fork_server and self.opts.island_size == 1:
+                from ddiloco.runtime.forkserver import ForkServer
+                self._forkserver = ForkServer(self.env, str(self.out / "logs" / "forkserver.log"),
+                                              self.opts.startup_timeout_s, str(self.out))
             self._wait_port()
             self.procs["syncer"].cmd = self._syncer_cmd(True)
             self._client = self._make_client()
@@ -286,6 +310,10 @@ class Launcher:
                         self.chaos_log.write("learner-crashed", target=p.name, rc=rc)
                     else:
                         p.state = "failed"
+                if p.state == "down" and (self._status or {}).get("budget_spent"):
+                    p.state = "finished"  # nothing left to do: not restarted
+                    self.chaos_log.write("learner-not-restarted", target=p.name,
+                                         reason="step budget spent")
                 if p.state == "down" and p.restart_at is not None and now >= p.restart_at:
                     self._spawn(p)
                     self.chaos_log.write("restart-learner", target=p.name)
@@ -390,7 +418,8 @@ class Launcher:
                 losses.append(rep["loss"])
         from ddiloco.runtime.status import goodput_so_far
         g = goodput_so_far(st) if st else None
-        print(f"[{self._now():6.1f}s] steps {' '.join(steps)}  merges {st.get('merges', 0)}  "
+        budget = f" ({st.get('steps_done', 0)}/{st['step_budget']})" if st.get("step_budget") else ""
+        print(f"[{self._now():6.1f}s] steps {' '.join(steps)}{budget}  merges {st.get('merges', 0)}  "
               f"loss {sum(losses) / len(losses) if losses else float('nan'):.3f}  "
               f"goodput~{g if g is None else round(g, 3)}", file=sys.stderr, flush=True)
 

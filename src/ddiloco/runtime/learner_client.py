@@ -223,6 +223,10 @@ class DecoupledLearner:
         self._hook = None
         self._connected = True
         self._started = False
+        self.step_budget = 0
+        """The syncer's global step budget (0: none), learned when joining."""
+        self._stop = threading.Event()
+        self._stop_seen = False
 
     # -- lifecycle ------------------------------------------------------------------------
     def __enter__(self) -> DecoupledLearner:
@@ -246,12 +250,18 @@ class DecoupledLearner:
             with torch.no_grad():
                 for t in self.params.values():
                     dist.broadcast(t.data, src=src, group=self.group)
+            budget = torch.tensor([self.step_budget, int(self._stop.is_set())], dtype=torch.int64)
+            dist.broadcast(budget, src=src, group=self.group)
+            self.step_budget = int(budget[0])
+            self._stop_seen = bool(budget[1])
         if self._is_root:
             for target, name in ((self._sender, "ddiloco-send"), (self._receiver, "ddiloco-recv"),
                                  (self._heartbeater, "ddiloco-hb")):
                 th = threading.Thread(target=target, name=name, daemon=True)
                 th.start()
                 self._threads.append(th)
+        if self._is_root:
+            self._stop_seen = self._stop.is_set()
         if self.optimizer is not None and self.tokens_per_step is not None:
             self._hook = self.optimizer.register_step_post_hook(
                 lambda *_: self.step(self.tokens_per_step))
@@ -274,6 +284,7 @@ class DecoupledLearner:
                 self.incarnation = r["incarnation"]
                 self.boot_id = r["boot_id"]
                 self._merged_seq = {int(k): v for k, v in r.get("merged_seq", {}).items()}
+                self._note_budget(r)
                 got = self.client.fetch(None)
                 versions = [got[p][0] for p in range(self.fragmentation.P)]
                 params = {}
@@ -296,6 +307,18 @@ class DecoupledLearner:
                                       f"{_details(e)}") from None
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
+
+    def _note_budget(self, r: dict) -> None:
+        self.step_budget = int(r.get("step_budget") or 0)
+        if r.get("stop"):
+            self._stop.set()
+
+    @property
+    def should_stop(self) -> bool:
+        """True once the syncer's global step budget is spent: finish the loop (then leave
+        the ``with`` block, which flushes what is left). The same on every rank of an
+        island (it changes only inside ``step``)."""
+        return self._stop_seen
 
     def _upload_initial(self) -> None:
         with torch.no_grad():
@@ -366,22 +389,26 @@ class DecoupledLearner:
                     self._base_versions[p] = self.sync.frags[p].base_version
                 self._wanted = set(self.sync.waiting_fragments)
             self.stats["installs"] += len(installed)
+        stop = self._stop.is_set() if self._is_root else False
         if self.group is not None:
-            installed = self._broadcast_installs(installed)
+            installed, stop = self._broadcast_installs(installed, stop)
+        self._stop_seen = self._stop_seen or stop
         return installed
 
-    def _broadcast_installs(self, installed: list[int]) -> list[int]:
+    def _broadcast_installs(self, installed: list[int], stop: bool) -> tuple[list[int], bool]:
         import torch.distributed as dist
         src = dist.get_global_rank(self.group, 0)
-        mask = torch.zeros(self.fragmentation.P, dtype=torch.uint8)
+        P = self.fragmentation.P  # noqa: N806
+        mask = torch.zeros(P + 1, dtype=torch.uint8)  # installed fragments, then the stop flag
         mask[installed] = 1
+        mask[P] = int(stop)
         dist.broadcast(mask, src=src, group=self.group)
-        out = [int(p) for p in mask.nonzero().flatten()]
+        out = [int(p) for p in mask[:P].nonzero().flatten()]
         with torch.no_grad():
             for p in out:
                 for n in self.fragmentation.fragments[p].names:
                     dist.broadcast(self.params[n].data, src=src, group=self.group)
-        return out
+        return out, bool(mask[P])
 
     def _drain(self) -> None:
         """Apply what the background threads delivered, in a safe order: push verdicts,
@@ -559,6 +586,8 @@ class DecoupledLearner:
                                                     "incarnation": self.incarnation,
                                                     "report": self.report()},
                                       timeout_s=max(2.0, 4 * self.heartbeat_s), control=True)
+                if r.get("stop"):
+                    self._stop.set()
                 if not self._connected:
                     log.info("[learner %d step %d] syncer reachable again", self.learner,
                              self.sync.step)
@@ -582,6 +611,7 @@ class DecoupledLearner:
             r = self._join()
         with self._lock:
             self._merged_seq = {int(k): v for k, v in r.get("merged_seq", {}).items()}
+        self._note_budget(r)
         self.incarnation = r["incarnation"]
         if r["boot_id"] != old_boot:
             log.warning("[learner %d step %d] syncer restarted (boot %s -> %s), versions %s",

@@ -40,7 +40,8 @@ def run_learner(cfg: TrainConfig, *, syncer: str, learner: int, run_dir: str | N
                 token_file: str | None = None, tls_ca: str | None = None,
                 slowdown: float = 1.0, link: LinkLimits | None = None,
                 connect_timeout_s: float = 300.0, heartbeat_s: float = 0.25) -> dict:
-    """Train ``cfg.steps`` inner steps (in total over restarts); returns the final report."""
+    """Train ``cfg.steps`` inner steps (in total over restarts), or, when the syncer holds a
+    global step budget, until the syncer says it is spent; returns the final report."""
     world, rank, group = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0")), None
     if world > 1:
         import torch.distributed as dist
@@ -81,7 +82,11 @@ def run_learner(cfg: TrainConfig, *, syncer: str, learner: int, run_dir: str | N
                                       "step": start_step, "incarnation": dl.incarnation,
                                       "startup_s": round(time.time() - t_start, 3),
                                       "pid": os.getpid()}) + "\n")
-        for step in range(start_step, cfg.steps):
+        # with a global step budget at the syncer, learners run until it is spent (one that
+        # lost time to a failure is made up for by the others); else each runs cfg.steps
+        limit = dl.step_budget or cfg.steps
+        step = start_step
+        while step < limit and not dl.should_stop:
             t0 = time.perf_counter()
             x, y = stream.next_batch()
             opt.zero_grad(set_to_none=True)
@@ -93,15 +98,16 @@ def run_learner(cfg: TrainConfig, *, syncer: str, learner: int, run_dir: str | N
                 time.sleep((slowdown - 1.0) * (time.perf_counter() - t0))
             installed = dl.step(tokens)
             lv = loss.item()
-            dl.extra_report.update(loss=lv, global_step=step + 1, total_steps=cfg.steps)
+            step += 1
+            dl.extra_report.update(loss=lv, global_step=step, total_steps=cfg.steps)
             if metrics:
-                metrics.write(json.dumps({"kind": "step", "learner": learner, "step": step + 1,
+                metrics.write(json.dumps({"kind": "step", "learner": learner, "step": step,
                                           "wall": time.time(), "loss": round(lv, 5),
                                           "installed": {p: dl.sync.frags[p].base_version
                                                         for p in installed}}) + "\n")
-                if (step + 1) % 10 == 0 or step + 1 == cfg.steps:
+                if step % 10 == 0 or step == limit or dl.should_stop:
                     metrics.flush()
-                    _write_json_atomic(progress_path, {"step": step + 1})
+                    _write_json_atomic(progress_path, {"step": step})
     report = dl.report()
     if group is not None:  # every rank of the island must hold the same parameters
         import torch.distributed as dist

@@ -75,6 +75,11 @@ class SyncerServerConfig:
     """gRPC handler threads (each live learner holds up to three calls)."""
     metrics_path: str | None = None
     """Append one JSON line per merge / rejection / membership event here."""
+    step_budget: int = 0
+    """Total inner steps of all learners together (a global budget: a learner that lost
+    time to a failure is made up for by the others). Once the learners' reported steps
+    reach it, heartbeats tell every learner to finish. 0: no budget (each learner runs
+    its own step count)."""
 
     def __post_init__(self) -> None:
         if not self.token:
@@ -89,6 +94,8 @@ class SyncerServerConfig:
             raise ValueError("TLS needs both a certificate and a key file")
         if self.heartbeat_timeout_s <= 0:
             raise ValueError("heartbeat_timeout_s must be > 0")
+        if self.step_budget < 0:
+            raise ValueError("step_budget must be >= 0 (0: no budget)")
 
 
 class _Reject(Exception):
@@ -129,6 +136,8 @@ class SyncerServer:
         self._incarnations: dict[int, int] = {}
         self._timers: list[tuple[float, int]] = []
         self._dirty_merges = 0
+        self._steps_done: dict[int, int] = {}  # learner -> its latest reported total steps
+        self.budget_spent = False
         self._ckpt_requested = False
         self._closed = False
         self.counters: Counter = Counter()
@@ -441,6 +450,7 @@ class SyncerServer:
                     "fingerprint": self._fp, "downlink_codec": self.config.downlink_codec,
                     "history": self.config.syncer.history,
                     "merged_seq": self._merged_seq_pub.get(m, {}),
+                    "step_budget": self.config.step_budget, "stop": self.budget_spent,
                 })
         except _Reject as r:
             self._fail(ctx, r, "join")
@@ -651,8 +661,10 @@ class SyncerServer:
                     step_s = rep.get("step_s")
                     if isinstance(step_s, (int, float)) and step_s > 0:
                         st.observe_step_s(float(step_s))
+                    self._count_steps(m, rep)
                 return wire.pack({"rejoin": False, "boot_id": self.boot_id,
-                                  "versions": [v for v, _ in self._pub], "live": len(st.live)})
+                                  "versions": [v for v, _ in self._pub], "live": len(st.live),
+                                  "stop": self.budget_spent})
         except _Reject as r:
             self._fail(ctx, r, "heartbeat")
 
@@ -668,12 +680,27 @@ class SyncerServer:
                     info.state = "left"
                     if isinstance(h.get("report"), dict):
                         info.report = h["report"]
+                        self._count_steps(m, info.report)
                     self._event("leave", learner=m)
                     t0 = time.monotonic()
                     self._handle_merges(st.leave(m, t0), t0)
                 return wire.pack({"ok": True})
         except _Reject as r:
             self._fail(ctx, r, "leave")
+
+    def _count_steps(self, m: int, rep: dict) -> None:
+        """Track the global step budget from a learner's report (caller holds the lock).
+        A learner's total is its latest report (``global_step``, counted over its restarts,
+        else ``step``): a restarted learner that resumes from an earlier step lowers it."""
+        n = rep.get("global_step", rep.get("step"))
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            return
+        self._steps_done[m] = n
+        budget = self.config.step_budget
+        if budget and not self.budget_spent and sum(self._steps_done.values()) >= budget:
+            self.budget_spent = True
+            self._event("budget-spent", steps=sum(self._steps_done.values()), budget=budget)
+            log.info("step budget of %d inner steps spent: learners are told to finish", budget)
 
     def status(self) -> dict:
         """A JSON-able snapshot: learners, versions, ledger, counters, policy timings."""
@@ -705,6 +732,9 @@ class SyncerServer:
                 "xi_sync_s": pol.xi_sync.value if pol else None,
                 "grace_s": pol.grace_s() if pol else None,
                 "fingerprint": self._fp,
+                "step_budget": self.config.step_budget,
+                "steps_done": sum(self._steps_done.values()),
+                "budget_spent": self.budget_spent,
             }
 
     def _status(self, req: bytes, ctx: grpc.ServicerContext) -> bytes:
