@@ -43,6 +43,9 @@ PAPER_DEFAULTS = dict(fragments=8, H=24, tau=2, outer_lr=0.7, outer_momentum=0.9
 FRAG_H = 30
 FRAG_P = 3
 
+# (a): the per-learner batch multiplier of the batch-scaling pair
+BATCH_SCALE = 4
+
 SECTIONS = {
     "a": "Methods at equal tokens, no failures",
     "b": "Learner failures (each learner down ~15% of the time)",
@@ -77,6 +80,10 @@ def cells(quick: bool = False) -> list[Cell]:
     for m in ("local", "dp", "diloco", "streaming", "decoupled"):
         add("a", m, dict(method=m), two if m in ("dp", "decoupled") else one)
     add("a", "decoupled, paper defaults", dict(PAPER_DEFAULTS, method="decoupled"), one)
+    # ... and the same pair with 4x the batch per learner step (the gap's trend with batch)
+    for m in ("dp", "decoupled"):
+        add("a", f"{m}, batch x{BATCH_SCALE}", dict(method=m, batch_size=BASE["batch_size"] * BATCH_SCALE),
+            one, batch_scale=BATCH_SCALE)
     # b) failures (a synchronous method's loss does not change with failures, only its time)
     for m in ("dp", "diloco", "streaming"):
         add("b", f"{m}+failures", dict(method=m, **FAILURES), one)
@@ -93,6 +100,10 @@ def cells(quick: bool = False) -> list[Cell]:
     # e) codecs (bf16 is the base decoupled run of (a))
     for c in ("bf16", "int4", "int2", "1bit"):
         add("e", c, dict(codec=c), one if c == "1bit" else two, codec=c)
+    # ... and at the paper's DiLoCo-family defaults (bf16 there is (a)'s paper-defaults run)
+    for c in ("bf16", "int2", "1bit"):
+        add("e", f"{c}, paper defaults", dict(PAPER_DEFAULTS, method="decoupled", codec=c), one,
+            codec=c, paper_defaults=True)
     # f) fragmentation
     for s in ("balanced", "per-layer", "strided", "per-tensor"):
         P = 29 if s == "per-tensor" else FRAG_P  # noqa: N806

@@ -101,3 +101,22 @@ def test_time_driven_sends_carry_more_steps_for_faster_learners():
     assert f[0].c_steps == 4 and s[0].c_steps == 2  # same moment, twice the steps
     with pytest.raises(ValueError, match="now_s"):
         fast.after_step(10)
+
+
+def test_snapshots_reuse_released_buffers_and_copy_the_current_values():
+    ls, params, fr = make()
+    name = fr.fragments[0].names[0]
+    ls.after_step(10)
+    params[name].fill_(1.0)
+    (o1,) = ls.after_step(10)  # step 2: fragment 0 leaves
+    assert o1.params[0].tolist() == [1.0, 1.0, 1.0]
+    params[name].fill_(2.0)
+    assert o1.params[0].tolist() == [1.0, 1.0, 1.0]  # a snapshot, not a view
+    ls.release(0, o1.params)
+    sent = [ls.after_step(10) for _ in range(4)]  # steps 3-6: fragment 0 leaves again at 6
+    (o2,) = sent[-1]
+    assert o2.fragment == 0
+    assert o2.params[0].data_ptr() == o1.params[0].data_ptr()  # the released buffer, reused
+    assert o2.params[0].tolist() == [2.0, 2.0, 2.0]
+    (o3,) = [o for o in sent[1]]  # step 4, fragment 1: never released, a buffer of its own
+    assert o3.fragment == 1 and o3.params[0].data_ptr() != o2.params[0].data_ptr()

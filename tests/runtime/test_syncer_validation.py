@@ -4,6 +4,7 @@ pushes are rejected with typed errors and the global model is unchanged."""
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 
 import grpc
 
@@ -13,7 +14,7 @@ import torch
 from ddiloco.algorithm.codecs import get_codec
 from ddiloco.models import build_model
 from ddiloco.runtime import wire
-from ddiloco.runtime.learner_client import DecoupledLearner, SyncerClient
+from ddiloco.runtime.learner_client import DecoupledLearner, SyncerClient, SyncerError
 from ddiloco.runtime.spec import fragmentation_from_spec, model_spec, spec_fingerprint
 
 
@@ -144,3 +145,38 @@ def test_hook_api_trains_against_the_syncer(syncer_factory):
     assert rep["ledger"]["merged"] > 12
     st = SyncerClient(s.address, s.token).status()
     assert st["merges"] >= 10 and st["learners"]["0"]["state"] == "left"
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_communication_thread_stops_training_with_a_clear_error(syncer_factory):
+    """A learner whose sender died must not train on silently without contributing."""
+    s = syncer_factory()
+    model = _tiny()
+    dl = DecoupledLearner(model, syncer=s.address, learner=0, P=2, H=2, tau=1, token=s.token)
+
+    def broken(o):
+        raise RuntimeError("encoder exploded")
+
+    dl._encode = broken
+    with pytest.raises(SyncerError, match="communication thread failed.*encoder exploded"):
+        with dl:
+            for _ in range(200):
+                dl.step(64)
+                time.sleep(0.01)
+
+
+@pytest.mark.timeout(90)
+def test_the_syncer_step_budget_tells_learners_to_stop(syncer_factory):
+    s = syncer_factory("--step-budget", "30")
+    model = _tiny()
+    with DecoupledLearner(model, syncer=s.address, learner=0, P=2, H=4, tau=1, token=s.token,
+                          heartbeat_interval=timedelta(milliseconds=100)) as dl:
+        assert dl.step_budget == 30 and not dl.should_stop
+        steps = 0
+        while not dl.should_stop and steps < 500:
+            dl.extra_report["global_step"] = steps = steps + 1
+            dl.step(64)
+            time.sleep(0.01)
+    assert 30 <= steps <= 30 + 40, steps  # told within a few heartbeats
+    st = SyncerClient(s.address, s.token).status()
+    assert st["budget_spent"] and st["step_budget"] == 30

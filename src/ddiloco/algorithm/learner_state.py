@@ -102,6 +102,7 @@ class LearnerSync:
         total = fragmentation.total_bytes
         self.share = [f.nbytes / total for f in fragmentation.fragments]
         self.ledger = StepLedger()
+        self._free: list[list[list[torch.Tensor]]] = [[] for _ in range(fragmentation.P)]
 
     def _tensors(self, p: int) -> list[torch.Tensor]:
         return [self.params[n] for n in self.fragmentation.fragments[p].names]
@@ -176,14 +177,32 @@ class LearnerSync:
         fr.in_flight[self.seq] = covered
         self.ledger.unpushed -= covered * self.share[p]
         self.ledger.pending += covered * self.share[p]
-        with torch.no_grad():
-            snap = [t.detach().to("cpu", torch.float32, copy=True) for t in self._tensors(p)]
+        snap = self._snapshot(p)
         fr.waiting = True
         fr.due_step = self.schedule.install_step(self.step)
         fr.target_version = None
         return Outgoing(fragment=p, params=snap, c_steps=fr.c_steps, c_tokens=fr.c_tokens,
                         base_version=fr.base_version, seq=self.seq, send_step=self.step,
                         covered_steps=covered)
+
+    def _snapshot(self, p: int) -> list[torch.Tensor]:
+        """Copy fragment p into a CPU fp32 buffer: a released one when there is one (the
+        training thread then does one copy and no allocation), else a new one."""
+        src = self._tensors(p)
+        try:
+            bufs = self._free[p].pop()
+        except IndexError:
+            bufs = [torch.empty(t.shape, dtype=torch.float32) for t in src]
+        with torch.no_grad():
+            for b, t in zip(bufs, src):
+                b.copy_(t.detach())
+        return bufs
+
+    def release(self, p: int, params: list[torch.Tensor]) -> None:
+        """Give back the snapshot of an ``Outgoing`` of fragment p once it is encoded, for
+        the next send of p to reuse (any thread; optional: unreleased ones are freed)."""
+        if len(self._free[p]) < 2:
+            self._free[p].append(params)
 
     def on_push_result(self, p: int, seq: int, accepted: bool, target_version: int = -1) -> None:
         """The syncer's verdict on a push: accepted into ``target_version``, or not."""

@@ -227,6 +227,7 @@ class DecoupledLearner:
         """The syncer's global step budget (0: none), learned when joining."""
         self._stop = threading.Event()
         self._stop_seen = False
+        self._thread_error: BaseException | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
     def __enter__(self) -> DecoupledLearner:
@@ -257,7 +258,7 @@ class DecoupledLearner:
         if self._is_root:
             for target, name in ((self._sender, "ddiloco-send"), (self._receiver, "ddiloco-recv"),
                                  (self._heartbeater, "ddiloco-hb")):
-                th = threading.Thread(target=target, name=name, daemon=True)
+                th = threading.Thread(target=self._guarded, args=(target,), name=name, daemon=True)
                 th.start()
                 self._threads.append(th)
         if self._is_root:
@@ -266,6 +267,16 @@ class DecoupledLearner:
             self._hook = self.optimizer.register_step_post_hook(
                 lambda *_: self.step(self.tokens_per_step))
         self._started = True
+
+    def _guarded(self, target) -> None:
+        """Run a background thread; an unexpected error stops training at the next ``step``
+        (a learner whose sender died would otherwise train on without contributing)."""
+        try:
+            target()
+        except Exception as e:  # noqa: BLE001 - reported to the training thread
+            log.exception("[learner %d] background thread %s failed", self.learner,
+                          threading.current_thread().name)
+            self._thread_error = e
 
     def _join(self) -> dict:
         h = {"learner": self.learner, "incarnation": self.incarnation,
@@ -345,7 +356,7 @@ class DecoupledLearner:
                     self._latest_seq[o.fragment] = o.seq
                 self._sendq.put(o)
             deadline = time.monotonic() + self.flush_timeout_s
-            while time.monotonic() < deadline and self._connected and (
+            while time.monotonic() < deadline and self._connected and self._thread_error is None and (
                     not self._sendq.empty() or self.sync.ledger.pending > 1e-9):
                 time.sleep(0.02)
                 self._drain()
@@ -367,6 +378,9 @@ class DecoupledLearner:
         """Record one inner step of ``tokens`` tokens (the island's total); send the
         fragments due; install merged fragments whose install step has come. Returns the
         installed fragment indices. Never blocks on the network."""
+        if self._thread_error is not None:
+            raise SyncerError(f"[learner {self.learner}] communication thread failed: "
+                              f"{self._thread_error!r}") from self._thread_error
         now = time.monotonic()
         if self._last_step_t is not None:
             dt = now - self._last_step_t
@@ -479,8 +493,10 @@ class DecoupledLearner:
                 return
             with self._lock:
                 if self._latest_seq.get(o.fragment, o.seq) > o.seq:
+                    self.sync.release(o.fragment, o.params)
                     continue  # superseded: a newer push of this fragment carries its progress
             data, delta = self._encode(o)
+            self.sync.release(o.fragment, o.params)  # encoded: the snapshot buffer is free
             backoff = 0.1
             while not self._closed.is_set():
                 self._joined.wait(timeout=1.0)
