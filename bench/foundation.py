@@ -7,6 +7,8 @@
 
 Writes bench/results/foundation.json and docs/results/foundation.md.
 Usage: python bench/foundation.py [--steps N] [--seeds S] [--only quality,failures,hetero]
+                                  [--methods dp,decoupled,...]
+Sections not run keep their earlier results (each section records its own command).
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=TrainConfig().steps)
     ap.add_argument("--seeds", type=int, default=2)
     ap.add_argument("--only", default="quality,failures,hetero")
+    ap.add_argument("--methods", default="dp,decoupled,diloco,streaming,local",
+                    help="methods of the no-failure section")
     ap.add_argument("--workers", type=int, default=2, help="runs in parallel")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                     help="override a TrainConfig field of the base config")
@@ -73,12 +77,16 @@ def main() -> int:
     if args.workers > 1:
         POOL = concurrent.futures.ProcessPoolExecutor(args.workers)
     parts = set(args.only.split(","))
-    res: dict = {"steps": args.steps, "learners": 4, "seeds": seeds, "base": res_base,
-                 "command": "python bench/foundation.py " + " ".join(sys.argv[1:])}
+    path = ROOT / "bench" / "results" / "foundation.json"
+    res: dict = json.loads(path.read_text()) if path.is_file() else {}
+    res = {k: v for k, v in res.items() if k in ("quality", "failures", "hetero", "meta")}
+    meta = res.setdefault("meta", {})
+    info = {"steps": args.steps, "learners": 4, "seeds": seeds, "base": res_base,
+            "command": "python bench/foundation.py " + " ".join(sys.argv[1:])}
     t0 = time.perf_counter()
     if "quality" in parts:
         res["quality"] = [cell(m, base.replace(method=m), seeds, out)
-                          for m in ("dp", "decoupled", "diloco", "streaming", "local")]
+                          for m in args.methods.split(",")]
     if "failures" in parts:
         f = preset("failures", base)
         res["failures"] = [cell(f"{m}+failures", f.replace(method=m), seeds, out)
@@ -95,20 +103,29 @@ def main() -> int:
                  seeds, out),
             cell("K=1+grace, step schedule", h.replace(quorum=1, grace=True, schedule="steps"),
                  seeds, out)]
-    res["wall_s"] = round(time.perf_counter() - t0, 1)
-    (ROOT / "bench" / "results").mkdir(parents=True, exist_ok=True)
-    (ROOT / "bench" / "results" / "foundation.json").write_text(json.dumps(res, indent=2))
+    info["wall_s"] = round(time.perf_counter() - t0, 1)
+    for part in parts & {"quality", "failures", "hetero"}:
+        meta[part] = info
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(res, indent=2))
     write_markdown(res, ROOT / "docs" / "results" / "foundation.md")
-    print(json.dumps({k: v for k, v in res.items() if k in ("wall_s",)}))
+    print(json.dumps({"wall_s": info["wall_s"]}))
     return 0
 
 
 def write_markdown(res: dict, path: Path) -> None:
     lines = ["# Foundation results (in-process engine)", "",
-             f"M = {res['learners']} learners, {res['steps']} inner steps per learner (equal tokens), "
-             f"seeds {res['seeds']}, built-in synthetic language; base settings "
-             f"`{json.dumps(res['base'])}`. Produced by `{res['command']}` in "
-             f"{res['wall_s']:.0f} s on a shared 2-core CPU.", ""]
+             "M = 4 learners at equal tokens on the built-in synthetic language, on a shared "
+             "2-core CPU; each section names the command that produced it (steps are inner "
+             "steps per learner).", ""]
+
+    def produced(part: str) -> list[str]:
+        m = res.get("meta", {}).get(part)
+        if not m:
+            return []
+        return [f"{m['steps']} inner steps per learner, seeds {m['seeds']}, base settings "
+                f"`{json.dumps(m['base'])}`. Produced by `{m['command']}` in {m['wall_s']:.0f} s.",
+                ""]
 
     def table(rows, cols):
         out = ["| " + " | ".join(c for c, _ in cols) + " |", "|" + "---|" * len(cols)]
@@ -118,7 +135,7 @@ def write_markdown(res: dict, path: Path) -> None:
 
     if "quality" in res:
         dp = next(r for r in res["quality"] if r["name"] == "dp")["final_eval_loss"]
-        lines += ["## 1. No failures: final eval loss at equal tokens", ""]
+        lines += ["## 1. No failures: final eval loss at equal tokens", ""] + produced("quality")
         lines += table(res["quality"], [
             ("method", lambda r: r["name"]),
             ("final eval loss", lambda r: f"{r['final_eval_loss']:.4f}"),
@@ -127,7 +144,7 @@ def write_markdown(res: dict, path: Path) -> None:
             ("bytes up (MiB)", lambda r: f"{r['bytes_up'] / 2**20:.1f}")])
         lines.append("")
     if "failures" in res:
-        lines += ["## 2. Learner failures (each learner down ~15% of the time)", "",
+        lines += ["## 2. Learner failures (each learner down ~15% of the time)", ""] + produced("failures") + [
                   "Goodput counts all chip-time, a failed learner's own downtime included "
                   "(so it cannot exceed ~0.85 here); 'of up-time' leaves out the failed "
                   "learner's own downtime.", ""]
@@ -139,7 +156,7 @@ def write_markdown(res: dict, path: Path) -> None:
             ("final eval loss", lambda r: f"{r['final_eval_loss']:.4f}")])
         lines.append("")
     if "hetero" in res:
-        lines += ["## 3. Heterogeneous learners (half 18% slower, 10% step noise)", ""]
+        lines += ["## 3. Heterogeneous learners (half 18% slower, 10% step noise)", ""] + produced("hetero")
         lines += table(res["hetero"], [
             ("quorum", lambda r: r["name"]),
             ("goodput", lambda r: f"{r['goodput']:.3f}"),

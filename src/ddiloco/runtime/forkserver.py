@@ -33,10 +33,12 @@ import traceback
 
 __all__ = ["ForkServer", "ForkedProcess", "PRELOAD"]
 
-PRELOAD = ("torch", "numpy", "ddiloco.config", "ddiloco.models", "ddiloco.data",
+PRELOAD = ("torch", "torch._dynamo", "numpy", "ddiloco.config", "ddiloco.models", "ddiloco.data",
            "ddiloco.engine.common", "ddiloco.algorithm.learner_state",
            "ddiloco.algorithm.codecs", "ddiloco.runtime.spec")
-"""Modules imported once by the server (none of them starts a thread or imports gRPC)."""
+"""Modules imported once by the server (none of them starts a thread or imports gRPC).
+``torch._dynamo`` is what the first ``torch.optim`` optimizer imports (about 800 modules,
+2 s of CPU): without it here every learner would pay for it again."""
 
 
 # -- the server process ------------------------------------------------------------------------
