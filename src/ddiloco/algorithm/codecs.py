@@ -120,12 +120,12 @@ class Codec:
         if numel == 0:
             return torch.zeros(0)
         if self.name == "fp32":
-            return torch.frombuffer(bytearray(buf), dtype=torch.float32)
+            return torch.frombuffer(_writable(buf), dtype=torch.float32)
         if self.name == "bf16":
-            return torch.frombuffer(bytearray(buf), dtype=torch.bfloat16).float()
+            return torch.frombuffer(_writable(buf), dtype=torch.bfloat16).float()
         B = self.block
         nb = math.ceil(numel / B)
-        raw = torch.frombuffer(bytearray(buf), dtype=torch.uint8)
+        raw = torch.frombuffer(_writable(buf), dtype=torch.uint8)
         scale_all = raw[: nb * 4].view(torch.float32)
         packed = raw[nb * 4:]
         full = nb * B * self.bits // 8
@@ -155,6 +155,15 @@ class Codec:
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
         """``decode(encode(x))`` reshaped like x (what the receiver sees)."""
         return self.decode(self.encode(x), x.numel()).view(x.shape)
+
+
+def _writable(buf: bytes | bytearray | memoryview) -> bytearray | memoryview:
+    """A writable buffer over the same bytes: a bytearray (or a writable view of one) is
+    used as is, so fp32 decoding aliases the received buffer instead of copying it; read-only
+    bytes are copied (torch wants writable memory). Callers hand over ``buf``."""
+    if isinstance(buf, bytearray) or (isinstance(buf, memoryview) and not buf.readonly):
+        return buf
+    return bytearray(buf)
 
 
 CODECS: dict[str, Codec] = {
