@@ -140,6 +140,7 @@ def write_markdown(res: dict, path: Path) -> None:
             ("method", lambda r: r["name"]),
             ("final eval loss", lambda r: f"{r['final_eval_loss']:.4f}"),
             ("vs dp", lambda r: f"{100 * (r['final_eval_loss'] / dp - 1):+.2f}%"),
+            ("per seed", lambda r: ", ".join(f"{x:.4f}" for x in r["losses"])),
             ("gap to floor", lambda r: f"{r['final_eval_loss'] - r['entropy_floor']:.4f}"),
             ("bytes up (MiB)", lambda r: f"{r['bytes_up'] / 2**20:.1f}")])
         lines.append("")
