@@ -83,11 +83,14 @@ def cells(quick: bool = False) -> list[Cell]:
     # ... and the same pair with 4x the batch per learner step (the gap's trend with batch)
     for m in ("dp", "decoupled"):
         add("a", f"{m}, batch x{BATCH_SCALE}", dict(method=m, batch_size=BASE["batch_size"] * BATCH_SCALE),
-            one, batch_scale=BATCH_SCALE)
+            two, batch_scale=BATCH_SCALE)
     # b) failures (a synchronous method's loss does not change with failures, only its time)
     for m in ("dp", "diloco", "streaming"):
         add("b", f"{m}+failures", dict(method=m, **FAILURES), one)
     add("b", "decoupled+failures", dict(method="decoupled", **FAILURES), two)
+    add("b", f"decoupled+failures, batch x{BATCH_SCALE}",
+        dict(method="decoupled", batch_size=BASE["batch_size"] * BATCH_SCALE, **FAILURES), two,
+        batch_scale=BATCH_SCALE)
     # c) heterogeneous speeds
     add("c", "K=M", dict(HETERO, quorum=M, grace=False), one)
     add("c", "K=1", dict(HETERO, quorum=1, grace=False), one)
@@ -100,6 +103,8 @@ def cells(quick: bool = False) -> list[Cell]:
     # e) codecs (bf16 is the base decoupled run of (a))
     for c in ("bf16", "int4", "int2", "1bit"):
         add("e", c, dict(codec=c), one if c == "1bit" else two, codec=c)
+    # ... int2 with one scale per 4096 elements instead of 64 (coarse scales)
+    add("e", "int2/4096", dict(codec="int2/4096"), one, codec="int2/4096")
     # ... and at the paper's DiLoCo-family defaults (bf16 there is (a)'s paper-defaults run)
     for c in ("bf16", "int2", "1bit"):
         add("e", f"{c}, paper defaults", dict(PAPER_DEFAULTS, method="decoupled", codec=c), one,

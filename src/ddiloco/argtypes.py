@@ -43,3 +43,12 @@ def nonneg_float(text: str) -> float:
     if v < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return v
+
+
+def codec_name(text: str) -> str:
+    """A codec name (``bf16``, ``int4``, ... or a block-size variant such as ``int2/4096``)."""
+    from ddiloco.algorithm.codecs import get_codec
+    try:
+        return get_codec(text).name
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None

@@ -10,7 +10,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from ddiloco.argtypes import nonneg_float, positive_int
+from ddiloco.argtypes import codec_name, nonneg_float, positive_int
 
 __all__ = ["main", "build_parser", "train_config_from_args"]
 
@@ -75,7 +75,9 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--outer-momentum", type=float, default=None)
     g.add_argument("--merge-rule", choices=MERGE_RULES, default=None)
     g.add_argument("--alpha", type=float, default=None)
-    g.add_argument("--codec", choices=tuple(CODECS), default=None)
+    g.add_argument("--codec", type=codec_name, default=None,
+                   help=f"{', '.join(CODECS)}; quantised ones with another block size as "
+                        "e.g. int2/4096 (default: bf16)")
     g.add_argument("--fragmentation", choices=STRATEGIES, default=None)
     g.add_argument("--max-staleness", type=int, default=None)
     g.add_argument("--schedule", choices=("time", "steps"), default=None,

@@ -7,7 +7,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from ddiloco.algorithm.codecs import CODECS
+from ddiloco.algorithm.codecs import CODECS, get_codec
 from ddiloco.algorithm.fragments import STRATEGIES
 from ddiloco.algorithm.merge import MERGE_RULES
 
@@ -133,7 +133,7 @@ class TrainConfig:
         one_of("lr_schedule", self.lr_schedule, ("constant", "cosine"))
         if self.warmup_steps < 0 or not 0 <= self.min_lr_frac <= 1:
             raise ValueError("warmup_steps must be >= 0 and min_lr_frac in [0, 1]")
-        one_of("codec", self.codec, tuple(CODECS))
+        get_codec(self.codec)  # raises ValueError naming what is allowed
         one_of("down_codec", self.down_codec, tuple(CODECS))
         one_of("fragmentation", self.fragmentation, STRATEGIES)
         one_of("anchor", self.anchor, ("current", "base"))

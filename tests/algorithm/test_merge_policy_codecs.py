@@ -150,3 +150,21 @@ def test_codec_quality_ordering():
     errs = {n: float((CODECS[n].roundtrip(x) - x).norm() / x.norm()) for n in CODECS}
     assert errs["fp32"] == 0 < errs["bf16"] < errs["int8"] < errs["int4"] < errs["int2"]
     assert errs["int4"] < 0.15 and errs["int2"] > 0.3
+
+
+def test_a_quantised_codec_with_another_block_size():
+    from ddiloco.algorithm.codecs import get_codec
+    c = get_codec("int2/4096")
+    assert c.bits == 2 and c.block == 4096 and c.name == "int2/4096"
+    x = torch.randn(10_000, generator=torch.Generator().manual_seed(0))
+    buf = c.encode(x)
+    assert len(buf) == c.nbytes(x.numel()) == 3 * 4 + 2500
+    y = c.decode(buf, x.numel())
+    # error bound per element: absmax of its block / (2^b - 1)
+    assert float((y - x).abs().max()) <= float(x.abs().max()) / 3 + 1e-6
+    # coarser blocks than the default lose more
+    fine = get_codec("int2").roundtrip(x)
+    assert float((fine - x).norm()) < float((y - x).norm())
+    for bad in ("int2/100", "int2/4", "bf16/64", "int9", "int2/x"):
+        with pytest.raises(ValueError):
+            get_codec(bad)

@@ -177,7 +177,16 @@ CODECS: dict[str, Codec] = {
 
 
 def get_codec(name: str) -> Codec:
-    try:
+    """A codec by name: one of ``CODECS``, or a quantised one with another block size,
+    ``"int2/4096"`` (a power of two from 8 to 65536 elements per scale)."""
+    if name in CODECS:
         return CODECS[name]
-    except KeyError:
-        raise ValueError(f"unknown codec {name!r}; choose one of {tuple(CODECS)}") from None
+    base, sep, block = str(name).partition("/")
+    if sep and base in CODECS and CODECS[base].quantised:
+        b = int(block) if block.isdigit() else 0
+        if 8 <= b <= _CHUNK and b & (b - 1) == 0:
+            return Codec(name, CODECS[base].bits, b)
+        raise ValueError(f"codec {name!r}: the block size must be a power of two from 8 to "
+                         f"{_CHUNK}, got {block!r}")
+    raise ValueError(f"unknown codec {name!r}; choose one of {tuple(CODECS)} (quantised ones "
+                     f"with another block size as e.g. 'int2/4096')")
