@@ -104,9 +104,9 @@ def cells(quick: bool = False) -> list[Cell]:
     for c in ("bf16", "int4", "int2", "1bit"):
         add("e", c, dict(codec=c), one if c == "1bit" else two, codec=c)
     # ... int2 with one scale per 4096 elements instead of 64 (coarse scales)
-    add("e", "int2/4096", dict(codec="int2/4096"), one, codec="int2/4096")
+    add("e", "int2/4096", dict(codec="int2/4096"), two, codec="int2/4096")
     # ... and at the paper's DiLoCo-family defaults (bf16 there is (a)'s paper-defaults run)
-    for c in ("bf16", "int2", "1bit"):
+    for c in ("bf16", "int2", "1bit", "int2/4096"):
         add("e", f"{c}, paper defaults", dict(PAPER_DEFAULTS, method="decoupled", codec=c), one,
             codec=c, paper_defaults=True)
     # f) fragmentation
