@@ -21,6 +21,7 @@ with the ``Popen`` methods the launcher uses (``pid``, ``poll``, ``wait``, ``ret
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import select
@@ -81,6 +82,11 @@ def serve() -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides when we stop
     for name in PRELOAD:
         importlib.import_module(name)
+    # Every object imported so far is shared copy-on-write with the children. A child's
+    # full garbage collection would touch all of them (and copy every page: a pause of a
+    # large fraction of a second): freeze them out of the collector's reach instead.
+    gc.collect()
+    gc.freeze()
     _emit({"ready": True, "pid": os.getpid()})
     children: set[int] = set()
     buf = b""

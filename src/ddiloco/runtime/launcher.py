@@ -47,9 +47,10 @@ class LaunchOptions:
     """How long the syncer may take to bind."""
     progress_interval_s: float = 2.0
     fork_server: bool = True
-    """Fork single-process learners from a warm server that has imported torch once
-    (``ddiloco.runtime.forkserver``): a restart after a kill costs milliseconds instead of
-    seconds of start-up. Islands (torchrun) are always started afresh."""
+    """Fork the syncer and single-process learners from a warm server that has imported
+    torch once (``ddiloco.runtime.forkserver``): a restart after a kill costs a fraction of
+    a second instead of seconds of start-up that also compete with the running learners for
+    the CPU. Islands (torchrun) are always started afresh."""
     global_budget: bool = True
     """The syncer holds a global budget of M x steps inner steps (as the in-process engine
     does): learners run until it is spent, so one that lost time to a failure is made up
@@ -152,12 +153,14 @@ class Launcher:
         return cmd
 
     def _spawn(self, p: _Proc) -> None:
-        forked = self._forkserver is not None and p.name != "syncer"
+        # the syncer and single-process learners fork from the warm server; islands are
+        # started by torchrun
+        forked = self._forkserver is not None and (p.name == "syncer" or self.opts.island_size == 1)
         with open(p.log_path, "ab") as log:
             log.write(f"\n=== start {p.starts} at t={self._now():.3f}s"
                       f"{' (forked)' if forked else ''}: {' '.join(p.cmd)}\n".encode())
             log.flush()
-            if forked:  # p.cmd is [python, -m, ddiloco.runtime.cli, learner, ...]
+            if forked:  # p.cmd is [python, -m, ddiloco.runtime.cli, syncer|learner, ...]
                 p.popen = self._forkserver.spawn(p.cmd[3:], str(p.log_path))
             else:
                 p.popen = subprocess.Popen(p.cmd, stdout=log, stderr=subprocess.STDOUT,
@@ -250,13 +253,13 @@ class Launcher:
             signal.signal(signal.SIGTERM, _stop)
             signal.signal(signal.SIGINT, _stop)
         try:
-            self.procs["syncer"] = _Proc("syncer", self._syncer_cmd(False),
-                                         self.out / "logs" / "syncer.log")
-            self._spawn(self.procs["syncer"])
-            if self.opts.fork_server and self.opts.island_size == 1:
+            if self.opts.fork_server:
                 from ddiloco.runtime.forkserver import ForkServer
                 self._forkserver = ForkServer(self.env, str(self.out / "logs" / "forkserver.log"),
                                               self.opts.startup_timeout_s, str(self.out))
+            self.procs["syncer"] = _Proc("syncer", self._syncer_cmd(False),
+                                         self.out / "logs" / "syncer.log")
+            self._spawn(self.procs["syncer"])
             self._wait_port()
             self.procs["syncer"].cmd = self._syncer_cmd(True)
             self._client = self._make_client()

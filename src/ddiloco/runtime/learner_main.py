@@ -86,6 +86,7 @@ def run_learner(cfg: TrainConfig, *, syncer: str, learner: int, run_dir: str | N
         # lost time to a failure is made up for by the others); else each runs cfg.steps
         limit = dl.step_budget or cfg.steps
         step = start_step
+        compute_ema = None
         while step < limit and not dl.should_stop:
             t0 = time.perf_counter()
             x, y = stream.next_batch()
@@ -95,7 +96,11 @@ def run_learner(cfg: TrainConfig, *, syncer: str, learner: int, run_dir: str | N
             set_lr(opt, cfg.lr_at(step))  # the same inner schedule as the in-process engine
             opt.step()
             if slowdown > 1.0:
-                time.sleep((slowdown - 1.0) * (time.perf_counter() - t0))
+                # a slower device: its steps take `slowdown` x the typical compute time (an
+                # EMA, so that an OS hiccup in one step is not stretched by the same factor)
+                dt = time.perf_counter() - t0
+                compute_ema = dt if compute_ema is None else 0.9 * compute_ema + 0.1 * dt
+                time.sleep((slowdown - 1.0) * compute_ema)
             installed = dl.step(tokens)
             lv = loss.item()
             step += 1
