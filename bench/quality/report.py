@@ -334,7 +334,8 @@ def _section_a(res, plot, verdicts) -> list[str]:
         k = bdec["name"].rsplit("x", 1)[1]
         bs_txt = (f" Measured: with {k}x the batch per learner step ({b['batch_size'] * int(k)} "
                   f"sequences, for both methods, so {k}x the tokens) Decoupled is "
-                  f"{_vs(bdec, bdp):+.2f}% from DP (seed 0) instead of {g:+.2f}%; its gap to the "
+                  f"{_vs(bdec, bdp):+.2f}% from DP (seeds {bdec['seeds']}) instead of {g:+.2f}%; "
+                  "its gap to the "
                   f"floor is {bdec['gap_to_floor']:.4f} against DP's {bdp['gap_to_floor']:.4f}.")
     if abs(g) > 2:
         L += ["**Why.** The gap is shared by the whole DiLoCo family (DiLoCo, Streaming and "
