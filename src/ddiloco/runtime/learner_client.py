@@ -228,6 +228,7 @@ class DecoupledLearner:
         self._stop = threading.Event()
         self._stop_seen = False
         self._thread_error: BaseException | None = None
+        self._leaving = threading.Event()
 
     # -- lifecycle ------------------------------------------------------------------------
     def __enter__(self) -> DecoupledLearner:
@@ -360,6 +361,7 @@ class DecoupledLearner:
                     not self._sendq.empty() or self.sync.ledger.pending > 1e-9):
                 time.sleep(0.02)
                 self._drain()
+            self._leaving.set()  # the heartbeat thread must not rejoin after the Leave
             try:
                 self.client.unary("Leave", {"learner": self.learner,
                                             "incarnation": self.incarnation,
@@ -594,6 +596,8 @@ class DecoupledLearner:
 
     def _heartbeater(self) -> None:
         while not self._closed.wait(self.heartbeat_s):
+            if self._leaving.is_set():
+                return
             try:
                 if not self._joined.is_set():
                     self._rejoin()
@@ -619,6 +623,8 @@ class DecoupledLearner:
                     self.stats["reconnects"] += 1
 
     def _rejoin(self) -> None:
+        if self._leaving.is_set():
+            return
         old_boot = self.boot_id
         r = self._join()
         if r.get("need_init"):
