@@ -95,9 +95,10 @@ def run_learner(cfg: TrainConfig, *, syncer: str, learner: int, run_dir: str | N
             loss.backward()
             set_lr(opt, cfg.lr_at(step))  # the same inner schedule as the in-process engine
             opt.step()
-            if slowdown > 1.0:
+            if slowdown > 1.0 and step - start_step >= 2:
                 # a slower device: its steps take `slowdown` x the typical compute time (an
-                # EMA, so that an OS hiccup in one step is not stretched by the same factor)
+                # EMA, so that an OS hiccup in one step is not stretched by the same factor;
+                # the first two steps of a process, its warm-up, are left out)
                 dt = time.perf_counter() - t0
                 compute_ema = dt if compute_ema is None else 0.9 * compute_ema + 0.1 * dt
                 time.sleep((slowdown - 1.0) * compute_ema)
