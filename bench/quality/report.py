@@ -108,20 +108,27 @@ def _tokens(c: dict) -> float:
 # -- plots --------------------------------------------------------------------------------
 
 
+def eval_curve(run_dir: Path) -> list[tuple[float, float]]:
+    """(mean inner step per learner, eval loss) rows of a run's metrics.jsonl."""
+    rows = []
+    with open(run_dir / "metrics.jsonl", encoding="utf-8") as f:
+        for line in f:
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if r.get("kind") == "eval" and "step" in r:
+                rows.append((float(r["step"]), float(r["eval_loss"])))
+    return rows
+
+
 def _seed0_curve(c: dict) -> list:
     """(mean inner step per learner, eval loss) of the cell's seed-0 run (its eval rows in
     metrics.jsonl); the stored mean curve when the run directory is gone."""
     if c.get("runs") and c["seeds"][0] == 0:
-        p = Path(c["runs"][0]) / "metrics.jsonl"
-        if p.exists():
-            rows = []
-            for line in p.read_text().splitlines():
-                try:
-                    r = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if r.get("kind") == "eval" and "step" in r:
-                    rows.append((float(r["step"]), float(r["eval_loss"])))
+        run_dir = Path(c["runs"][0])
+        if (run_dir / "metrics.jsonl").exists():
+            rows = eval_curve(run_dir)
             if rows:
                 return rows
     return c["curve"]

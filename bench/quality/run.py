@@ -70,20 +70,6 @@ def _jsonable(d: dict) -> dict:
     return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
 
 
-def eval_curve(run_dir: Path) -> list[tuple[float, float]]:
-    """(mean inner step per learner, eval loss) rows of a run's metrics.jsonl."""
-    rows = []
-    with open(run_dir / "metrics.jsonl", encoding="utf-8") as f:
-        for line in f:
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if r.get("kind") == "eval" and "step" in r:
-                rows.append((float(r["step"]), float(r["eval_loss"])))
-    return rows
-
-
 def peak_bytes_per_step(config: dict) -> dict:
     """Per learner: the largest upload after one inner step under the staggered schedule
     (fragments sent at the same phase add up) through the run's codec, and the ideal
@@ -133,6 +119,8 @@ def aggregate(cell, summaries: list[dict], dirs: list[Path]) -> dict:
     out["learners"] = summaries[0]["learners"]
     out["steps"] = summaries[0]["steps"]
     out["fragments"] = summaries[0].get("fragments")
+    from report import eval_curve  # report imports matplotlib: only where it is needed
+
     curves = [eval_curve(d) for d in dirs]
     n = min(len(c) for c in curves)
     out["curve"] = [[statistics.fmean(c[i][0] for c in curves), statistics.fmean(c[i][1] for c in curves)]
