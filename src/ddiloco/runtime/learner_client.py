@@ -246,13 +246,14 @@ class DecoupledLearner:
             versions, params = self._join_and_fetch(initial=True)
             self.sync.load_global(params, versions)
             self._base_versions = list(versions)
+            self._stop_seen = self._stop.is_set()  # later, only `step` changes it
         if self.group is not None:
             import torch.distributed as dist
             src = dist.get_global_rank(self.group, 0)
             with torch.no_grad():
                 for t in self.params.values():
                     dist.broadcast(t.data, src=src, group=self.group)
-            budget = torch.tensor([self.step_budget, int(self._stop.is_set())], dtype=torch.int64)
+            budget = torch.tensor([self.step_budget, int(self._stop_seen)], dtype=torch.int64)
             dist.broadcast(budget, src=src, group=self.group)
             self.step_budget = int(budget[0])
             self._stop_seen = bool(budget[1])
@@ -262,8 +263,6 @@ class DecoupledLearner:
                 th = threading.Thread(target=self._guarded, args=(target,), name=name, daemon=True)
                 th.start()
                 self._threads.append(th)
-        if self._is_root:
-            self._stop_seen = self._stop.is_set()
         if self.optimizer is not None and self.tokens_per_step is not None:
             self._hook = self.optimizer.register_step_post_hook(
                 lambda *_: self.step(self.tokens_per_step))
