@@ -9,13 +9,14 @@ w_{m,p} = c_tokens * (c_tokens / c_steps) its weight ("quantity x quality").
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 __all__ = ["MERGE_RULES", "token_weight", "weighted_average", "rda", "merge_outer_gradients",
-           "OuterNesterov", "alpha_mix"]
+           "OuterNesterov", "alpha_mix", "all_finite", "all_finite_list"]
 
 MERGE_RULES = ("rda", "average")
 
@@ -27,6 +28,31 @@ def token_weight(c_tokens: int, c_steps: int) -> float:
     return float(c_tokens) * (float(c_tokens) / float(c_steps))
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    """No NaN or inf in ``t``. A sum is one fast vectorised pass and NaN/inf propagate into
+    it; only when it is not finite (which finite values can also cause, by overflowing)
+    does a min/max pass decide. ``torch.isfinite(t).all()`` is ~15x slower on CPU."""
+    if t.numel() == 0 or not t.is_floating_point():
+        return True
+    if math.isfinite(float(t.sum())):
+        return True
+    lo, hi = torch.aminmax(t)
+    return math.isfinite(float(lo)) and math.isfinite(float(hi))
+
+
+def all_finite_list(ts: Sequence[torch.Tensor]) -> bool:
+    """``all_finite`` of every tensor, in one fused call for floating tensors of one dtype
+    (a multi-tensor norm, NaN/inf propagating into it), per tensor otherwise."""
+    fl = [t for t in ts if t.numel() and t.is_floating_point()]
+    if not fl:
+        return True
+    if len({(t.dtype, t.device) for t in fl}) == 1:
+        norms = torch._foreach_norm(fl)
+        if all(math.isfinite(float(n)) for n in norms):
+            return True
+    return all(all_finite(t) for t in fl)
+
+
 def _normalised(weights: Sequence[float]) -> list[float]:
     total = float(sum(weights))
     if not total > 0:
@@ -35,8 +61,10 @@ def _normalised(weights: Sequence[float]) -> list[float]:
 
 
 def weighted_average(vs: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
-    """``sum_i w_i v_i / sum_i w_i``."""
+    """``sum_i w_i v_i / sum_i w_i``. A single input is returned as it is (as fp32)."""
     ws = _normalised(weights)
+    if len(vs) == 1:
+        return vs[0].float()
     out = torch.zeros_like(vs[0], dtype=torch.float32)
     for w, v in zip(ws, vs, strict=True):
         out.add_(v.float(), alpha=w)
@@ -47,9 +75,12 @@ def rda(vs: Sequence[torch.Tensor], weights: Sequence[float], eps: float = 1e-12
     """Radial-directional average: ``(sum w|v| / sum w) * unit(sum w unit(v))``.
 
     Norms and directions are averaged separately, so nearly orthogonal inputs of equal
-    norm R give an output of norm R (plain averaging would give about R/sqrt(M)).
+    norm R give an output of norm R (plain averaging would give about R/sqrt(M)). A single
+    input is its own radial-directional average and is returned as it is (as fp32).
     """
     ws = _normalised(weights)
+    if len(vs) == 1:
+        return vs[0].float()
     radius = 0.0
     direction = torch.zeros_like(vs[0], dtype=torch.float32)
     for w, v in zip(ws, vs, strict=True):
@@ -112,6 +143,21 @@ class OuterNesterov:
                 p.sub_(g.add(b, alpha=self.momentum), alpha=self.lr)
             else:
                 p.sub_(g, alpha=self.lr)
+
+    def stepped(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                buffers: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The same update as ``step`` into new tensors, inputs untouched (four passes per
+        tensor instead of two copies plus ``step``'s four, in multi-tensor calls): what a
+        syncer publishes while the previous version may still be read. The ``grads``
+        tensors are reused as scratch."""
+        params, grads, buffers = list(params), list(grads), list(buffers)
+        if self.momentum > 0:  # the same operations as ``step``, so the same rounding
+            new_b = torch._foreach_mul(buffers, self.momentum)
+            torch._foreach_add_(new_b, grads)                                # mu*b + g
+            torch._foreach_add_(grads, new_b, alpha=self.momentum)           # g + mu*b'
+        else:
+            new_b = buffers
+        return torch._foreach_add(params, grads, alpha=-self.lr), new_b
 
 
 def alpha_mix(local: torch.Tensor, global_: torch.Tensor, alpha: float) -> None:

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ddiloco.algorithm.fragments import Fragmentation
-from ddiloco.algorithm.merge import MERGE_RULES, OuterNesterov, merge_outer_gradients, token_weight
+from ddiloco.algorithm.merge import (MERGE_RULES, OuterNesterov, all_finite, all_finite_list,
+                                     merge_outer_gradients, token_weight)
 from ddiloco.algorithm.policy import (MergeNow, PolicyConfig, QuorumGracePolicy, WaitForMore,
                                       WaitUntil)
 
@@ -219,13 +220,15 @@ class SyncerState:
         self.policy.xi_sync.update(sync_s)
 
     # -- events -------------------------------------------------------------------------
-    def submit(self, c: Contribution, now_s: float) -> SubmitResult:
-        """A contribution arrived. Validates, stages it in fragment p's round and decides."""
+    def submit(self, c: Contribution, now_s: float, *, finite_checked: bool = False
+               ) -> SubmitResult:
+        """A contribution arrived. Validates, stages it in fragment p's round and decides.
+        ``finite_checked``: the caller already rejected NaN/inf values (skips that pass)."""
         led = self.ledger.get(c.learner)
         if led is None or c.learner not in self.live:
             return SubmitResult(Status.UNKNOWN_LEARNER,
                                 f"learner {c.learner} has not joined (or was declared dead)")
-        err = self._validate(c)
+        err = self._validate(c, finite_checked)
         if err:
             led.pushes_rejected += 1
             return SubmitResult(Status.INVALID, err)
@@ -312,18 +315,16 @@ class SyncerState:
         deltas = []
         for c in contribs:
             anchor = s.theta if self.config.anchor == "current" else self.published(p, c.base_version)
-            deltas.append([a - x.float() for a, x in zip(anchor, c.params)])
+            deltas.append(torch._foreach_sub(list(anchor), [x.float() for x in c.params]))
         update = merge_outer_gradients(deltas, weights, frag.embedding, self.config.merge_rule)
         n_live = max(len(contribs), len(self.live | set(s.round.pending)))
         if self.config.scale_partial and len(contribs) < n_live:
             # a round merging some of the live learners takes that share of an outer step, so
             # that asynchronous single-learner merges add up to about one step per round
-            for u in update:
-                u.mul_(len(contribs) / n_live)
-        theta = [t.clone() for t in s.theta]
-        momentum = [b.clone() for b in s.momentum]
-        self.outer.step(theta, update, momentum)
-        if not all(bool(torch.isfinite(t).all()) for t in theta):
+            torch._foreach_mul_(update, len(contribs) / n_live)
+        # new tensors: the published theta is never written again, so Merged shares it
+        theta, momentum = self.outer.stepped(s.theta, update, s.momentum)
+        if not all_finite_list(theta):
             # finite pushes can still overflow (a diverging learner): never publish inf/NaN
             self._settle(s, contribs, merged=False)
             self.nonfinite_merges += 1
@@ -337,7 +338,7 @@ class SyncerState:
         self._settle(s, contribs, merged=True)
         self.merges += 1
         self.quorum_sizes.append(len(contribs))
-        return Merged(fragment=p, version=s.version, params=[t.clone() for t in s.theta],
+        return Merged(fragment=p, version=s.version, params=list(s.theta),
                       learners=tuple(c.learner for c in contribs), weights=tuple(weights),
                       reason=reason, at_s=now_s)
 
@@ -354,7 +355,7 @@ class SyncerState:
                 led.pushes_dropped += 1
         s.round = _Round()
 
-    def _validate(self, c: Contribution) -> str:
+    def _validate(self, c: Contribution, finite_checked: bool = False) -> str:
         if not 0 <= c.fragment < len(self.frags):
             return f"fragment {c.fragment} out of range [0, {len(self.frags)})"
         if c.c_steps < 1 or c.c_tokens < 1:
@@ -368,7 +369,7 @@ class SyncerState:
                         f"{tuple(ref.shape)}, push has {tuple(x.shape)}")
             if not x.is_floating_point():
                 return f"tensor {j} has dtype {x.dtype}; a floating dtype is required"
-            if not bool(torch.isfinite(x).all()):
+            if not finite_checked and not all_finite(x):
                 return f"tensor {self.fragmentation.fragments[c.fragment].names[j]} has NaN/inf values"
         return ""
 
