@@ -147,7 +147,7 @@ class SyntheticLearner:
                   "c_steps": c_steps, "c_tokens": 1024 * c_steps, "codec": "fp32",
                   "delta": False, "numels": list(f.numels), "nbytes": len(payload),
                   "step": self.seq}
-        r = self.client.stream("Push", wire.chunks(header, payload), timeout_s=600)
+        r = self.client.push(header, payload, timeout_s=600)
         self.bytes_pushed += len(payload)
         return r
 

@@ -9,9 +9,9 @@ read from /proc after the pushes, for M = 4 and M = 16 in the same run. The grow
 M = 4 to M = 16, divided by 12 learners, is the memory per extra learner: O(fragment) means
 about one fragment (or less), O(model) would mean one model.
 
-The syncer process makes glibc return every buffer of 128 KiB or more to the OS when freed
-(``syncer_server.return_large_buffers``): without it, multi-megabyte push buffers freed by
-many handler threads stay in per-thread heaps and the peak grows like M x model even though
+The syncer process makes glibc serve all threads from one heap
+(``syncer_server.share_one_heap``): without it, multi-megabyte push buffers freed by many
+connection threads stay in per-thread heaps and the peak grows like M x model even though
 the live data does not.
 
 What it does not cover: learners far out of phase (e.g. a step-driven schedule after

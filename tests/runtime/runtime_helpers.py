@@ -70,3 +70,26 @@ class SyncerProcess:
         self.log.close()
 
 
+def tiny_model():
+    """A one-layer GPT small enough for validation tests (seeded)."""
+    import torch
+
+    from ddiloco.models import build_model
+    torch.manual_seed(0)
+    return build_model("gpt_tiny", n_layer=1, n_embd=32, n_head=2)
+
+
+def init_syncer(client, model, P: int = 2) -> tuple[dict, int]:
+    """Join as learner 0, upload ``model`` as the initial model, join again: (spec,
+    incarnation)."""
+    from ddiloco.runtime import wire
+    from ddiloco.runtime.spec import model_spec, spec_fingerprint
+    spec = model_spec(model, P)
+    fp = spec_fingerprint(spec)
+    r = client.unary("Join", {"learner": 0, "incarnation": -1, "fingerprint": fp})
+    assert r["need_init"]
+    data = b"".join(t.detach().float().numpy().tobytes() for t in model.parameters())
+    assert client.stream("Init", wire.chunks({"learner": 0, "spec": spec, "nbytes": len(data)},
+                                             data))["accepted"]
+    r = client.unary("Join", {"learner": 0, "incarnation": -1, "fingerprint": fp})
+    return spec, r["incarnation"]

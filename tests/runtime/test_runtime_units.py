@@ -17,9 +17,10 @@ import torch
 
 from ddiloco.runtime import wire
 from ddiloco.runtime.chaos import ChaosConfig, chaos_preset, chaos_schedule
+from ddiloco.runtime.bulk import BulkClient, BulkError
 from ddiloco.runtime.checkpoint import load_checkpoint, save_atomic
 from ddiloco.runtime.learner_client import SyncerClient
-from runtime_helpers import SyncerProcess
+from runtime_helpers import SyncerProcess, init_syncer, tiny_model
 
 
 def test_frames_roundtrip_and_chunking():
@@ -79,6 +80,15 @@ def test_tls_and_status_command(tmp_path):
                              env={k: v for k, v in os.environ.items() if k != "DDILOCO_TOKEN"})
         assert out.returncode == 0, out.stderr
         assert "syncer boot" in out.stdout and "versions []" in out.stdout
+        # the data port speaks TLS too: fragments travel encrypted, plaintext is refused
+        client = SyncerClient(s.address, "tok", tls_ca=str(cert))
+        init_syncer(client, tiny_model())
+        assert client.data is not None and client.data.ssl_context is not None
+        got = client.fetch(None)
+        assert client.data is not None and sorted(got) == [0, 1]
+        with pytest.raises(BulkError):
+            BulkClient("127.0.0.1", client.data.port, "tok", connect_timeout_s=2).request(
+                {"op": "fetch", "fragments": [0]}, timeout_s=5)
     finally:
         s.close()
 

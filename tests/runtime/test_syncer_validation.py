@@ -12,27 +12,10 @@ import pytest
 import torch
 
 from ddiloco.algorithm.codecs import get_codec
-from ddiloco.models import build_model
 from ddiloco.runtime import wire
 from ddiloco.runtime.learner_client import DecoupledLearner, SyncerClient, SyncerError
-from ddiloco.runtime.spec import fragmentation_from_spec, model_spec, spec_fingerprint
-
-
-def _tiny():
-    torch.manual_seed(0)
-    return build_model("gpt_tiny", n_layer=1, n_embd=32, n_head=2)
-
-
-def _init(client: SyncerClient, model, P: int = 2) -> tuple[dict, int]:
-    spec = model_spec(model, P)
-    fp = spec_fingerprint(spec)
-    r = client.unary("Join", {"learner": 0, "incarnation": -1, "fingerprint": fp})
-    assert r["need_init"]
-    data = b"".join(t.detach().float().numpy().tobytes() for t in model.parameters())
-    assert client.stream("Init", wire.chunks({"learner": 0, "spec": spec, "nbytes": len(data)},
-                                             data))["accepted"]
-    r = client.unary("Join", {"learner": 0, "incarnation": -1, "fingerprint": fp})
-    return spec, r["incarnation"]
+from ddiloco.runtime.spec import fragmentation_from_spec
+from runtime_helpers import init_syncer, tiny_model
 
 
 def _push(client, frag, p, tensors, *, inc, seq=1, codec="fp32", **override):
@@ -57,8 +40,8 @@ def _expect(code, tag, fn):
 def test_bad_pushes_are_rejected_and_the_global_model_is_unchanged(syncer_factory):
     s = syncer_factory("--max-push-bytes", "200000")
     client = SyncerClient(s.address, s.token)
-    model = _tiny()
-    spec, inc = _init(client, model)
+    model = tiny_model()
+    spec, inc = init_syncer(client, model)
     frag = fragmentation_from_spec(spec)
     before = client.fetch(None)
     good = [t.clone().view(-1) for t in before[0][1]]
@@ -127,7 +110,7 @@ def test_hook_api_trains_against_the_syncer(syncer_factory):
     """The public API: a context manager around the user's model and optimizer; the
     optimizer post-step hook drives the learner."""
     s = syncer_factory()
-    model = _tiny()
+    model = tiny_model()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, 64, (4, 16), generator=g)
@@ -151,7 +134,7 @@ def test_hook_api_trains_against_the_syncer(syncer_factory):
 def test_a_failed_communication_thread_stops_training_with_a_clear_error(syncer_factory):
     """A learner whose sender died must not train on silently without contributing."""
     s = syncer_factory()
-    model = _tiny()
+    model = tiny_model()
     dl = DecoupledLearner(model, syncer=s.address, learner=0, P=2, H=2, tau=1, token=s.token)
 
     def broken(o):
@@ -168,7 +151,7 @@ def test_a_failed_communication_thread_stops_training_with_a_clear_error(syncer_
 @pytest.mark.timeout(90)
 def test_the_syncer_step_budget_tells_learners_to_stop(syncer_factory):
     s = syncer_factory("--step-budget", "30")
-    model = _tiny()
+    model = tiny_model()
     with DecoupledLearner(model, syncer=s.address, learner=0, P=2, H=4, tau=1, token=s.token,
                           heartbeat_interval=timedelta(milliseconds=100)) as dl:
         assert dl.step_budget == 30 and not dl.should_stop

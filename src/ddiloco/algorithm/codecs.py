@@ -111,6 +111,24 @@ class Codec:
             dst.copy_(acc)
         return out[: nb * 4 + n_packed].numpy().tobytes()
 
+    def encode_many(self, tensors: list[torch.Tensor]) -> list[memoryview]:
+        """The encodings of ``tensors``, concatenated, as a list of read-only byte views.
+        fp32 views the tensors' own memory when they are contiguous fp32 CPU tensors (no
+        copy: the caller must not modify them while the views are in use); bf16 casts into
+        one preallocated buffer; quantised codecs encode tensor by tensor."""
+        if self.quantised:
+            return [memoryview(self.encode(t)) for t in tensors]
+        if self.name == "fp32":
+            return [memoryview(t.detach().reshape(-1).float().contiguous().numpy()).cast("B")
+                    .toreadonly() for t in tensors]
+        out = torch.empty(sum(self.nbytes(t.numel()) for t in tensors), dtype=torch.uint8)
+        off = 0
+        for t in tensors:
+            nb = self.nbytes(t.numel())
+            out[off:off + nb].view(torch.bfloat16).copy_(t.detach().reshape(-1))
+            off += nb
+        return [memoryview(out.numpy()).toreadonly()]
+
     def decode(self, buf: bytes | bytearray | memoryview, numel: int) -> torch.Tensor:
         """Decode to a flat fp32 tensor; raises ValueError if the size does not match."""
         expected = self.nbytes(numel)

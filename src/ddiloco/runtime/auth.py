@@ -10,12 +10,13 @@ from __future__ import annotations
 import hmac
 import os
 import secrets
+import ssl
 from pathlib import Path
 
 import grpc
 
 __all__ = ["TOKEN_ENV", "load_token", "new_token", "check_token", "server_credentials",
-           "channel_credentials"]
+           "channel_credentials", "server_ssl_context", "client_ssl_context"]
 
 TOKEN_ENV = "DDILOCO_TOKEN"
 
@@ -53,3 +54,16 @@ def server_credentials(cert_file: str, key_file: str) -> grpc.ServerCredentials:
 def channel_credentials(ca_file: str | None) -> grpc.ChannelCredentials:
     root = Path(ca_file).read_bytes() if ca_file else None
     return grpc.ssl_channel_credentials(root_certificates=root)
+
+
+def server_ssl_context(cert_file: str, key_file: str) -> ssl.SSLContext:
+    """TLS for the syncer's data port (the same certificate as its gRPC port)."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(cert_file, key_file)
+    return ctx
+
+
+def client_ssl_context(ca_file: str | None) -> ssl.SSLContext:
+    """TLS for a learner's data connection: verifies the syncer against ``ca_file`` (or
+    the system's roots)."""
+    return ssl.create_default_context(cafile=ca_file)

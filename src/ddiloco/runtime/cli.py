@@ -34,6 +34,11 @@ def add_syncer_parser(subparsers) -> argparse.ArgumentParser:
                    "0.0.0.0 for other hosts)")
     p.add_argument("--port", type=int, default=50051, help="port (0: pick a free one)")
     p.add_argument("--port-file", help="write the bound port here (atomic)")
+    p.add_argument("--bulk-port", type=int, default=0,
+                   help="data port for fragment pushes and fetches (framed TCP beside gRPC, "
+                        "several times faster; learners learn it when they join and fall back "
+                        "to gRPC if they cannot reach it). 0: a free port; -1: off. Fix it "
+                        "(and open it) when learners are behind a firewall")
     p.add_argument("--token-file", help="file holding the shared secret")
     p.add_argument("--tls-cert", help="server certificate (PEM) to enable TLS")
     p.add_argument("--tls-key", help="server private key (PEM)")
@@ -83,7 +88,8 @@ def syncer_server_config(args):
                               checkpoint_dir=args.checkpoint_dir,
                               checkpoint_every=args.checkpoint_every, resume=args.resume,
                               tls_cert=args.tls_cert, tls_key=args.tls_key,
-                              metrics_path=args.metrics_file, step_budget=args.step_budget)
+                              metrics_path=args.metrics_file, step_budget=args.step_budget,
+                              bulk_port=None if args.bulk_port == -1 else args.bulk_port)
 
 
 def cmd_syncer(args) -> int:
@@ -101,12 +107,17 @@ def cmd_syncer(args) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    port = server.start()
+    try:
+        port = server.start()
+    except RuntimeError as e:
+        print(f"ddiloco syncer: {e}", file=sys.stderr)
+        return 2
     if args.port_file:
         tmp = Path(args.port_file).with_suffix(".tmp")
         tmp.write_text(str(port))
         os.replace(tmp, args.port_file)
-    print(f"ddiloco syncer listening on {cfg.host}:{port}", flush=True)
+    data = f"data port {server.bulk_port}" if server.bulk_port is not None else "data port off"
+    print(f"ddiloco syncer listening on {cfg.host}:{port} ({data})", flush=True)
     while not stop.wait(1.0):
         pass
     logging.getLogger("ddiloco.syncer").info("stopping: final checkpoint")

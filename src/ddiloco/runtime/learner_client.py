@@ -39,7 +39,8 @@ from ddiloco.algorithm.codecs import get_codec
 from ddiloco.algorithm.learner_state import LearnerSync, Outgoing
 from ddiloco.algorithm.schedule import FragmentSchedule
 from ddiloco.runtime import wire
-from ddiloco.runtime.auth import channel_credentials, load_token
+from ddiloco.runtime.auth import channel_credentials, client_ssl_context, load_token
+from ddiloco.runtime.bulk import BulkClient, BulkError, split_host
 from ddiloco.runtime.spec import fragmentation_from_spec, model_spec, spec_fingerprint
 
 __all__ = ["DecoupledLearner", "LinkLimits", "SyncerClient", "SyncerError"]
@@ -70,11 +71,14 @@ class LinkLimits:
 
 
 class SyncerClient:
-    """Thin typed wrapper over the syncer's RPCs (two channels: bulk and control)."""
+    """Thin typed wrapper over the syncer's calls: gRPC channels for control (and bulk when
+    the syncer has no data port), and a ``BulkClient`` for fragments once a Join reply has
+    advertised the syncer's data port (``ddiloco.runtime.bulk``)."""
 
     def __init__(self, address: str, token: str, tls_ca: str | None = None,
                  tls: bool = False) -> None:
         self.address = address
+        self._token, self._tls, self._tls_ca = token, bool(tls or tls_ca), tls_ca
         self._md = ((wire.TOKEN_METADATA, token),)
         mk = (lambda: grpc.secure_channel(address, channel_credentials(tls_ca), wire.GRPC_OPTIONS)) \
             if (tls or tls_ca) else (lambda: grpc.insecure_channel(address, wire.GRPC_OPTIONS))
@@ -86,50 +90,103 @@ class SyncerClient:
                         if (tls or tls_ca) else
                         grpc.insecure_channel(address, wire.GRPC_OPTIONS + [("ddiloco.channel",
                                                                              "control")]))
+        self.data: BulkClient | None = None
+        """The data-port connection, or None: fragments go over gRPC."""
 
     def close(self) -> None:
+        self.use_data_port(None)
         self.bulk.close()
         self.control.close()
+
+    def use_data_port(self, port: int | None) -> None:
+        """Send pushes and fetches to the syncer's data port (None: over gRPC). Called with
+        every Join reply's ``bulk_port`` (a restarted syncer may listen elsewhere)."""
+        if self.data is not None and self.data.port == port:
+            return
+        if self.data is not None:
+            self.data.close()
+            self.data = None
+        if port is not None:
+            self.data = BulkClient(split_host(self.address), int(port), self._token,
+                                   ssl_context=client_ssl_context(self._tls_ca)
+                                   if self._tls else None)
 
     def unary(self, name: str, header: dict, timeout_s: float = 10.0, control: bool = False
               ) -> dict:
         ch = self.control if control else self.bulk
         resp = ch.unary_unary(wire.method(name))(wire.pack(header), timeout=timeout_s,
                                                  metadata=self._md)
-        return wire.unpack(resp)[0]
+        r = wire.unpack(resp)[0]
+        if name == "Join" and not r.get("need_init"):
+            self.use_data_port(r.get("bulk_port"))
+        return r
 
     def stream(self, name: str, frames, timeout_s: float = 60.0) -> dict:
         resp = self.bulk.stream_unary(wire.method(name))(frames, timeout=timeout_s,
                                                          metadata=self._md)
         return wire.unpack(resp)[0]
 
+    def _data_request(self, header: dict, payload: list, timeout_s: float
+                      ) -> tuple[dict, bytearray] | None:
+        """A request on the data port; None when there is none or it cannot be reached
+        (the caller then uses gRPC: the data port may be firewalled off)."""
+        data = self.data
+        if data is None:
+            return None
+        try:
+            return data.request(header, payload, timeout_s)
+        except BulkError as e:
+            if not e.connect_failed:
+                raise
+            log.warning("syncer data port %s:%d unreachable (%s): sending fragments over gRPC "
+                        "until the next join", data.host, data.port, e.details())
+            if self.data is data:
+                self.data = None
+            data.close()
+            return None
+
+    def push(self, header: dict, data: bytes | memoryview, timeout_s: float = 60.0) -> dict:
+        """Push one fragment (``header`` as the Push call's); returns the syncer's reply."""
+        r = self._data_request({"op": "push", **header}, [data], timeout_s)
+        if r is not None:
+            return r[0]
+        return self.stream("Push", wire.chunks(header, data), timeout_s)
+
     def fetch(self, fragments: list[int] | None, timeout_s: float = 60.0
               ) -> dict[int, tuple[int, list[torch.Tensor], int]]:
         """Published fragments: p -> (version, flat fp32 tensors, wire bytes)."""
+        out: dict[int, tuple[int, list[torch.Tensor], int]] = {}
+
+        def decode(h: dict, buf: memoryview) -> None:
+            codec = get_codec(h["codec"])
+            ts, off = [], 0
+            for k in h["numels"]:
+                nb = codec.nbytes(k)
+                ts.append(codec.decode(buf[off:off + nb], k))
+                off += nb
+            out[h["fragment"]] = (h["version"], ts, len(buf))
+
+        r = self._data_request({"op": "fetch", "fragments": fragments}, [], timeout_s)
+        if r is not None:
+            h, buf = r
+            mv, off = memoryview(buf), 0
+            for item in h["items"]:
+                decode(item, mv[off:off + item["nbytes"]])
+                off += item["nbytes"]
+            return out
         call = self.bulk.unary_stream(wire.method("Fetch"))(
             wire.pack({"fragments": fragments}), timeout=timeout_s, metadata=self._md)
-        out: dict[int, tuple[int, list[torch.Tensor], int]] = {}
         cur: dict | None = None
         buf = bytearray()
-
-        def finish() -> None:
-            codec = get_codec(cur["codec"])
-            ts, off = [], 0
-            for k in cur["numels"]:
-                nb = codec.nbytes(k)
-                ts.append(codec.decode(memoryview(buf)[off:off + nb], k))
-                off += nb
-            out[cur["fragment"]] = (cur["version"], ts, len(buf))
-
         for frame in call:
             h, payload = wire.unpack(frame)
             if "cont" not in h:
                 if cur is not None:
-                    finish()
+                    decode(cur, memoryview(buf))
                 cur, buf = h, bytearray()
             buf += payload
         if cur is not None:
-            finish()
+            decode(cur, memoryview(buf))
         return out
 
     def status(self, timeout_s: float = 5.0) -> dict:
@@ -460,7 +517,8 @@ class DecoupledLearner:
 
     def report(self) -> dict:
         """What the heartbeat carries: progress, timing, ledger, traffic."""
-        return {"step": self.sync.step, "incarnation": self.incarnation, "step_s": self.step_s_ema, "compute_s": self.compute_s,
+        return {"step": self.sync.step, "incarnation": self.incarnation,
+                "step_s": self.step_s_ema, "compute_s": self.compute_s,
                 "ledger": asdict(self.sync.ledger), "tokens_per_step": self.tokens_per_step,
                 "fetch_s": self.stats["fetch_s"], **self.stats, **self.extra_report}
 
@@ -514,8 +572,7 @@ class DecoupledLearner:
                     d = self.link.delay_s(len(data))
                     if d > 0:
                         time.sleep(d)
-                    r = self.client.stream("Push", wire.chunks(header, data),
-                                           timeout_s=30.0 + len(data) / 1e6)
+                    r = self.client.push(header, data, timeout_s=30.0 + len(data) / 1e6)
                     self.stats["bytes_sent"] += len(data)
                     self.stats["pushes"] += 1
                     ok = r["status"] == "accepted"

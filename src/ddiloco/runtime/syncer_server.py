@@ -30,11 +30,13 @@ from pathlib import Path
 import grpc
 import torch
 
-from ddiloco.algorithm.codecs import get_codec
+from ddiloco.algorithm.codecs import Codec, get_codec
+from ddiloco.algorithm.merge import all_finite
 from ddiloco.algorithm.syncer_state import (Contribution, Merged, Status, SyncerConfig,
                                             SyncerState, vars_of)
 from ddiloco.runtime import wire
-from ddiloco.runtime.auth import check_token, server_credentials
+from ddiloco.runtime.auth import check_token, server_credentials, server_ssl_context
+from ddiloco.runtime.bulk import BulkReject, BulkServer
 from ddiloco.runtime.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_atomic
 from ddiloco.runtime.spec import check_spec, fragmentation_from_spec, spec_fingerprint
 from ddiloco.runtime.wire import ErrorCode as E
@@ -71,6 +73,11 @@ class SyncerServerConfig:
     """Load ``checkpoint_dir/syncer.pt`` at start."""
     tls_cert: str | None = None
     tls_key: str | None = None
+    bulk_port: int | None = 0
+    """Data port for fragment pushes and fetches (``ddiloco.runtime.bulk``: framed TCP, TLS
+    when the syncer has a certificate), advertised to learners in the Join reply. 0 picks
+    a free one; None disables it (learners then send fragments over gRPC, a few times
+    slower). Learners that cannot reach it fall back to gRPC."""
     max_workers: int = 64
     """gRPC handler threads (each live learner holds up to three calls)."""
     metrics_path: str | None = None
@@ -96,16 +103,22 @@ class SyncerServerConfig:
             raise ValueError("heartbeat_timeout_s must be > 0")
         if self.step_budget < 0:
             raise ValueError("step_budget must be >= 0 (0: no budget)")
+        if self.bulk_port is not None and not 0 <= self.bulk_port <= 65535:
+            raise ValueError(f"bulk_port must be in [0, 65535] (0: any free port) or None, "
+                             f"got {self.bulk_port}")
 
 
-def return_large_buffers(threshold: int = 128 << 10) -> bool:
-    """Make glibc serve every allocation of ``threshold`` bytes or more with its own mmap,
-    returned to the OS when freed. By default glibc raises that threshold after the first
-    large free, so later pushes' multi-megabyte buffers come from per-thread heaps that
-    keep their peak: with M learners pushing at once through M handler threads the syncer's
-    resident memory grows like M x model although what it holds is O(model) + O(M x
-    fragment) (measured by bench/perf_memory.py). Process-wide; a no-op off glibc. Returns
-    whether it applied."""
+def share_one_heap() -> bool:
+    """Make glibc serve every thread's allocations from one heap (``M_ARENA_MAX = 1``).
+
+    By default each thread that allocates gets its own heap, and a heap keeps its peak:
+    with M learners pushing at once through M connection threads the syncer's resident
+    memory grows like M x model although what it holds is O(model) + O(M x fragment)
+    (measured by bench/perf_memory.py). One shared heap reuses a freed push buffer for the
+    next push, whichever thread receives it; forcing every large buffer into its own mmap
+    instead (``M_MMAP_THRESHOLD``) also bounds memory but makes each new tensor fault its
+    pages in again (3x slower merges, bench/perf_syncer.py). Process-wide; a no-op off
+    glibc. Returns whether it applied."""
     import ctypes
     import ctypes.util
 
@@ -114,8 +127,8 @@ def return_large_buffers(threshold: int = 128 << 10) -> bool:
         return False
     try:
         libc = ctypes.CDLL(name)
-        m_mmap_threshold = -3
-        return bool(libc.mallopt(m_mmap_threshold, int(threshold)))
+        m_arena_max = -8
+        return bool(libc.mallopt(m_arena_max, 1))
     except (OSError, AttributeError):
         return False
 
@@ -124,6 +137,25 @@ class _Reject(Exception):
     def __init__(self, status: grpc.StatusCode, code: str, message: str) -> None:
         super().__init__(f"{code}: {message}")
         self.status, self.code, self.message = status, code, message
+
+
+@dataclass(slots=True, frozen=True)
+class _PushCheck:
+    """A push header that passed validation: what reading and applying its payload needs."""
+    m: int
+    p: int
+    inc: int
+    seq: int
+    base: int
+    c_steps: int
+    c_tokens: int
+    nbytes: int
+    codec: Codec
+    names: tuple[str, ...]
+    numels: tuple[int, ...]
+    shapes: list[tuple[int, ...]]
+    delta: bool
+    who: str
 
 
 @dataclass(slots=True)
@@ -140,7 +172,7 @@ class SyncerServer:
 
     def __init__(self, config: SyncerServerConfig) -> None:
         self.config = config
-        return_large_buffers()
+        share_one_heap()
         self.boot_id = uuid.uuid4().hex[:12]
         self.started_s = time.monotonic()
         self._lock = threading.Lock()
@@ -150,7 +182,7 @@ class SyncerServer:
         self.state: SyncerState | None = None
         self.spec: dict | None = None
         self._fp = ""
-        self._pub: list[tuple[int, bytes]] = []          # per fragment: (version, downlink bytes)
+        self._pub: list[tuple[int, list[memoryview]]] = []  # per fragment: (version, downlink bytes)
         self._unpublished: dict[int, Merged] = {}       # merged, waiting for durability
         self._merged_seq: dict[int, dict[int, int]] = {}       # m -> p -> seq (all merges)
         self._merged_seq_pub: dict[int, dict[int, int]] = {}   # the published part
@@ -167,6 +199,8 @@ class SyncerServer:
         self.rejections: Counter = Counter()
         self._metrics_f = open(config.metrics_path, "a") if config.metrics_path else None
         self._server: grpc.Server | None = None
+        self._bulk_server: BulkServer | None = None
+        self.bulk_port: int | None = None
         self._threads: list[threading.Thread] = []
         self.port = -1
         if config.resume:
@@ -196,12 +230,27 @@ class SyncerServer:
             self.port = self._server.add_insecure_port(addr)
         if self.port == 0:
             raise RuntimeError(f"could not bind {addr}")
+        if self.config.bulk_port is not None:
+            ctx = (server_ssl_context(self.config.tls_cert, self.config.tls_key)
+                   if self.config.tls_cert else None)
+            try:
+                self._bulk_server = BulkServer(
+                    self.config.host, self.config.bulk_port, self.config.token, self._bulk,
+                    max_payload=self.config.max_push_bytes, ssl_context=ctx,
+                    on_auth_failure=self._bulk_auth_failed)
+            except OSError as e:
+                self._server.stop(None)
+                raise RuntimeError(f"could not bind the data port {self.config.host}:"
+                                   f"{self.config.bulk_port}: {e}") from None
+            self.bulk_port = self._bulk_server.port
+            self._bulk_server.start()
         for target, name in ((self._timer_loop, "syncer-timer"), (self._ckpt_loop, "syncer-ckpt")):
             t = threading.Thread(target=target, name=name, daemon=True)
             t.start()
             self._threads.append(t)
         self._server.start()
-        log.info("syncer %s listening on %s:%d", self.boot_id, self.config.host, self.port)
+        log.info("syncer %s listening on %s:%d (data port %s)", self.boot_id, self.config.host,
+                 self.port, self.bulk_port if self.bulk_port is not None else "off")
         return self.port
 
     def close(self) -> None:
@@ -212,6 +261,8 @@ class SyncerServer:
             self._timer_cv.notify_all()
             self._ckpt_cv.notify_all()
             self._published_cv.notify_all()
+        if self._bulk_server is not None:
+            self._bulk_server.close()
         if self._server is not None:
             self._server.stop(grace=0.5).wait(2.0)
         for t in self._threads:
@@ -256,11 +307,19 @@ class SyncerServer:
                       f"{E.AUTH}: missing or wrong token (set $DDILOCO_TOKEN or --token-file to "
                       f"the syncer's secret)")
 
-    def _fail(self, ctx: grpc.ServicerContext, r: _Reject, who: str) -> None:
+    def _note_reject(self, r: _Reject, who: str) -> None:
         with self._lock:
             self.rejections[r.code] += 1
             self._event("reject", code=r.code, who=who, message=r.message)
         log.warning("%s rejected: %s: %s", who, r.code, r.message)
+
+    def _bulk_auth_failed(self, peer: str) -> None:
+        with self._lock:
+            self.rejections[E.AUTH] += 1
+        log.warning("rejected data connection from %s: %s", peer, E.AUTH)
+
+    def _fail(self, ctx: grpc.ServicerContext, r: _Reject, who: str) -> None:
+        self._note_reject(r, who)
         ctx.abort(r.status, f"{r.code}: {r.message}")
 
     @staticmethod
@@ -293,9 +352,10 @@ class SyncerServer:
                           f"dead; Join again")
         return st
 
-    def _encode_down(self, params: list[torch.Tensor]) -> bytes:
-        codec = get_codec(self.config.downlink_codec)
-        return b"".join(codec.encode(t) for t in params)
+    def _encode_down(self, params: list[torch.Tensor]) -> list[memoryview]:
+        """The downlink bytes of a fragment, as pieces to send one after the other (fp32:
+        views of the published tensors themselves, which are never written again)."""
+        return get_codec(self.config.downlink_codec).encode_many(params)
 
     def _publish(self, p: int, version: int, params: list[torch.Tensor]) -> None:
         self._pub[p] = (version, self._encode_down(params))
@@ -439,7 +499,7 @@ class SyncerServer:
         self.state = SyncerState(frag, initial, self.config.syncer)
         self.spec = spec
         self._fp = spec_fingerprint(spec)
-        self._pub = [(0, b"") for _ in range(frag.P)]
+        self._pub = [(0, []) for _ in range(frag.P)]
 
     # -- handlers -------------------------------------------------------------------------
     def _join(self, req: bytes, ctx: grpc.ServicerContext) -> bytes:
@@ -474,6 +534,7 @@ class SyncerServer:
                     "history": self.config.syncer.history,
                     "merged_seq": self._merged_seq_pub.get(m, {}),
                     "step_budget": self.config.step_budget, "stop": self.budget_spent,
+                    "bulk_port": self.bulk_port,
                 })
         except _Reject as r:
             self._fail(ctx, r, "join")
@@ -503,7 +564,7 @@ class SyncerServer:
                 params[n] = torch.frombuffer(buf, dtype=torch.float32, count=k,
                                              offset=off).view(s).clone()
                 off += 4 * k
-            if not all(bool(torch.isfinite(t).all()) for t in params.values()):
+            if not all(all_finite(t) for t in params.values()):
                 raise _Reject(grpc.StatusCode.INVALID_ARGUMENT, E.NONFINITE,
                               "initial model has NaN/inf values")
             with self._lock:
@@ -511,8 +572,8 @@ class SyncerServer:
                     return wire.pack({"accepted": False, "fingerprint": self._fp})
                 self._setup(spec)
                 self.state = SyncerState(frag, params, self.config.syncer)
-                for p, f in enumerate(frag.fragments):
-                    self._publish(p, 0, [params[n] for n in f.names])
+                for p in range(frag.P):
+                    self._publish(p, 0, self.state.frags[p].theta)
                 log.info("initialised by learner %s: %d tensors, P=%d, %d bytes", h.get("learner"),
                          len(numels), frag.P, expected)
                 self._event("init", learner=h.get("learner"), nbytes=expected)
@@ -537,6 +598,93 @@ class SyncerServer:
         self.counters["bytes_in"] += len(buf)
         return buf
 
+    @staticmethod
+    def _push_who(h: dict) -> str:
+        return f"[learner {h.get('learner')} step {h.get('step')}] push of fragment {h.get('fragment')}"
+
+    def _push_check(self, h: dict) -> _PushCheck:
+        """Validate a push header before its payload is read (either transport)."""
+        m, p = self._int(h, "learner"), self._int(h, "fragment")
+        seq, base = self._int(h, "seq"), self._int(h, "base_version")
+        c_steps, c_tokens = self._int(h, "c_steps"), self._int(h, "c_tokens")
+        nbytes, inc = self._int(h, "nbytes"), self._int(h, "incarnation")
+        try:
+            codec = get_codec(str(h.get("codec")))
+        except ValueError as e:
+            raise _Reject(grpc.StatusCode.INVALID_ARGUMENT, E.CODEC, str(e)) from None
+        if nbytes > self.config.max_push_bytes:
+            raise _Reject(grpc.StatusCode.RESOURCE_EXHAUSTED, E.OVERSIZE,
+                          f"declared payload {nbytes} bytes exceeds max_push_bytes "
+                          f"{self.config.max_push_bytes}")
+        with self._lock:
+            st = self._require_live(m, inc)
+            if not 0 <= p < st.fragmentation.P:
+                raise _Reject(grpc.StatusCode.INVALID_ARGUMENT, E.FRAGMENT,
+                              f"fragment {p} out of range [0, {st.fragmentation.P})")
+            fr = st.fragmentation.fragments[p]
+            shapes = [tuple(t.shape) for t in st.frags[p].theta]
+        numels = h.get("numels")
+        if numels != list(fr.numels):
+            raise _Reject(grpc.StatusCode.INVALID_ARGUMENT, E.SHAPE,
+                          f"fragment {p} has tensors of {list(fr.numels)} elements, push "
+                          f"declares {numels}")
+        expected = sum(codec.nbytes(n) for n in fr.numels)
+        if nbytes != expected:
+            raise _Reject(grpc.StatusCode.INVALID_ARGUMENT, E.SIZE,
+                          f"{codec.name} payload of fragment {p} must be {expected} bytes, "
+                          f"push declares {nbytes}")
+        return _PushCheck(m=m, p=p, inc=inc, seq=seq, base=base, c_steps=c_steps,
+                          c_tokens=c_tokens, nbytes=nbytes, codec=codec, names=fr.names,
+                          numels=fr.numels, shapes=shapes, delta=bool(h.get("delta", False)),
+                          who=self._push_who(h))
+
+    def _push_apply(self, pc: _PushCheck, buf: bytearray) -> dict:
+        """Decode a validated push's payload and hand it to the state machine."""
+        codec, p = pc.codec, pc.p
+        params, off = [], 0
+        for k, shape in zip(pc.numels, pc.shapes):
+            nb = codec.nbytes(k)
+            params.append(codec.decode(memoryview(buf)[off:off + nb], k).view(shape))
+            off += nb
+        if pc.delta:
+            with self._lock:
+                ref = self._require_ready().published(p, pc.base)
+                ref = None if ref is None else [t.clone() for t in ref]
+            if ref is None:
+                raise _Reject(grpc.StatusCode.FAILED_PRECONDITION, E.BASE,
+                              f"delta push against version {pc.base} of fragment {p}, which the "
+                              f"syncer no longer holds (raise --history or send parameters)")
+            params = [r.add_(d) for r, d in zip(ref, params)]
+        for name, t in zip(pc.names, params):
+            if not all_finite(t):
+                raise _Reject(grpc.StatusCode.INVALID_ARGUMENT, E.NONFINITE,
+                              f"tensor {name} has NaN/inf values")
+        m, seq = pc.m, pc.seq
+        c = Contribution(learner=m, fragment=p, params=params, c_steps=pc.c_steps,
+                         c_tokens=pc.c_tokens, base_version=pc.base, seq=seq)
+        with self._lock:
+            st = self._require_live(m, pc.inc)
+            t0 = time.monotonic()
+            res = st.submit(c, t0, finite_checked=True)
+            self.counters[f"push_{res.status.value}"] += 1
+            if res.status is Status.INVALID:
+                raise _Reject(grpc.StatusCode.INVALID_ARGUMENT, E.INVALID, res.message)
+            if res.status is Status.UNKNOWN_LEARNER:
+                raise _Reject(grpc.StatusCode.FAILED_PRECONDITION, E.UNKNOWN_LEARNER,
+                              res.message)
+            if res.status is Status.ACCEPTED:
+                self._pending_seq[(m, p)] = seq
+                if res.merged is not None:
+                    self._on_merged(res.merged, time.monotonic() - t0)
+                elif res.wake_at_s is not None:
+                    self._add_timer(res.wake_at_s, p)
+            elif res.status is not Status.DUPLICATE:
+                self._event("push-" + res.status.value, learner=m, fragment=p,
+                            message=res.message)
+                log.info("%s: %s (%s)", pc.who, res.status.value, res.message)
+        return {"status": res.status.value, "message": res.message,
+                "target_version": res.target_version}
+
     def _push(self, it, ctx: grpc.ServicerContext) -> bytes:
         self._auth(ctx)
         who = "push"
@@ -545,105 +693,71 @@ class SyncerServer:
             if first is None:
                 raise _Reject(grpc.StatusCode.INVALID_ARGUMENT, E.BAD_FRAME, "empty Push stream")
             h, payload = self._parse(first)
-            m, p = self._int(h, "learner"), self._int(h, "fragment")
-            who = f"[learner {m} step {h.get('step')}] push of fragment {p}"
-            seq, base = self._int(h, "seq"), self._int(h, "base_version")
-            c_steps, c_tokens = self._int(h, "c_steps"), self._int(h, "c_tokens")
-            nbytes, inc = self._int(h, "nbytes"), self._int(h, "incarnation")
-            delta = bool(h.get("delta", False))
-            try:
-                codec = get_codec(str(h.get("codec")))
-            except ValueError as e:
-                raise _Reject(grpc.StatusCode.INVALID_ARGUMENT, E.CODEC, str(e)) from None
-            if nbytes > self.config.max_push_bytes:
-                raise _Reject(grpc.StatusCode.RESOURCE_EXHAUSTED, E.OVERSIZE,
-                              f"declared payload {nbytes} bytes exceeds max_push_bytes "
-                              f"{self.config.max_push_bytes}")
-            with self._lock:
-                st = self._require_live(m, inc)
-                if not 0 <= p < st.fragmentation.P:
-                    raise _Reject(grpc.StatusCode.INVALID_ARGUMENT, E.FRAGMENT,
-                                  f"fragment {p} out of range [0, {st.fragmentation.P})")
-                fr = st.fragmentation.fragments[p]
-                shapes = [tuple(t.shape) for t in st.frags[p].theta]
-            numels = h.get("numels")
-            if numels != list(fr.numels):
-                raise _Reject(grpc.StatusCode.INVALID_ARGUMENT, E.SHAPE,
-                              f"fragment {p} has tensors of {list(fr.numels)} elements, push "
-                              f"declares {numels}")
-            expected = sum(codec.nbytes(n) for n in fr.numels)
-            if nbytes != expected:
-                raise _Reject(grpc.StatusCode.INVALID_ARGUMENT, E.SIZE,
-                              f"{codec.name} payload of fragment {p} must be {expected} bytes, "
-                              f"push declares {nbytes}")
-            buf = self._read_stream(payload, it, nbytes)
-            params, off = [], 0
-            for k, shape in zip(fr.numels, shapes):
-                nb = codec.nbytes(k)
-                params.append(codec.decode(memoryview(buf)[off:off + nb], k).view(shape))
-                off += nb
-            if delta:
-                with self._lock:
-                    ref = st.published(p, base)
-                    ref = None if ref is None else [t.clone() for t in ref]
-                if ref is None:
-                    raise _Reject(grpc.StatusCode.FAILED_PRECONDITION, E.BASE,
-                                  f"delta push against version {base} of fragment {p}, which the "
-                                  f"syncer no longer holds (raise --history or send parameters)")
-                params = [r + d for r, d in zip(ref, params)]
-            for name, t in zip(fr.names, params):
-                if not bool(torch.isfinite(t).all()):
-                    raise _Reject(grpc.StatusCode.INVALID_ARGUMENT, E.NONFINITE,
-                                  f"tensor {name} has NaN/inf values")
-            c = Contribution(learner=m, fragment=p, params=params, c_steps=c_steps,
-                             c_tokens=c_tokens, base_version=base, seq=seq)
-            with self._lock:
-                st = self._require_live(m, inc)
-                t0 = time.monotonic()
-                res = st.submit(c, t0)
-                self.counters[f"push_{res.status.value}"] += 1
-                if res.status is Status.INVALID:
-                    raise _Reject(grpc.StatusCode.INVALID_ARGUMENT, E.INVALID, res.message)
-                if res.status is Status.UNKNOWN_LEARNER:
-                    raise _Reject(grpc.StatusCode.FAILED_PRECONDITION, E.UNKNOWN_LEARNER,
-                                  res.message)
-                if res.status is Status.ACCEPTED:
-                    self._pending_seq[(m, p)] = seq
-                    if res.merged is not None:
-                        self._on_merged(res.merged, time.monotonic() - t0)
-                    elif res.wake_at_s is not None:
-                        self._add_timer(res.wake_at_s, p)
-                elif res.status is not Status.DUPLICATE:
-                    self._event("push-" + res.status.value, learner=m, fragment=p,
-                                message=res.message)
-                    log.info("%s: %s (%s)", who, res.status.value, res.message)
-            return wire.pack({"status": res.status.value, "message": res.message,
-                              "target_version": res.target_version})
+            who = self._push_who(h)
+            pc = self._push_check(h)
+            return wire.pack(self._push_apply(pc, self._read_stream(payload, it, pc.nbytes)))
         except _Reject as r:
             self._fail(ctx, r, who)
+
+    def _fetch_items(self, h: dict) -> list[tuple[int, int, list[memoryview], list[int]]]:
+        """(fragment, version, downlink byte pieces, numels) of the published fragments asked
+        for."""
+        with self._lock:
+            st = self._require_ready()
+            want = h.get("fragments")
+            if want is None:
+                want = list(range(st.fragmentation.P))
+            if not isinstance(want, list) or not all(
+                    isinstance(p, int) and not isinstance(p, bool) and 0 <= p < st.fragmentation.P
+                    for p in want):
+                raise _Reject(grpc.StatusCode.INVALID_ARGUMENT, E.FRAGMENT,
+                              f"fragments must be a list of ints in [0, {st.fragmentation.P})")
+            items = [(p, *self._pub[p], list(st.fragmentation.fragments[p].numels))
+                     for p in want]
+            self.counters["bytes_out"] += sum(len(b) for _, _, d, _ in items for b in d)
+        return items
 
     def _fetch(self, req: bytes, ctx: grpc.ServicerContext):
         self._auth(ctx)
         try:
             h, _ = self._parse(req)
-            with self._lock:
-                st = self._require_ready()
-                want = h.get("fragments")
-                if want is None:
-                    want = list(range(st.fragmentation.P))
-                if not isinstance(want, list) or not all(
-                        isinstance(p, int) and 0 <= p < st.fragmentation.P for p in want):
-                    raise _Reject(grpc.StatusCode.INVALID_ARGUMENT, E.FRAGMENT,
-                                  f"fragments must be a list of ints in [0, {st.fragmentation.P})")
-                items = [(p, *self._pub[p], list(st.fragmentation.fragments[p].numels))
-                         for p in want]
+            items = self._fetch_items(h)
         except _Reject as r:
             self._fail(ctx, r, "fetch")
             return
-        for p, version, data, numels in items:
-            self.counters["bytes_out"] += len(data)
+        for p, version, pieces, numels in items:
+            data = b"".join(pieces)
             yield from wire.chunks({"fragment": p, "version": version, "nbytes": len(data),
                                     "codec": self.config.downlink_codec, "numels": numels}, data)
+
+    def _bulk(self, op: str, h: dict, plen: int, read_payload) -> tuple[dict, list[bytes]]:
+        """Requests on the data port (``ddiloco.runtime.bulk``): push and fetch."""
+        who = f"bulk {op!r}"
+        try:
+            if op == "push":
+                who = self._push_who(h)
+                pc = self._push_check(h)
+                if plen != pc.nbytes:
+                    raise _Reject(grpc.StatusCode.INVALID_ARGUMENT, E.SIZE,
+                                  f"payload has {plen} bytes, header declared {pc.nbytes}")
+                buf = read_payload()
+                self.counters["bytes_in"] += len(buf)
+                return self._push_apply(pc, buf), []
+            if op == "fetch":
+                if plen:
+                    raise _Reject(grpc.StatusCode.INVALID_ARGUMENT, E.BAD_FRAME,
+                                  "a fetch request carries no payload")
+                items = self._fetch_items(h)
+                return ({"items": [{"fragment": p, "version": v,
+                                    "nbytes": sum(len(b) for b in d),
+                                    "codec": self.config.downlink_codec, "numels": n}
+                                   for p, v, d, n in items]},
+                        [b for _, _, d, _ in items for b in d])
+            raise _Reject(grpc.StatusCode.INVALID_ARGUMENT, E.BAD_FRAME,
+                          f"unknown bulk op {op!r} (push, fetch)")
+        except _Reject as r:
+            self._note_reject(r, who)
+            raise BulkReject(r.status, f"{r.code}: {r.message}") from None
 
     def _watch(self, req: bytes, ctx: grpc.ServicerContext) -> bytes:
         self._auth(ctx)

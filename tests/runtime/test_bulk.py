@@ -1,0 +1,173 @@
+"""The data port (``ddiloco.runtime.bulk``): pushes and fetches over framed TCP beside gRPC,
+against a real ``ddiloco syncer`` process on 127.0.0.1. Same results as gRPC, the same
+typed rejections, hostile bytes never reach the state machine, and a learner that cannot
+reach the data port falls back to gRPC."""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+import grpc
+import pytest
+import torch
+
+from ddiloco.algorithm.codecs import get_codec
+from ddiloco.runtime.bulk import BulkClient, BulkError, split_host
+from ddiloco.runtime.learner_client import SyncerClient
+from ddiloco.runtime.spec import fragmentation_from_spec
+from runtime_helpers import init_syncer, tiny_model
+
+
+def _header(frag, p, data, inc, seq, codec="fp32", **kw):
+    return {"learner": 0, "incarnation": inc, "fragment": p, "seq": seq, "base_version": 0,
+            "c_steps": 4, "c_tokens": 400, "codec": codec, "delta": False,
+            "numels": list(frag.fragments[p].numels), "nbytes": len(data), "step": 4, **kw}
+
+
+def _expect(code, tag, fn):
+    with pytest.raises(grpc.RpcError) as ei:
+        fn()
+    assert ei.value.code() == code, ei.value
+    assert ei.value.details().startswith(tag), ei.value.details()
+
+
+def _setup(s):
+    client = SyncerClient(s.address, s.token)
+    spec, inc = init_syncer(client, tiny_model())
+    return client, fragmentation_from_spec(spec), inc
+
+
+@pytest.mark.timeout(60)
+def test_data_port_pushes_and_fetches_match_grpc(syncer_factory):
+    s = syncer_factory()
+    client, frag, inc = _setup(s)
+    assert client.data is not None, "the Join reply advertises the data port"
+    grpc_only = SyncerClient(s.address, s.token)  # never joins: fetches over gRPC
+    assert grpc_only.data is None
+    before = client.fetch(None)
+    via_grpc = grpc_only.fetch(None)
+    for p in before:
+        assert before[p][0] == via_grpc[p][0] == 0
+        assert all(torch.equal(a, b) for a, b in zip(before[p][1], via_grpc[p][1]))
+
+    bytes_in = client.status()["counters"]["bytes_in"]  # the initial model so far
+    moved = [t.clone().view(-1) - 0.01 for t in before[0][1]]
+    data = b"".join(get_codec("fp32").encode(t) for t in moved)
+    r = client.push(_header(frag, 0, data, inc, seq=1), data)
+    assert r["status"] == "accepted" and r["target_version"] == 1
+    assert client.push(_header(frag, 0, data, inc, seq=1), data)["status"] == "duplicate"
+    after, after_grpc = client.fetch([0, 1]), grpc_only.fetch([0, 1])
+    assert after[0][0] == after_grpc[0][0] == 1 and after[1][0] == 0
+    for a, b, old in zip(after[0][1], after_grpc[0][1], before[0][1]):
+        assert torch.equal(a, b) and not torch.equal(a, old)
+    # an int8 delta push over the data port is reconstructed like one over gRPC
+    c8 = get_codec("int8")
+    data8 = b"".join(c8.encode(torch.full_like(t.view(-1), -0.02)) for t in before[1][1])
+    r = client.push(_header(frag, 1, data8, inc, seq=2, codec="int8", delta=True), data8)
+    assert r["status"] == "accepted"
+    st = client.status()
+    assert st["versions"] == [1, 1] and st["merges"] == 2
+    assert st["counters"]["bytes_in"] - bytes_in == len(data) * 2 + len(data8)
+
+
+@pytest.mark.timeout(60)
+def test_data_port_rejects_bad_requests_and_keeps_the_model(syncer_factory):
+    s = syncer_factory("--max-push-bytes", "200000")
+    client, frag, inc = _setup(s)
+    port = client.data.port
+    before = client.fetch(None)
+    good = [t.clone().view(-1) for t in before[0][1]]
+    data = b"".join(t.numpy().tobytes() for t in good)
+
+    bad = BulkClient("127.0.0.1", port, "not-the-token")
+    _expect(grpc.StatusCode.UNAUTHENTICATED, "E_AUTH",
+            lambda: bad.request({"op": "fetch", "fragments": [0]}))
+    wrong = list(frag.fragments[0].numels)
+    wrong[0] += 1
+    _expect(grpc.StatusCode.INVALID_ARGUMENT, "E_SHAPE",
+            lambda: client.push(_header(frag, 0, data, inc, 1, numels=wrong), data))
+    nan = [t.clone() for t in good]
+    nan[0][5] = float("inf")
+    nan_data = b"".join(t.numpy().tobytes() for t in nan)
+    _expect(grpc.StatusCode.INVALID_ARGUMENT, "E_NONFINITE",
+            lambda: client.push(_header(frag, 0, nan_data, inc, 2), nan_data))
+    # the declared size and the bytes that follow disagree
+    _expect(grpc.StatusCode.INVALID_ARGUMENT, "E_SIZE",
+            lambda: client.data.request({"op": "push", **_header(frag, 0, data, inc, 3)},
+                                        [data, b"\0" * 8]))
+    _expect(grpc.StatusCode.RESOURCE_EXHAUSTED, "E_OVERSIZE",
+            lambda: client.data.request({"op": "push", **_header(frag, 0, data, inc, 4)},
+                                        [b"\0" * 300_000]))
+    _expect(grpc.StatusCode.INVALID_ARGUMENT, "E_FRAGMENT",
+            lambda: client.fetch([0, 9]))
+    _expect(grpc.StatusCode.INVALID_ARGUMENT, "E_FRAME",
+            lambda: client.data.request({"op": "delete-everything"}))
+    _expect(grpc.StatusCode.FAILED_PRECONDITION, "E_UNKNOWN_LEARNER",
+            lambda: client.push(_header(frag, 0, data, inc, 5, learner=3), data))
+
+    # hostile bytes: a header length over the limit, non-JSON, a prefix cut short
+    for junk in (struct.pack(">IQ", 1 << 31, 0), struct.pack(">IQ", 3, 0) + b"\xff{]",
+                 b"\x00\x00"):
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
+            raw.sendall(junk)
+            raw.shutdown(socket.SHUT_WR)
+            assert raw.recv(1 << 16) == b"", "the server closes without a reply"
+
+    after = client.fetch(None)
+    for p in before:
+        assert after[p][0] == before[p][0] == 0
+        assert all(torch.equal(a, b) for a, b in zip(after[p][1], before[p][1]))
+    st = client.status()
+    assert st["merges"] == 0
+    for code in ("E_AUTH", "E_SHAPE", "E_NONFINITE", "E_SIZE", "E_FRAGMENT", "E_FRAME",
+                 "E_UNKNOWN_LEARNER"):
+        assert st["rejections"].get(code, 0) >= 1, (code, st["rejections"])
+    # after all that, a good push over the data port still merges
+    assert client.push(_header(frag, 0, data, inc, 9), data)["status"] == "accepted"
+    assert client.status()["versions"][0] == 1
+
+
+@pytest.mark.timeout(60)
+def test_unreachable_data_port_falls_back_to_grpc(syncer_factory):
+    s = syncer_factory()
+    client, frag, inc = _setup(s)
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        dead = probe.getsockname()[1]
+    client.use_data_port(dead)
+    before = client.fetch(None)  # falls back
+    assert client.data is None and before[0][0] == 0
+    moved = [t.clone().view(-1) + 0.01 for t in before[0][1]]
+    data = b"".join(t.numpy().tobytes() for t in moved)
+    assert client.push(_header(frag, 0, data, inc, 1), data)["status"] == "accepted"
+    # the next Join restores the advertised port
+    client.unary("Join", {"learner": 0, "incarnation": inc}, control=True)
+    assert client.data is not None and client.data.port != dead
+    assert client.fetch([0])[0][0] == 1
+
+
+@pytest.mark.timeout(60)
+def test_data_port_off(syncer_factory):
+    s = syncer_factory("--bulk-port", "-1")
+    client, frag, inc = _setup(s)
+    assert client.data is None
+    before = client.fetch([0])
+    data = b"".join(t.view(-1).numpy().tobytes() for t in before[0][1])
+    assert client.push(_header(frag, 0, data, inc, 1), data)["status"] == "accepted"
+
+
+def test_split_host():
+    assert split_host("10.0.0.5:50051") == "10.0.0.5"
+    assert split_host("[::1]:50051") == "::1"
+    assert split_host("syncer.internal:1") == "syncer.internal"
+
+
+@pytest.mark.timeout(30)
+def test_connect_failure_is_retryable_and_marked():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        dead = probe.getsockname()[1]
+    with pytest.raises(BulkError) as ei:
+        BulkClient("127.0.0.1", dead, "t", connect_timeout_s=2).request({"op": "fetch"})
+    assert ei.value.code() == grpc.StatusCode.UNAVAILABLE and ei.value.connect_failed
