@@ -62,12 +62,13 @@ def _serve(conn, kw: dict) -> None:
 
 
 class SyncerProc:
-    """``SyncerServer`` in a spawned process on an ephemeral loopback port."""
+    """``SyncerServer`` in a spawned process on an ephemeral loopback port (``serve``: a
+    module-level replacement for ``_serve``, e.g. one that patches the server first)."""
 
-    def __init__(self, **kw) -> None:
+    def __init__(self, serve=None, **kw) -> None:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child, kw), daemon=True)
+        self.proc = ctx.Process(target=serve or _serve, args=(child, kw), daemon=True)
         self.proc.start()
         if not self._conn.poll(120):
             raise RuntimeError("syncer process did not start")

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from ddiloco.algorithm.codecs import CODECS, get_codec
-from ddiloco.algorithm.merge import (OuterNesterov, alpha_mix, merge_outer_gradients, rda,
-                                     token_weight, weighted_average)
+from ddiloco.algorithm.merge import (OuterNesterov, all_finite, all_finite_list, alpha_mix,
+                                     merge_outer_gradients, rda, token_weight, weighted_average)
 from ddiloco.algorithm.policy import (Ema, MergeNow, PolicyConfig, QuorumGracePolicy, WaitForMore,
                                       WaitUntil, grace_window_s)
 
@@ -63,6 +63,39 @@ def test_outer_nesterov_matches_torch_sgd():
         opt.step()
         outer.step([ours], [gr], [buf])
         assert torch.allclose(ours, ref.detach(), atol=1e-6)
+
+
+@pytest.mark.parametrize("momentum", [0.9, 0.0])
+@pytest.mark.parametrize("scale", [1.0, 0.25])
+def test_outer_stepped_equals_step_on_scaled_grads_and_leaves_inputs(momentum, scale):
+    g = torch.Generator().manual_seed(1)
+    outer = OuterNesterov(lr=0.7, momentum=momentum)
+    params = [torch.randn(7, generator=g), torch.randn(3, 2, generator=g)]
+    bufs = [torch.randn(7, generator=g), torch.randn(3, 2, generator=g)]
+    grads = [torch.randn(7, generator=g), torch.randn(3, 2, generator=g)]
+    p_in, b_in = [t.clone() for t in params], [t.clone() for t in bufs]
+    ref_p, ref_b = [t.clone() for t in params], [t.clone() for t in bufs]
+    outer.step(ref_p, [scale * t for t in grads], ref_b)
+    new_p, new_b = outer.stepped(params, [t.clone() for t in grads], bufs, scale)
+    for a, b, x, y in zip(new_p, ref_p, new_b, ref_b):
+        if scale == 1.0:  # the same operations: bit for bit
+            assert torch.equal(a, b) and torch.equal(x, y)
+        else:
+            assert torch.allclose(a, b, atol=1e-6) and torch.allclose(x, y, atol=1e-6)
+    for a, b in zip(params + bufs, p_in + b_in):  # inputs untouched
+        assert torch.equal(a, b)
+
+
+def test_all_finite():
+    x = torch.randn(1000)
+    assert all_finite(x) and all_finite(torch.zeros(0)) and all_finite(torch.arange(3))
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        y = x.clone()
+        y[517] = bad
+        assert not all_finite(y) and not all_finite_list([x, y])
+    huge = torch.full((10,), 3e38)  # the sum overflows, every value is finite
+    assert all_finite(huge) and all_finite_list([x, huge])
+    assert all_finite_list([x, x.to(torch.bfloat16)]) and all_finite_list([])
 
 
 def test_alpha_mix():

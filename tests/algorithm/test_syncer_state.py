@@ -159,3 +159,36 @@ def test_overflowing_merge_is_never_published():
     assert s.version(p) == 0 and s.nonfinite_merges == 1
     assert torch.equal(s.global_params()["w"], before)
     assert s.ledger[0].tokens_dropped == 100 and s.ledger[0].tokens_pending == 0
+
+
+def test_pushes_during_an_unlocked_merge_wait_for_it_and_follow_up():
+    """The runtime releases its lock for the merge arithmetic: a push of the same fragment
+    arriving meanwhile starts no second merge on the old version (it would lose an update);
+    it is merged when the first commits, as a follow-up. Other fragments merge at once."""
+    import contextlib
+
+    s, p = make(quorum=1, M=2, grace=False)
+    q = 1 - p
+    during = []
+
+    @contextlib.contextmanager
+    def interleave():
+        if not during:  # the first merge's arithmetic: other events happen meanwhile
+            during.append(s.submit(push(1, p, 4.0, seq=1), 0.1))
+            during.append(s.submit(push(1, q, 2.0, seq=2, n=2), 0.1))
+        yield
+
+    s.unlocked = interleave
+    first = s.submit(push(0, p, 1.0, seq=1), 0.0)
+    same, other = during
+    assert same.status is Status.ACCEPTED and same.merged is None
+    assert same.target_version == 2  # after the merge that was running
+    assert other.merged is not None and other.merged.fragment == q  # not blocked
+    assert first.merged.version == 1 and first.merged.learners == (0,)
+    assert torch.allclose(first.merged.params[0], torch.full((4,), 1.0))
+    (fp, follow), = s.take_followups()
+    assert fp == p and follow.version == 2 and follow.learners == (1,) and follow.seqs == (1,)
+    assert torch.allclose(follow.params[0], torch.full((4,), 4.0))  # merged onto version 1
+    assert s.take_followups() == [] and s.version(p) == 2
+    led = s.ledger[1]
+    assert led.tokens_pending == 0 and led.pushes_merged == 2

@@ -145,19 +145,26 @@ class OuterNesterov:
                 p.sub_(g, alpha=self.lr)
 
     def stepped(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
-                buffers: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The same update as ``step`` into new tensors, inputs untouched (four passes per
-        tensor instead of two copies plus ``step``'s four, in multi-tensor calls): what a
-        syncer publishes while the previous version may still be read. The ``grads``
-        tensors are reused as scratch."""
+                buffers: Sequence[torch.Tensor], scale: float = 1.0
+                ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """``step`` on ``scale * grads`` into new tensors, inputs untouched except ``grads``
+        (reused as scratch), in multi-tensor calls: what a syncer publishes while the
+        previous version may still be read. With ``scale == 1`` the operations (and so
+        the rounding) are ``step``'s; otherwise the scale is folded into the coefficients
+        (``b' = mu*b + s*g``, ``theta' = theta - lr*s*g - lr*mu*b'``: five passes per
+        tensor where scaling first would take six)."""
         params, grads, buffers = list(params), list(grads), list(buffers)
-        if self.momentum > 0:  # the same operations as ``step``, so the same rounding
-            new_b = torch._foreach_mul(buffers, self.momentum)
+        if self.momentum == 0:
+            return torch._foreach_add(params, grads, alpha=-self.lr * scale), buffers
+        new_b = torch._foreach_mul(buffers, self.momentum)
+        if scale == 1.0:
             torch._foreach_add_(new_b, grads)                                # mu*b + g
             torch._foreach_add_(grads, new_b, alpha=self.momentum)           # g + mu*b'
-        else:
-            new_b = buffers
-        return torch._foreach_add(params, grads, alpha=-self.lr), new_b
+            return torch._foreach_add(params, grads, alpha=-self.lr), new_b
+        torch._foreach_add_(new_b, grads, alpha=scale)
+        new_p = torch._foreach_add(params, grads, alpha=-self.lr * scale)
+        torch._foreach_add_(new_p, new_b, alpha=-self.lr * self.momentum)
+        return new_p, new_b
 
 
 def alpha_mix(local: torch.Tensor, global_: torch.Tensor, alpha: float) -> None:

@@ -13,12 +13,21 @@ versions. It consumes events:
 and returns decisions: ``Merged`` (a new version to broadcast) or ``WaitUntil`` (wake me at
 t'). The real gRPC syncer drives it on the wall clock; the in-process engine on a virtual
 clock.
+
+Concurrency: the caller serialises events (the runtime holds a lock). The merge
+arithmetic runs inside ``unlocked()``, which the runtime sets to a context that releases
+that lock, so merges of different fragments proceed in parallel (torch releases the GIL).
+A fragment being merged starts no second merge: pushes arriving meanwhile open its next
+round, which is evaluated when the merge commits; what that produces is queued for the
+caller in ``take_followups()``. With the default (no lock to release) nothing interleaves.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from collections import deque
+from collections.abc import Callable
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -109,6 +118,8 @@ class Merged:
     weights: tuple[float, ...]
     reason: str
     at_s: float
+    seqs: tuple[int, ...] = ()
+    """The merged pushes' sequence numbers, in ``learners`` order."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +159,7 @@ class _FragmentState:
     version: int = 0
     history: deque = field(default_factory=deque)  # (version, [tensors]) of past versions
     round: _Round = field(default_factory=_Round)
+    merging: bool = False  # its merge arithmetic is running (outside the caller's lock)
 
 
 class SyncerState:
@@ -173,6 +185,16 @@ class SyncerState:
         self.merges = 0
         self.nonfinite_merges = 0
         self.quorum_sizes: list[int] = []
+        self.unlocked: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+        """Context the merge arithmetic runs in (see the module docstring)."""
+        self._followups: list[tuple[int, Merged | WaitUntil]] = []
+
+    def take_followups(self) -> list[tuple[int, Merged | WaitUntil]]:
+        """Decisions on rounds that filled while their fragment was being merged:
+        (fragment, ``Merged`` or ``WaitUntil``), oldest first. Empty unless ``unlocked``
+        releases a lock."""
+        out, self._followups = self._followups, []
+        return out
 
     # -- membership ---------------------------------------------------------------------
     def join(self, learner: int) -> None:
@@ -262,7 +284,7 @@ class SyncerState:
             led.tokens_pending -= old.c_tokens
         r.pending[c.learner] = c
         led.tokens_pending += c.c_tokens
-        target = s.version + 1
+        target = s.version + 1 + int(s.merging)
         out = self._evaluate(c.fragment, now_s)
         if isinstance(out, Merged):
             return SubmitResult(Status.ACCEPTED, target_version=target, merged=out)
@@ -309,41 +331,59 @@ class SyncerState:
 
     def _merge(self, p: int, now_s: float, reason: str) -> Merged | None:
         s = self.frags[p]
+        if s.merging:
+            return None  # evaluated again when the running merge commits
         frag = self.fragmentation.fragments[p]
         contribs = [s.round.pending[m] for m in sorted(s.round.pending)]
         weights = [token_weight(c.c_tokens, c.c_steps) for c in contribs]
-        deltas = []
-        for c in contribs:
-            anchor = s.theta if self.config.anchor == "current" else self.published(p, c.base_version)
-            deltas.append(torch._foreach_sub(list(anchor), [x.float() for x in c.params]))
-        update = merge_outer_gradients(deltas, weights, frag.embedding, self.config.merge_rule)
+        anchors = [s.theta if self.config.anchor == "current" else
+                   self.published(p, c.base_version) for c in contribs]
         n_live = max(len(contribs), len(self.live | set(s.round.pending)))
+        scale = 1.0
         if self.config.scale_partial and len(contribs) < n_live:
             # a round merging some of the live learners takes that share of an outer step, so
             # that asynchronous single-learner merges add up to about one step per round
-            torch._foreach_mul_(update, len(contribs) / n_live)
-        # new tensors: the published theta is never written again, so Merged shares it
-        theta, momentum = self.outer.stepped(s.theta, update, s.momentum)
-        if not all_finite_list(theta):
+            scale = len(contribs) / n_live
+        theta0, momentum0 = s.theta, s.momentum
+        s.round = _Round()  # pushes arriving during the arithmetic open the next round
+        s.merging = True
+        try:
+            with self.unlocked():
+                deltas = [torch._foreach_sub(list(a), [x.float() for x in c.params])
+                          for a, c in zip(anchors, contribs)]
+                update = merge_outer_gradients(deltas, weights, frag.embedding,
+                                               self.config.merge_rule)
+                # new tensors: the published theta is never written again, so Merged shares it
+                theta, momentum = self.outer.stepped(theta0, update, momentum0, scale)
+                finite = all_finite_list(theta)
+        finally:
+            s.merging = False
+        merged = None
+        if not finite:
             # finite pushes can still overflow (a diverging learner): never publish inf/NaN
-            self._settle(s, contribs, merged=False)
+            self._settle(contribs, merged=False)
             self.nonfinite_merges += 1
-            return None
-        if self.config.history > 0:
-            s.history.append((s.version, s.theta))
-            while len(s.history) > self.config.history:
-                s.history.popleft()
-        s.theta, s.momentum = theta, momentum
-        s.version += 1
-        self._settle(s, contribs, merged=True)
-        self.merges += 1
-        self.quorum_sizes.append(len(contribs))
-        return Merged(fragment=p, version=s.version, params=list(s.theta),
-                      learners=tuple(c.learner for c in contribs), weights=tuple(weights),
-                      reason=reason, at_s=now_s)
+        else:
+            if self.config.history > 0:
+                s.history.append((s.version, s.theta))
+                while len(s.history) > self.config.history:
+                    s.history.popleft()
+            s.theta, s.momentum = theta, momentum
+            s.version += 1
+            self._settle(contribs, merged=True)
+            self.merges += 1
+            self.quorum_sizes.append(len(contribs))
+            merged = Merged(fragment=p, version=s.version, params=list(s.theta),
+                            learners=tuple(c.learner for c in contribs), weights=tuple(weights),
+                            reason=reason, at_s=now_s, seqs=tuple(c.seq for c in contribs))
+        if s.round.pending:  # arrived while the lock was released
+            nxt = self._evaluate(p, now_s)
+            if nxt is not None:
+                self._followups.append((p, nxt))
+        return merged
 
-    def _settle(self, s: _FragmentState, contribs: list[Contribution], *, merged: bool) -> None:
-        """Close fragment s's round: its pushes' tokens move from pending to merged/dropped."""
+    def _settle(self, contribs: list[Contribution], *, merged: bool) -> None:
+        """A round closed: its pushes' tokens move from pending to merged/dropped."""
         for c in contribs:
             led = self.ledger[c.learner]
             led.tokens_pending -= c.c_tokens
@@ -353,7 +393,6 @@ class SyncerState:
             else:
                 led.tokens_dropped += c.c_tokens
                 led.pushes_dropped += 1
-        s.round = _Round()
 
     def _validate(self, c: Contribution, finite_checked: bool = False) -> str:
         if not 0 <= c.fragment < len(self.frags):

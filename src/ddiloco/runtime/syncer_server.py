@@ -15,6 +15,7 @@ that happen during a write are covered by the next one.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import json
 import logging
@@ -108,17 +109,21 @@ class SyncerServerConfig:
                              f"got {self.bulk_port}")
 
 
-def share_one_heap() -> bool:
-    """Make glibc serve every thread's allocations from one heap (``M_ARENA_MAX = 1``).
+def tune_malloc() -> bool:
+    """Set glibc's allocator for a syncer: one heap shared by all threads, buffers up to
+    32 MiB served from it, and up to 256 MiB of free heap kept instead of returned.
 
-    By default each thread that allocates gets its own heap, and a heap keeps its peak:
-    with M learners pushing at once through M connection threads the syncer's resident
-    memory grows like M x model although what it holds is O(model) + O(M x fragment)
-    (measured by bench/perf_memory.py). One shared heap reuses a freed push buffer for the
-    next push, whichever thread receives it; forcing every large buffer into its own mmap
-    instead (``M_MMAP_THRESHOLD``) also bounds memory but makes each new tensor fault its
-    pages in again (3x slower merges, bench/perf_syncer.py). Process-wide; a no-op off
-    glibc. Returns whether it applied."""
+    - ``M_ARENA_MAX = 1``: by default each thread that allocates gets its own heap, and a
+      heap keeps its peak: with M learners pushing at once through M connection threads
+      resident memory grows like M x model although what the syncer holds is O(model) +
+      O(M x fragment) (bench/perf_memory.py). One heap reuses a freed push buffer for the
+      next push, whichever thread receives it.
+    - ``M_MMAP_THRESHOLD`` / ``M_TRIM_THRESHOLD``: otherwise every multi-megabyte tensor
+      a merge creates is a fresh mapping whose pages fault in one by one, and freed ones
+      are unmapped: a merge of a cold 2.4 MB fragment took 5.2 ms that way and 0.86 ms
+      from reused heap memory (bench/perf_syncer.py measures the syncer end to end).
+
+    Process-wide; a no-op off glibc. Returns whether every setting applied."""
     import ctypes
     import ctypes.util
 
@@ -127,8 +132,10 @@ def share_one_heap() -> bool:
         return False
     try:
         libc = ctypes.CDLL(name)
-        m_arena_max = -8
-        return bool(libc.mallopt(m_arena_max, 1))
+        m_trim_threshold, m_mmap_threshold, m_arena_max = -1, -3, -8
+        return all([bool(libc.mallopt(m_arena_max, 1)),
+                    bool(libc.mallopt(m_mmap_threshold, 32 << 20)),
+                    bool(libc.mallopt(m_trim_threshold, 256 << 20))])
     except (OSError, AttributeError):
         return False
 
@@ -172,7 +179,7 @@ class SyncerServer:
 
     def __init__(self, config: SyncerServerConfig) -> None:
         self.config = config
-        share_one_heap()
+        tune_malloc()
         self.boot_id = uuid.uuid4().hex[:12]
         self.started_s = time.monotonic()
         self._lock = threading.Lock()
@@ -186,7 +193,6 @@ class SyncerServer:
         self._unpublished: dict[int, Merged] = {}       # merged, waiting for durability
         self._merged_seq: dict[int, dict[int, int]] = {}       # m -> p -> seq (all merges)
         self._merged_seq_pub: dict[int, dict[int, int]] = {}   # the published part
-        self._pending_seq: dict[tuple[int, int], int] = {}
         self._learners: dict[int, _LearnerInfo] = {}
         self._incarnations: dict[int, int] = {}
         self._timers: list[tuple[float, int]] = []
@@ -362,10 +368,8 @@ class SyncerServer:
 
     def _on_merged(self, mg: Merged, merge_s: float) -> None:
         """Called under the lock for every Merged the state machine returns."""
-        for m in mg.learners:
-            seq = self._pending_seq.pop((m, mg.fragment), None)
-            if seq is not None:
-                self._merged_seq.setdefault(m, {})[mg.fragment] = seq
+        for m, seq in zip(mg.learners, mg.seqs):
+            self._merged_seq.setdefault(m, {})[mg.fragment] = seq
         self.counters["merges"] += 1
         fetch_s = [i.report.get("fetch_s", 0.0) for i in self._learners.values()
                    if i.state == "live" and i.report.get("fetch_s") is not None]
@@ -389,6 +393,25 @@ class SyncerServer:
     def _handle_merges(self, merged: list[Merged], t0: float) -> None:
         for mg in merged:
             self._on_merged(mg, time.monotonic() - t0)
+        self._followups(t0)
+
+    def _followups(self, t0: float) -> None:
+        """Decisions on rounds that filled while their fragment's merge ran unlocked."""
+        for p, out in self.state.take_followups():
+            if isinstance(out, Merged):
+                self._on_merged(out, time.monotonic() - t0)
+            else:
+                self._add_timer(out.at_s, p)
+
+    @contextlib.contextmanager
+    def _unlocked(self):
+        """The state machine's merge arithmetic runs with the lock released, so merges of
+        different fragments (and every other call) proceed meanwhile."""
+        self._lock.release()
+        try:
+            yield
+        finally:
+            self._lock.acquire()
 
     def _add_timer(self, at_s: float, p: int) -> None:
         heapq.heappush(self._timers, (at_s, p))
@@ -415,6 +438,7 @@ class SyncerServer:
                         self._on_merged(out, time.monotonic() - t0)
                     elif out is not None:
                         self._add_timer(out.at_s, p)
+                    self._followups(t0)
                 for m in sorted(self.state.live):
                     info = self._learners.get(m)
                     if info is not None and now - info.last_hb_s > self.config.heartbeat_timeout_s:
@@ -497,6 +521,7 @@ class SyncerServer:
         frag = fragmentation_from_spec(spec)
         initial = {n: torch.zeros(s) for n, s in zip(spec["names"], spec["shapes"])}
         self.state = SyncerState(frag, initial, self.config.syncer)
+        self.state.unlocked = self._unlocked
         self.spec = spec
         self._fp = spec_fingerprint(spec)
         self._pub = [(0, []) for _ in range(frag.P)]
@@ -572,6 +597,7 @@ class SyncerServer:
                     return wire.pack({"accepted": False, "fingerprint": self._fp})
                 self._setup(spec)
                 self.state = SyncerState(frag, params, self.config.syncer)
+                self.state.unlocked = self._unlocked
                 for p in range(frag.P):
                     self._publish(p, 0, self.state.frags[p].theta)
                 log.info("initialised by learner %s: %d tensors, P=%d, %d bytes", h.get("learner"),
@@ -673,11 +699,11 @@ class SyncerServer:
                 raise _Reject(grpc.StatusCode.FAILED_PRECONDITION, E.UNKNOWN_LEARNER,
                               res.message)
             if res.status is Status.ACCEPTED:
-                self._pending_seq[(m, p)] = seq
                 if res.merged is not None:
                     self._on_merged(res.merged, time.monotonic() - t0)
                 elif res.wake_at_s is not None:
                     self._add_timer(res.wake_at_s, p)
+                self._followups(t0)
             elif res.status is not Status.DUPLICATE:
                 self._event("push-" + res.status.value, learner=m, fragment=p,
                             message=res.message)
