@@ -18,9 +18,10 @@ import torch
 
 __all__ = ["Codec", "CODECS", "get_codec"]
 
-_CHUNK = 1 << 16
-"""Elements processed per pass: the fp32 temporaries of one chunk stay in cache, so each
-elementwise op runs at cache rather than memory speed."""
+_CHUNK = 1 << 18
+"""Elements processed per pass: the fp32 temporaries of one chunk (1 MiB) stay in cache,
+so each elementwise op runs at cache rather than memory speed, and there are few enough
+chunks that per-op dispatch does not dominate (64 Ki-element chunks were 1.8x slower)."""
 _ROUND_MAGIC = float(1 << 23)
 
 
@@ -78,8 +79,12 @@ class Codec:
             return out[: nb * 4 + n_packed].numpy().tobytes()
         levels = (1 << self.bits) - 1
         per = 8 // self.bits
-        for b0, b1 in chunks:  # absmax per block (the abs temporary stays in cache)
-            torch.amax(flat[b0 * B:b1 * B].view(b1 - b0, B).abs(), dim=1, out=scale[b0:b1])
+        lo = torch.empty(nb)
+        for b0, b1 in chunks:  # absmax per block = max(max, -min): no abs temporary
+            blocks = flat[b0 * B:b1 * B].view(b1 - b0, B)
+            torch.amax(blocks, dim=1, out=scale[b0:b1])
+            torch.amin(blocks, dim=1, out=lo[b0:b1])
+        torch.maximum(scale, lo.neg_(), out=scale)
         # q = round((x + absmax) / step), step = 2 absmax / levels, in [0, levels]
         inv = torch.where(scale > 0, levels / (2 * scale), torch.ones_like(scale))[:, None]
         offset = scale[:, None] * inv
