@@ -171,3 +171,21 @@ def test_connect_failure_is_retryable_and_marked():
     with pytest.raises(BulkError) as ei:
         BulkClient("127.0.0.1", dead, "t", connect_timeout_s=2).request({"op": "fetch"})
     assert ei.value.code() == grpc.StatusCode.UNAVAILABLE and ei.value.connect_failed
+
+
+@pytest.mark.timeout(60)
+def test_int8_downlink(syncer_factory):
+    s = syncer_factory("--downlink-codec", "int8")
+    client = SyncerClient(s.address, s.token)
+    model = tiny_model()
+    spec, _ = init_syncer(client, model)
+    exact = {n: p.detach().float().view(-1) for n, p in model.named_parameters()}
+    got = client.fetch(None)
+    c8 = get_codec("int8")
+    for f in fragmentation_from_spec(spec).fragments:
+        version, tensors, nbytes = got[f.index]
+        assert nbytes == sum(c8.nbytes(k) for k in f.numels) < 4 * sum(f.numels) / 3
+        for name, t in zip(f.names, tensors):  # blockwise int8: error <= absmax / 255
+            x = exact[name]
+            assert t.shape == x.shape
+            assert (t - x).abs().max() <= x.abs().max() / 255 + 1e-7

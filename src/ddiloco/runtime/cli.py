@@ -53,7 +53,9 @@ def add_syncer_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--anchor", default="current", choices=("current", "base"))
     p.add_argument("--history", type=int, default=4,
                    help="past versions kept per fragment (delta-encoded pushes need them)")
-    p.add_argument("--downlink-codec", default="fp32", choices=("fp32", "bf16"))
+    p.add_argument("--downlink-codec", default="fp32", choices=("fp32", "bf16", "int8"),
+                   help="codec of merged fragments sent to learners (int8: learners install "
+                        "quantised parameters)")
     p.add_argument("--max-push-bytes", type=int, default=1 << 30)
     p.add_argument("--heartbeat-timeout", type=float, default=5.0,
                    help="seconds without heartbeat before a learner is declared dead")

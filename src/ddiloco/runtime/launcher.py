@@ -83,6 +83,11 @@ class Launcher:
     def __init__(self, config, options: LaunchOptions | None = None) -> None:
         from ddiloco.runtime.chaos import ChaosConfig, chaos_preset
 
+        from ddiloco.runtime.syncer_server import DOWNLINK_CODECS
+
+        if config.down_codec not in DOWNLINK_CODECS:
+            raise ValueError(f"down_codec {config.down_codec!r}: the runtime's syncer sends "
+                             f"merged fragments as one of {DOWNLINK_CODECS}")
         self.cfg = config
         self.opts = options or LaunchOptions()
         self.out = Path(config.out)
@@ -129,7 +134,7 @@ class Launcher:
                "--merge-rule", c.merge_rule, "--outer-lr", str(c.outer_lr),
                "--outer-momentum", str(c.outer_momentum), "--max-staleness", str(c.max_staleness),
                "--anchor", c.anchor, "--history", str(max(4, c.max_staleness if c.anchor == "base" else 4)),
-               "--downlink-codec", c.down_codec if c.down_codec in ("fp32", "bf16") else "fp32",
+               "--downlink-codec", c.down_codec,
                "--heartbeat-timeout", str(self.opts.heartbeat_timeout_s),
                "--step-budget", str(c.learners * c.steps if self.opts.global_budget else 0),
                *self.opts.extra_syncer_args]

@@ -46,7 +46,10 @@ __all__ = ["SyncerServerConfig", "SyncerServer"]
 
 log = logging.getLogger("ddiloco.syncer")
 
-DOWNLINK_CODECS = ("fp32", "bf16")
+DOWNLINK_CODECS = ("fp32", "bf16", "int8")
+"""Codecs of merged fragments sent to learners. int8 quantises the parameters themselves
+(learners install the quantised values; with a quantised uplink their next delta is taken
+against what they installed, so the install error does not reach the global model)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -60,7 +63,7 @@ class SyncerServerConfig:
     syncer: SyncerConfig = field(default_factory=SyncerConfig)
     """The algorithm's configuration (quorum K, grace, merge rule, outer optimizer...)."""
     downlink_codec: str = "fp32"
-    """Codec of merged fragments sent to learners: fp32 or bf16."""
+    """Codec of merged fragments sent to learners: fp32, bf16 or int8."""
     max_push_bytes: int = 1 << 30
     """Pushes declaring a larger payload are rejected before their payload is read."""
     heartbeat_timeout_s: float = 5.0
