@@ -3,7 +3,7 @@
 - raw TCP: one process streams 4 MiB buffers over a loopback socket to another process
   that ``recv_into``s a preallocated buffer; bytes/s.
 - syncer: ``SyncerServer`` in its own process, quorum K = 1 (every push merged at once);
-  M synthetic learners (threads of this process) push precomputed fp32 fragments of a
+  M synthetic learner processes (as real learners are) push precomputed fp32 fragments of a
   gpt_small-shaped model (P = 24) over the data port (``ddiloco.runtime.bulk``) and fetch
   each merged fragment back. Throughput is fragment bytes ingested + sent back per second.
 - sharded: S syncer processes, fragment p owned by syncer p mod S; the synthetic learners
@@ -23,7 +23,6 @@ import multiprocessing as mp
 import os
 import socket
 import statistics
-import threading
 import time
 from pathlib import Path
 
@@ -84,50 +83,77 @@ def _serve_transport_only(conn, kw: dict) -> None:
     _serve(conn, kw)
 
 
+def _learner_proc(conn, addresses: list[str], m: int, M: int, spec: dict) -> None:  # noqa: N803
+    """One synthetic learner process: joins every shard, then pushes and fetches its way
+    through the fragments (fragment p to shard p mod S) between "go" and "stop"."""
+    import torch
+    torch.set_num_threads(1)
+    P, S = spec["P"], len(addresses)  # noqa: N806
+    _, payloads = fragment_payloads(spec)
+    clients = [SyntheticLearner(a, m, spec) for a in addresses]
+    for c in clients:
+        c.join()
+    conn.send("ready")
+    conn.recv()  # go
+    i = m * (P // M)  # learners start at different fragments
+    moved = 0
+    while not conn.poll():
+        p = i % P
+        c = clients[p % S]
+        b = c.bytes_pushed + c.bytes_fetched
+        c.push(p, payloads[p])
+        c.fetch([p])
+        moved += c.bytes_pushed + c.bytes_fetched - b
+        i += 1
+    conn.recv()  # stop
+    conn.send(moved)
+    for c in clients:
+        c.close()
+
+
 def syncer_bytes_per_s(S: int, M: int, duration_s: float, spec: dict, init: bytes,  # noqa: N803
-                       payloads: list[bytes], profile: str | None = None,
-                       transport_only: bool = False) -> dict:
-    P = spec["P"]  # noqa: N806
+                       profile: str | None = None, transport_only: bool = False) -> dict:
+    """M synthetic learner processes (a real learner is a process of its own) against S
+    syncer processes; bytes pushed + fetched per second, and the cores each side kept
+    busy."""
     syncers = [SyncerProc(threads=1, serve=_serve_transport_only if transport_only else None)
                for _ in range(S)]
+    ctx = mp.get_context("spawn")
+    procs = []
     try:
-        # one client per (learner, shard): a learner routes fragment p to shard p mod S
-        learners = [[SyntheticLearner(sy.address, m, spec) for sy in syncers] for m in range(M)]
+        for sy in syncers:  # the initial model (a learner id the workers do not use)
+            first = SyntheticLearner(sy.address, M, spec)
+            first.join(init)
+            first.close()
+        addresses = [sy.address for sy in syncers]
         for m in range(M):
-            for s in range(S):
-                learners[m][s].join(init)
-        stop = threading.Event()
+            a, b = ctx.Pipe()
+            pr = ctx.Process(target=_learner_proc, args=(b, addresses, m, M, spec), daemon=True)
+            pr.start()
+            procs.append((pr, a))
+        for pr, a in procs:
+            if not a.poll(300) or a.recv() != "ready":
+                raise RuntimeError("a synthetic learner did not start")
         spy = None
         if profile:
             spy = pyspy_start(syncers[0].pid, duration_s, PROFILES / f"{profile}.raw")
-
-        def work(m: int) -> None:
-            i = m * (P // M)  # learners start at different fragments
-            while not stop.is_set():
-                p = i % P
-                lr = learners[m][p % S]
-                lr.push(p, payloads[p])
-                lr.fetch([p])
-                i += 1
-
-        threads = [threading.Thread(target=work, args=(m,), daemon=True) for m in range(M)]
-        b0 = sum(lr.bytes_pushed + lr.bytes_fetched for ls in learners for lr in ls)
-        cpu0 = [_cpu_s(sy.pid) for sy in syncers] + [_cpu_s(os.getpid())]
+        pids = [sy.pid for sy in syncers] + [pr.pid for pr, _ in procs]
+        cpu0 = [_cpu_s(pid) for pid in pids]
         t0 = time.perf_counter()
-        for t in threads:
-            t.start()
+        for _, a in procs:
+            a.send("go")
         time.sleep(duration_s)
-        stop.set()
-        for t in threads:
-            t.join(60)
+        for _, a in procs:
+            a.send("stop")
+        moved = 0
+        for _, a in procs:
+            if not a.poll(120):
+                raise RuntimeError("a synthetic learner did not stop")
+            moved += a.recv()
         dt = time.perf_counter() - t0
-        cpu1 = [_cpu_s(sy.pid) for sy in syncers] + [_cpu_s(os.getpid())]
-        pushed = sum(lr.bytes_pushed for ls in learners for lr in ls)
-        fetched = sum(lr.bytes_fetched for ls in learners for lr in ls)
-        moved = pushed + fetched - b0
-        for ls in learners:
-            for lr in ls:
-                lr.close()
+        cpu1 = [_cpu_s(pid) for pid in pids]
+        for pr, _ in procs:
+            pr.join(30)
         wait_proc(spy)
         text = ""
         if profile:
@@ -136,8 +162,11 @@ def syncer_bytes_per_s(S: int, M: int, duration_s: float, spec: dict, init: byte
         busy = [(b - a) / dt for a, b in zip(cpu0, cpu1)]
         return {"S": S, "M": M, "seconds": dt, "bytes_moved": moved,
                 "bytes_per_s": moved / dt, "profile": bool(text),
-                "syncer_cores": sum(busy[:-1]), "client_cores": busy[-1]}
+                "syncer_cores": sum(busy[:S]), "client_cores": sum(busy[S:])}
     finally:
+        for pr, _ in procs:
+            if pr.is_alive():
+                pr.kill()
         for sy in syncers:
             sy.close()
 
@@ -149,14 +178,14 @@ def main(quick: bool = False) -> dict:
     model = meta_model("gpt_tiny") if quick else meta_model("gpt_small")
     P = 8 if quick else 24  # noqa: N806
     spec = spec_of(model, P)
-    init, payloads = fragment_payloads(spec)
+    init, _ = fragment_payloads(spec)
     raws, s1s, s2s, ts = [], [], [], []
     for r in range(rounds):
         raws.append(raw_tcp_bytes_per_s(dur))
-        s1s.append(syncer_bytes_per_s(1, M, dur, spec, init, payloads,
+        s1s.append(syncer_bytes_per_s(1, M, dur, spec, init,
                                       profile="syncer_s1" if r == 0 and not quick else None))
-        s2s.append(syncer_bytes_per_s(2, M, dur, spec, init, payloads))
-        ts.append(syncer_bytes_per_s(1, M, dur, spec, init, payloads, transport_only=True))
+        s2s.append(syncer_bytes_per_s(2, M, dur, spec, init))
+        ts.append(syncer_bytes_per_s(1, M, dur, spec, init, transport_only=True))
     frac = statistics.median(s["bytes_per_s"] / raw for s, raw in zip(s1s, raws))
     scale2 = statistics.median(b["bytes_per_s"] / a["bytes_per_s"] for a, b in zip(s1s, s2s))
     wire_frac = statistics.median(t["bytes_per_s"] / raw for t, raw in zip(ts, raws))
@@ -170,8 +199,8 @@ def main(quick: bool = False) -> dict:
             f"median of {rounds} rounds alternating raw TCP and syncer runs (per round: "
             + ", ".join(f"{s['bytes_per_s'] / q:.0%}" for s, q in zip(s1s, raws))
             + f"); the data port without merging reaches {wire_frac:.0%} of raw TCP; the "
-            f"merging syncer keeps {s1['syncer_cores']:.2f} cores busy and the {M} client "
-            f"threads {s1['client_cores']:.2f}, of {cores}; model "
+            f"merging syncer keeps {s1['syncer_cores']:.2f} cores busy and the {M} learner "
+            f"processes {s1['client_cores']:.2f}, of {cores}; model "
             f"{'gpt_tiny' if quick else 'gpt_small'}, P={P}, M={M}, fp32 pushes, K=1",
             fraction=frac, transport_only_fraction=wire_frac),
         row(f"2b. syncer sharded by fragment, S=2 (core count {cores})",
