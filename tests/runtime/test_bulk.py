@@ -137,7 +137,7 @@ def test_unreachable_data_port_falls_back_to_grpc(syncer_factory):
         dead = probe.getsockname()[1]
     client.use_data_port(dead)
     before = client.fetch(None)  # falls back
-    assert client.data is None and before[0][0] == 0
+    assert client.data is None and client.data_fetch is None and before[0][0] == 0
     moved = [t.clone().view(-1) + 0.01 for t in before[0][1]]
     data = b"".join(t.numpy().tobytes() for t in moved)
     assert client.push(_header(frag, 0, data, inc, 1), data)["status"] == "accepted"

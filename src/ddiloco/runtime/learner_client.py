@@ -91,7 +91,10 @@ class SyncerClient:
                         grpc.insecure_channel(address, wire.GRPC_OPTIONS + [("ddiloco.channel",
                                                                              "control")]))
         self.data: BulkClient | None = None
-        """The data-port connection, or None: fragments go over gRPC."""
+        """The data-port connection for pushes, or None: fragments go over gRPC."""
+        self.data_fetch: BulkClient | None = None
+        """A second connection for fetches, so that a fetch never queues behind a push
+        (the sender and receiver threads each have their own)."""
 
     def close(self) -> None:
         self.use_data_port(None)
@@ -103,13 +106,15 @@ class SyncerClient:
         every Join reply's ``bulk_port`` (a restarted syncer may listen elsewhere)."""
         if self.data is not None and self.data.port == port:
             return
-        if self.data is not None:
-            self.data.close()
-            self.data = None
+        for c in (self.data, self.data_fetch):
+            if c is not None:
+                c.close()
+        self.data = self.data_fetch = None
         if port is not None:
-            self.data = BulkClient(split_host(self.address), int(port), self._token,
-                                   ssl_context=client_ssl_context(self._tls_ca)
-                                   if self._tls else None)
+            ctx = client_ssl_context(self._tls_ca) if self._tls else None
+            host = split_host(self.address)
+            self.data = BulkClient(host, int(port), self._token, ssl_context=ctx)
+            self.data_fetch = BulkClient(host, int(port), self._token, ssl_context=ctx)
 
     def unary(self, name: str, header: dict, timeout_s: float = 10.0, control: bool = False
               ) -> dict:
@@ -126,11 +131,11 @@ class SyncerClient:
                                                          metadata=self._md)
         return wire.unpack(resp)[0]
 
-    def _data_request(self, header: dict, payload: list, timeout_s: float
-                      ) -> tuple[dict, bytearray] | None:
+    def _data_request(self, header: dict, payload: list, timeout_s: float,
+                      fetch: bool = False) -> tuple[dict, memoryview] | None:
         """A request on the data port; None when there is none or it cannot be reached
         (the caller then uses gRPC: the data port may be firewalled off)."""
-        data = self.data
+        data = self.data_fetch if fetch else self.data
         if data is None:
             return None
         try:
@@ -140,9 +145,11 @@ class SyncerClient:
                 raise
             log.warning("syncer data port %s:%d unreachable (%s): sending fragments over gRPC "
                         "until the next join", data.host, data.port, e.details())
-            if self.data is data:
-                self.data = None
-            data.close()
+            if data in (self.data, self.data_fetch):
+                for c in (self.data, self.data_fetch):
+                    if c is not None:
+                        c.close()
+                self.data = self.data_fetch = None
             return None
 
     def push(self, header: dict, data: bytes | memoryview, timeout_s: float = 60.0) -> dict:
@@ -166,7 +173,8 @@ class SyncerClient:
                 off += nb
             out[h["fragment"]] = (h["version"], ts, len(buf))
 
-        r = self._data_request({"op": "fetch", "fragments": fragments}, [], timeout_s)
+        r = self._data_request({"op": "fetch", "fragments": fragments}, [], timeout_s,
+                               fetch=True)
         if r is not None:
             h, buf = r
             mv, off = memoryview(buf), 0
