@@ -56,7 +56,7 @@ def _serve(conn, kw: dict) -> None:
     with SyncerServer(cfg) as srv:
         conn.send(srv.port)
         conn.recv()  # any message (or EOF) stops the syncer
-        conn.send({"counters": dict(srv.counters),
+        conn.send({"counters": srv.status()["counters"],
                    "vm_hwm": proc_status_bytes(os.getpid(), "VmHWM"),
                    "vm_rss": proc_status_bytes(os.getpid(), "VmRSS")})
 

@@ -160,9 +160,15 @@ def syncer_bytes_per_s(S: int, M: int, duration_s: float, spec: dict, init: byte
             text = summarise_collapsed(PROFILES / f"{profile}.raw", PROFILES / f"{profile}.txt",
                                        f"syncer process (S={S}, M={M}) during perf_syncer")
         busy = [(b - a) / dt for a, b in zip(cpu0, cpu1)]
+        counters = [sy.close().get("counters", {}) for sy in syncers]
+        pushes = sum(c.get("push_accepted", 0) for c in counters) or 1
+        per_push_ms = {k: 1e3 * sum(c.get(k, 0.0) for c in counters) / pushes
+                       for k in ("push_apply_s", "push_apply_cpu_s", "merge_s", "merge_cpu_s")}
         return {"S": S, "M": M, "seconds": dt, "bytes_moved": moved,
                 "bytes_per_s": moved / dt, "profile": bool(text),
-                "syncer_cores": sum(busy[:S]), "client_cores": sum(busy[S:])}
+                "syncer_cores": sum(busy[:S]), "client_cores": sum(busy[S:]),
+                "syncer_cpu_ms_per_push": 1e3 * sum(busy[:S]) * dt / pushes,
+                "per_push_ms": per_push_ms}
     finally:
         for pr, _ in procs:
             if pr.is_alive():
@@ -191,6 +197,7 @@ def main(quick: bool = False) -> dict:
     wire_frac = statistics.median(t["bytes_per_s"] / raw for t, raw in zip(ts, raws))
     mid = sorted(range(rounds), key=lambda i: s1s[i]["bytes_per_s"] / raws[i])[rounds // 2]
     s1, s2, raw = s1s[mid], s2s[mid], raws[mid]
+    pp = s1["per_push_ms"]
     cores = os.cpu_count() or 1
     return {"rows": [
         row("2a. syncer ingest+merge+send-back vs raw loopback TCP (1 process)",
@@ -200,7 +207,10 @@ def main(quick: bool = False) -> dict:
             + ", ".join(f"{s['bytes_per_s'] / q:.0%}" for s, q in zip(s1s, raws))
             + f"); the data port without merging reaches {wire_frac:.0%} of raw TCP; the "
             f"merging syncer keeps {s1['syncer_cores']:.2f} cores busy and the {M} learner "
-            f"processes {s1['client_cores']:.2f}, of {cores}; model "
+            f"processes {s1['client_cores']:.2f}, of {cores}; per push the syncer spends "
+            f"{s1['syncer_cpu_ms_per_push']:.2f} ms of CPU, {pp['merge_cpu_s']:.2f} ms of it in the "
+            f"merge arithmetic (wall {pp['merge_s']:.2f} ms) and {pp['push_apply_cpu_s']:.2f} ms "
+            f"decoding, checking and merging (wall {pp['push_apply_s']:.2f} ms); model "
             f"{'gpt_tiny' if quick else 'gpt_small'}, P={P}, M={M}, fp32 pushes, K=1",
             fraction=frac, transport_only_fraction=wire_frac),
         row(f"2b. syncer sharded by fragment, S=2 (core count {cores})",

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import time
 from collections import deque
 from collections.abc import Callable
 from collections.abc import Sequence
@@ -184,6 +185,9 @@ class SyncerState:
         self._seen_seq: dict[tuple[int, int], int] = {}
         self.merges = 0
         self.nonfinite_merges = 0
+        self.merge_s = 0.0
+        """Time spent in merge arithmetic (wall, and CPU of the merging thread), seconds."""
+        self.merge_cpu_s = 0.0
         self.quorum_sizes: list[int] = []
         self.unlocked: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
         """Context the merge arithmetic runs in (see the module docstring)."""
@@ -348,6 +352,7 @@ class SyncerState:
         s.round = _Round()  # pushes arriving during the arithmetic open the next round
         s.merging = True
         try:
+            t_wall, t_cpu = time.perf_counter(), time.thread_time()
             with self.unlocked():
                 deltas = [torch._foreach_sub(list(a), [x.float() for x in c.params])
                           for a, c in zip(anchors, contribs)]
@@ -358,6 +363,8 @@ class SyncerState:
                 finite = all_finite_list(theta)
         finally:
             s.merging = False
+            self.merge_s += time.perf_counter() - t_wall
+            self.merge_cpu_s += time.thread_time() - t_cpu
         merged = None
         if not finite:
             # finite pushes can still overflow (a diverging learner): never publish inf/NaN

@@ -669,6 +669,15 @@ class SyncerServer:
 
     def _push_apply(self, pc: _PushCheck, buf: bytearray) -> dict:
         """Decode a validated push's payload and hand it to the state machine."""
+        t_wall, t_cpu = time.perf_counter(), time.thread_time()
+        try:
+            return self._push_apply_timed(pc, buf)
+        finally:
+            with self._lock:
+                self.counters["push_apply_s"] += time.perf_counter() - t_wall
+                self.counters["push_apply_cpu_s"] += time.thread_time() - t_cpu
+
+    def _push_apply_timed(self, pc: _PushCheck, buf: bytearray) -> dict:
         codec, p = pc.codec, pc.p
         params, off = [], 0
         for k, shape in zip(pc.numels, pc.shapes):
@@ -890,7 +899,10 @@ class SyncerServer:
                 "merges": st.merges if st else 0,
                 "live": sorted(st.live) if st else [],
                 "learners": learners,
-                "counters": dict(self.counters), "rejections": dict(self.rejections),
+                "counters": {**self.counters,
+                             "merge_s": st.merge_s if st else 0.0,
+                             "merge_cpu_s": st.merge_cpu_s if st else 0.0},
+                "rejections": dict(self.rejections),
                 "mean_quorum": (sum(st.quorum_sizes) / len(st.quorum_sizes)
                                 if st and st.quorum_sizes else None),
                 "xi_step_s": pol.xi_step.value if pol else None,
