@@ -108,8 +108,8 @@ class SyncerServerConfig:
         if self.step_budget < 0:
             raise ValueError("step_budget must be >= 0 (0: no budget)")
         if self.bulk_port is not None and not 0 <= self.bulk_port <= 65535:
-            raise ValueError(f"bulk_port must be in [0, 65535] (0: any free port) or None, "
-                             f"got {self.bulk_port}")
+            raise ValueError(f"data port must be in [0, 65535] (0: any free port; off: "
+                             f"--bulk-port -1 / bulk_port=None), got {self.bulk_port}")
 
 
 def tune_malloc() -> bool:
