@@ -97,3 +97,14 @@ def init_syncer(client, model, P: int = 2) -> tuple[dict, int]:
                                              data))["accepted"]
     r = client.unary("Join", {"learner": 0, "incarnation": -1, "fingerprint": fp})
     return spec, r["incarnation"]
+
+
+def expect_rejection(code, tag: str, fn) -> None:
+    """``fn()`` fails with gRPC status ``code`` and a message starting with the typed error
+    ``tag`` (the same on both transports: ``BulkError`` is a ``grpc.RpcError``)."""
+    import grpc
+    import pytest
+    with pytest.raises(grpc.RpcError) as ei:
+        fn()
+    assert ei.value.code() == code, ei.value
+    assert ei.value.details().startswith(tag), ei.value.details()

@@ -16,20 +16,13 @@ from ddiloco.algorithm.codecs import get_codec
 from ddiloco.runtime.bulk import BulkClient, BulkError, split_host
 from ddiloco.runtime.learner_client import SyncerClient
 from ddiloco.runtime.spec import fragmentation_from_spec
-from runtime_helpers import init_syncer, tiny_model
+from runtime_helpers import expect_rejection, init_syncer, tiny_model
 
 
 def _header(frag, p, data, inc, seq, codec="fp32", **kw):
     return {"learner": 0, "incarnation": inc, "fragment": p, "seq": seq, "base_version": 0,
             "c_steps": 4, "c_tokens": 400, "codec": codec, "delta": False,
             "numels": list(frag.fragments[p].numels), "nbytes": len(data), "step": 4, **kw}
-
-
-def _expect(code, tag, fn):
-    with pytest.raises(grpc.RpcError) as ei:
-        fn()
-    assert ei.value.code() == code, ei.value
-    assert ei.value.details().startswith(tag), ei.value.details()
 
 
 def _setup(s):
@@ -81,29 +74,29 @@ def test_data_port_rejects_bad_requests_and_keeps_the_model(syncer_factory):
     data = b"".join(t.numpy().tobytes() for t in good)
 
     bad = BulkClient("127.0.0.1", port, "not-the-token")
-    _expect(grpc.StatusCode.UNAUTHENTICATED, "E_AUTH",
+    expect_rejection(grpc.StatusCode.UNAUTHENTICATED, "E_AUTH",
             lambda: bad.request({"op": "fetch", "fragments": [0]}))
     wrong = list(frag.fragments[0].numels)
     wrong[0] += 1
-    _expect(grpc.StatusCode.INVALID_ARGUMENT, "E_SHAPE",
+    expect_rejection(grpc.StatusCode.INVALID_ARGUMENT, "E_SHAPE",
             lambda: client.push(_header(frag, 0, data, inc, 1, numels=wrong), data))
     nan = [t.clone() for t in good]
     nan[0][5] = float("inf")
     nan_data = b"".join(t.numpy().tobytes() for t in nan)
-    _expect(grpc.StatusCode.INVALID_ARGUMENT, "E_NONFINITE",
+    expect_rejection(grpc.StatusCode.INVALID_ARGUMENT, "E_NONFINITE",
             lambda: client.push(_header(frag, 0, nan_data, inc, 2), nan_data))
     # the declared size and the bytes that follow disagree
-    _expect(grpc.StatusCode.INVALID_ARGUMENT, "E_SIZE",
+    expect_rejection(grpc.StatusCode.INVALID_ARGUMENT, "E_SIZE",
             lambda: client.data.request({"op": "push", **_header(frag, 0, data, inc, 3)},
                                         [data, b"\0" * 8]))
-    _expect(grpc.StatusCode.RESOURCE_EXHAUSTED, "E_OVERSIZE",
+    expect_rejection(grpc.StatusCode.RESOURCE_EXHAUSTED, "E_OVERSIZE",
             lambda: client.data.request({"op": "push", **_header(frag, 0, data, inc, 4)},
                                         [b"\0" * 300_000]))
-    _expect(grpc.StatusCode.INVALID_ARGUMENT, "E_FRAGMENT",
+    expect_rejection(grpc.StatusCode.INVALID_ARGUMENT, "E_FRAGMENT",
             lambda: client.fetch([0, 9]))
-    _expect(grpc.StatusCode.INVALID_ARGUMENT, "E_FRAME",
+    expect_rejection(grpc.StatusCode.INVALID_ARGUMENT, "E_FRAME",
             lambda: client.data.request({"op": "delete-everything"}))
-    _expect(grpc.StatusCode.FAILED_PRECONDITION, "E_UNKNOWN_LEARNER",
+    expect_rejection(grpc.StatusCode.FAILED_PRECONDITION, "E_UNKNOWN_LEARNER",
             lambda: client.push(_header(frag, 0, data, inc, 5, learner=3), data))
 
     # hostile bytes: a header length over the limit, non-JSON, a prefix cut short

@@ -15,7 +15,7 @@ from ddiloco.algorithm.codecs import get_codec
 from ddiloco.runtime import wire
 from ddiloco.runtime.learner_client import DecoupledLearner, SyncerClient, SyncerError
 from ddiloco.runtime.spec import fragmentation_from_spec
-from runtime_helpers import init_syncer, tiny_model
+from runtime_helpers import expect_rejection, init_syncer, tiny_model
 
 
 def _push(client, frag, p, tensors, *, inc, seq=1, codec="fp32", **override):
@@ -29,13 +29,6 @@ def _push(client, frag, p, tensors, *, inc, seq=1, codec="fp32", **override):
     return client.stream("Push", wire.chunks(h, payload, chunk_bytes=4096))
 
 
-def _expect(code, tag, fn):
-    with pytest.raises(grpc.RpcError) as ei:
-        fn()
-    assert ei.value.code() == code, ei.value
-    assert ei.value.details().startswith(tag), ei.value.details()
-
-
 @pytest.mark.timeout(60)
 def test_bad_pushes_are_rejected_and_the_global_model_is_unchanged(syncer_factory):
     s = syncer_factory("--max-push-bytes", "200000")
@@ -47,33 +40,33 @@ def test_bad_pushes_are_rejected_and_the_global_model_is_unchanged(syncer_factor
     good = [t.clone().view(-1) for t in before[0][1]]
 
     bad_token = SyncerClient(s.address, "not-the-token")
-    _expect(grpc.StatusCode.UNAUTHENTICATED, "E_AUTH",
+    expect_rejection(grpc.StatusCode.UNAUTHENTICATED, "E_AUTH",
             lambda: _push(bad_token, frag, 0, good, inc=inc))
-    _expect(grpc.StatusCode.UNAUTHENTICATED, "E_AUTH", lambda: bad_token.status())
+    expect_rejection(grpc.StatusCode.UNAUTHENTICATED, "E_AUTH", lambda: bad_token.status())
     wrong_shape = list(frag.fragments[0].numels)
     wrong_shape[0] += 1
-    _expect(grpc.StatusCode.INVALID_ARGUMENT, "E_SHAPE",
+    expect_rejection(grpc.StatusCode.INVALID_ARGUMENT, "E_SHAPE",
             lambda: _push(client, frag, 0, good, inc=inc, numels=wrong_shape))
     nan = [t.clone() for t in good]
     nan[0][3] = float("nan")
-    _expect(grpc.StatusCode.INVALID_ARGUMENT, "E_NONFINITE",
+    expect_rejection(grpc.StatusCode.INVALID_ARGUMENT, "E_NONFINITE",
             lambda: _push(client, frag, 0, nan, inc=inc))
-    _expect(grpc.StatusCode.RESOURCE_EXHAUSTED, "E_OVERSIZE",
+    expect_rejection(grpc.StatusCode.RESOURCE_EXHAUSTED, "E_OVERSIZE",
             lambda: _push(client, frag, 0, good, inc=inc, nbytes=10 ** 9))
-    _expect(grpc.StatusCode.RESOURCE_EXHAUSTED, "E_OVERSIZE",  # more bytes than declared
+    expect_rejection(grpc.StatusCode.RESOURCE_EXHAUSTED, "E_OVERSIZE",  # more bytes than declared
             lambda: _push(client, frag, 0, good, inc=inc,
                           payload=b"".join(t.numpy().tobytes() for t in good) + b"\0" * 8))
-    _expect(grpc.StatusCode.INVALID_ARGUMENT, "E_SIZE",
+    expect_rejection(grpc.StatusCode.INVALID_ARGUMENT, "E_SIZE",
             lambda: _push(client, frag, 0, good, inc=inc, nbytes=12))
-    _expect(grpc.StatusCode.INVALID_ARGUMENT, "E_FRAGMENT",
+    expect_rejection(grpc.StatusCode.INVALID_ARGUMENT, "E_FRAGMENT",
             lambda: _push(client, frag, 0, good, inc=inc, fragment=7))
-    _expect(grpc.StatusCode.INVALID_ARGUMENT, "E_CODEC",
+    expect_rejection(grpc.StatusCode.INVALID_ARGUMENT, "E_CODEC",
             lambda: client.stream("Push", iter([wire.pack({
                 "learner": 0, "incarnation": inc, "fragment": 0, "seq": 1, "base_version": 0,
                 "c_steps": 1, "c_tokens": 1, "codec": "fp64", "nbytes": 8})])))
-    _expect(grpc.StatusCode.FAILED_PRECONDITION, "E_UNKNOWN_LEARNER",
+    expect_rejection(grpc.StatusCode.FAILED_PRECONDITION, "E_UNKNOWN_LEARNER",
             lambda: _push(client, frag, 0, good, inc=inc, learner=5))
-    _expect(grpc.StatusCode.FAILED_PRECONDITION, "E_SPEC",
+    expect_rejection(grpc.StatusCode.FAILED_PRECONDITION, "E_SPEC",
             lambda: client.unary("Join", {"learner": 1, "incarnation": -1,
                                           "fingerprint": "0" * 16}))
 

@@ -312,8 +312,6 @@ class BulkClient:
             if self._sock is None:
                 try:
                     self._sock = self._connect()
-                except BulkError:
-                    raise
                 except (OSError, ValueError, ConnectionError) as e:
                     raise BulkError(grpc.StatusCode.UNAVAILABLE,
                                     f"cannot connect to {self.host}:{self.port}: "
@@ -324,9 +322,6 @@ class BulkClient:
                 h, plen = _recv_header(self._sock)
                 buf = empty_buffer(plen)
                 _recv_exact(self._sock, buf)
-            except BulkError:
-                self._drop()
-                raise
             except (OSError, ValueError, ConnectionError) as e:
                 self._drop()
                 code = (grpc.StatusCode.DEADLINE_EXCEEDED if isinstance(e, TimeoutError)

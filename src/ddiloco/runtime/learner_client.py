@@ -146,10 +146,7 @@ class SyncerClient:
             log.warning("syncer data port %s:%d unreachable (%s): sending fragments over gRPC "
                         "until the next join", data.host, data.port, e.details())
             if data in (self.data, self.data_fetch):
-                for c in (self.data, self.data_fetch):
-                    if c is not None:
-                        c.close()
-                self.data = self.data_fetch = None
+                self.use_data_port(None)
             return None
 
     def push(self, header: dict, data: bytes | memoryview, timeout_s: float = 60.0) -> dict:
