@@ -11,7 +11,7 @@ setup: $(STAMP)
 
 # The pinned CPU build of torch is installed first, so the package's torch>=2.2
 # requirement is already met and pip never pulls a multi-GB CUDA build.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py src/ddiloco/_kernels.c
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
 	$(VENV)/bin/python -m pip install -q $(TORCH)

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ddiloco.algorithm import kernels
+
 __all__ = ["MERGE_RULES", "token_weight", "weighted_average", "rda", "merge_outer_gradients",
            "OuterNesterov", "alpha_mix", "all_finite", "all_finite_list"]
 
@@ -31,9 +33,13 @@ def token_weight(c_tokens: int, c_steps: int) -> float:
 def all_finite(t: torch.Tensor) -> bool:
     """No NaN or inf in ``t``. A sum is one fast vectorised pass and NaN/inf propagate into
     it; only when it is not finite (which finite values can also cause, by overflowing)
-    does a min/max pass decide. ``torch.isfinite(t).all()`` is ~15x slower on CPU."""
+    does a min/max pass decide. ``torch.isfinite(t).all()`` is ~15x slower on CPU. A
+    contiguous fp32 CPU tensor goes to the C kernel where it is built (``kernels``)."""
     if t.numel() == 0 or not t.is_floating_point():
         return True
+    fused = kernels.all_finite(t)
+    if fused is not None:
+        return fused
     if math.isfinite(float(t.sum())):
         return True
     lo, hi = torch.aminmax(t)
@@ -165,6 +171,28 @@ class OuterNesterov:
         new_p = torch._foreach_add(params, grads, alpha=-self.lr * scale)
         torch._foreach_add_(new_p, new_b, alpha=-self.lr * self.momentum)
         return new_p, new_b
+
+    def stepped_checked(self, params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor],
+                        scale: float = 1.0, *, grads: Sequence[torch.Tensor] | None = None,
+                        anchors: Sequence[torch.Tensor] | None = None,
+                        pushes: Sequence[torch.Tensor] | None = None,
+                        ) -> tuple[list[torch.Tensor], list[torch.Tensor], bool]:
+        """``stepped`` on ``grads``, or on ``anchors - pushes``, and whether every new
+        parameter is finite. Only ``grads`` may be written (scratch, as in ``stepped``). Where the C kernel runs (``kernels``:
+        contiguous fp32 CPU tensors, momentum > 0) this is one pass per tensor; otherwise
+        the multi-tensor operations of ``stepped``. The two agree up to fp32 rounding."""
+        if self.momentum > 0:
+            fused = kernels.nesterov_stepped(params, buffers, lr=self.lr, momentum=self.momentum,
+                                             scale=scale, grads=grads, anchors=anchors,
+                                             pushes=pushes)
+            if fused is not None:
+                return fused
+        if grads is None:
+            if anchors is None or pushes is None:
+                raise ValueError("give either grads or both anchors and pushes")
+            grads = torch._foreach_sub(list(anchors), [x.float() for x in pushes])
+        new_p, new_b = self.stepped(params, grads, buffers, scale)
+        return new_p, new_b, all_finite_list(new_p)
 
 
 def alpha_mix(local: torch.Tensor, global_: torch.Tensor, alpha: float) -> None:

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ddiloco.algorithm.fragments import Fragmentation
-from ddiloco.algorithm.merge import (MERGE_RULES, OuterNesterov, all_finite, all_finite_list,
+from ddiloco.algorithm.merge import (MERGE_RULES, OuterNesterov, all_finite,
                                      merge_outer_gradients, token_weight)
 from ddiloco.algorithm.policy import (MergeNow, PolicyConfig, QuorumGracePolicy, WaitForMore,
                                       WaitUntil)
@@ -352,19 +352,23 @@ class SyncerState:
         s.round = _Round()  # pushes arriving during the arithmetic open the next round
         s.merging = True
         try:
-            t_wall, t_cpu = time.perf_counter(), time.thread_time()
             with self.unlocked():
-                deltas = [torch._foreach_sub(list(a), [x.float() for x in c.params])
-                          for a, c in zip(anchors, contribs)]
-                update = merge_outer_gradients(deltas, weights, frag.embedding,
-                                               self.config.merge_rule)
+                t_wall, t_cpu = time.perf_counter(), time.thread_time()
                 # new tensors: the published theta is never written again, so Merged shares it
-                theta, momentum = self.outer.stepped(theta0, update, momentum0, scale)
-                finite = all_finite_list(theta)
+                if len(contribs) == 1:  # the merged outer gradient is the push's own
+                    theta, momentum, finite = self.outer.stepped_checked(
+                        theta0, momentum0, scale, anchors=anchors[0], pushes=contribs[0].params)
+                else:
+                    deltas = [torch._foreach_sub(list(a), [x.float() for x in c.params])
+                              for a, c in zip(anchors, contribs)]
+                    update = merge_outer_gradients(deltas, weights, frag.embedding,
+                                                   self.config.merge_rule)
+                    theta, momentum, finite = self.outer.stepped_checked(
+                        theta0, momentum0, scale, grads=update)
+                self.merge_s += time.perf_counter() - t_wall
+                self.merge_cpu_s += time.thread_time() - t_cpu
         finally:
             s.merging = False
-            self.merge_s += time.perf_counter() - t_wall
-            self.merge_cpu_s += time.thread_time() - t_cpu
         merged = None
         if not finite:
             # finite pushes can still overflow (a diverging learner): never publish inf/NaN
