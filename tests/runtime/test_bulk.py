@@ -182,3 +182,46 @@ def test_int8_downlink(syncer_factory):
             x = exact[name]
             assert t.shape == x.shape
             assert (t - x).abs().max() <= x.abs().max() / 255 + 1e-7
+
+
+def _silent_server(read: bool):
+    """A data port that authenticates, then never answers (and, with ``read=False``, never
+    reads either)."""
+    import threading
+
+    from ddiloco.runtime import bulk as B
+    srv = socket.create_server(("127.0.0.1", 0))
+    srv.settimeout(20)
+
+    def serve():
+        c, _ = srv.accept()
+        B._recv_header(c)
+        B._send(c, {"ok": True})
+        if read:
+            scratch = bytearray(1 << 20)
+            while c.recv_into(scratch):
+                pass
+        else:
+            threading.Event().wait(15)
+        c.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return srv
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("read", [True, False], ids=["no-reply", "no-read"])
+def test_request_timeout_is_deadline_exceeded(read):
+    """A syncer that stops answering (or reading) mid-request: the request ends after its
+    timeout as DEADLINE_EXCEEDED, the connection is dropped, and the next request reconnects."""
+    import time
+    srv = _silent_server(read)
+    client = BulkClient("127.0.0.1", srv.getsockname()[1], "t")
+    payload = [bytes(8 << 20)] * (1 if read else 8)  # 64 MiB: more than the socket buffers
+    t0 = time.monotonic()
+    with pytest.raises(BulkError) as ei:
+        client.request({"op": "push"}, payload, timeout_s=0.5)
+    assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, ei.value.details()
+    assert time.monotonic() - t0 < 10
+    assert client._sock is None
+    srv.close()

@@ -34,7 +34,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 import grpc
-import torch
+import numpy as np
 
 from ddiloco.runtime import wire
 from ddiloco.runtime.auth import check_token
@@ -44,6 +44,8 @@ __all__ = ["BulkClient", "BulkError", "BulkServer", "BulkReject", "empty_buffer"
 log = logging.getLogger("ddiloco.bulk")
 
 _PREFIX = struct.Struct(">IQ")
+_WAITALL = getattr(socket, "MSG_WAITALL", 0)
+_IOV_MAX = 512
 SOCK_BUF = 8 << 20
 """Kernel socket buffer asked for on both ends (multi-megabyte fragments in few syscalls)."""
 
@@ -88,16 +90,35 @@ def _tune(sock: socket.socket) -> None:
             pass
 
 
+def _set_deadline(sock: socket.socket, timeout_s: float) -> None:
+    """Bound every send and receive on ``sock`` by ``timeout_s``. A plain socket stays in
+    blocking mode with kernel timeouts (SO_RCVTIMEO / SO_SNDTIMEO), so that whole payloads
+    move in single calls (``_recv_exact``); a timeout then surfaces as ``BlockingIOError``.
+    TLS sockets use Python's own timeout."""
+    if isinstance(sock, ssl.SSLSocket) or not hasattr(socket, "SO_RCVTIMEO"):
+        sock.settimeout(timeout_s)
+        return
+    sock.settimeout(None)
+    sec = max(0.001, float(timeout_s))
+    tv = struct.pack("ll", int(sec), int((sec - int(sec)) * 1e6))
+    for opt in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO):
+        sock.setsockopt(socket.SOL_SOCKET, opt, tv)
+
+
 def empty_buffer(n: int) -> memoryview:
     """A writable buffer of ``n`` bytes, not zero-filled (``bytearray(n)`` writes every byte
     once more before the socket does)."""
-    return memoryview(torch.empty(n, dtype=torch.uint8).numpy())
+    return memoryview(np.empty(n, dtype=np.uint8))
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:
     n, total = 0, len(view)
+    # MSG_WAITALL on a blocking socket: the kernel fills the whole view in one call (one
+    # GIL release and one wake-up, not one per socket-buffer's worth); TLS takes no flags
+    flags = 0 if isinstance(sock, ssl.SSLSocket) or sock.gettimeout() is not None \
+        else _WAITALL
     while n < total:
-        k = sock.recv_into(view[n:])
+        k = sock.recv_into(view[n:], 0, flags)
         if k == 0:
             raise ConnectionError("connection closed mid-message")
         n += k
@@ -106,10 +127,22 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
 def _send(sock: socket.socket, header: dict, payload: Sequence[bytes | memoryview] = ()) -> None:
     h = json.dumps(header, separators=(",", ":")).encode()
     size = sum(len(b) for b in payload)
-    sock.sendall(_PREFIX.pack(len(h), size) + h)
-    for b in payload:
-        if len(b):
-            sock.sendall(b)
+    head = _PREFIX.pack(len(h), size) + h
+    if isinstance(sock, ssl.SSLSocket) or not hasattr(sock, "sendmsg"):
+        sock.sendall(head)
+        for b in payload:
+            if len(b):
+                sock.sendall(b)
+        return
+    # one gathering call for the header and every piece (no joins, one wake-up of the peer)
+    views = [memoryview(head)] + [memoryview(b).cast("B") for b in payload if len(b)]
+    while views:
+        sent = sock.sendmsg(views[:_IOV_MAX])
+        while views and sent >= len(views[0]):
+            sent -= len(views[0])
+            views.pop(0)
+        if sent:
+            views[0] = views[0][sent:]
 
 
 def _recv_header(sock: socket.socket) -> tuple[dict, int]:
@@ -317,14 +350,15 @@ class BulkClient:
                                     f"cannot connect to {self.host}:{self.port}: "
                                     f"{type(e).__name__}: {e}", connect_failed=True) from None
             try:
-                self._sock.settimeout(timeout_s)
+                _set_deadline(self._sock, timeout_s)
                 _send(self._sock, header, payload)
                 h, plen = _recv_header(self._sock)
                 buf = empty_buffer(plen)
                 _recv_exact(self._sock, buf)
             except (OSError, ValueError, ConnectionError) as e:
                 self._drop()
-                code = (grpc.StatusCode.DEADLINE_EXCEEDED if isinstance(e, TimeoutError)
+                code = (grpc.StatusCode.DEADLINE_EXCEEDED
+                        if isinstance(e, (TimeoutError, BlockingIOError))
                         else grpc.StatusCode.UNAVAILABLE)
                 raise BulkError(code, f"bulk connection to {self.host}:{self.port}: "
                                       f"{type(e).__name__}: {e}") from None
