@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 __all__ = ["Codec", "CODECS", "get_codec"]
@@ -124,8 +125,7 @@ class Codec:
         if self.quantised:
             return [memoryview(self.encode(t)) for t in tensors]
         if self.name == "fp32":
-            return [memoryview(t.detach().reshape(-1).float().contiguous().numpy()).cast("B")
-                    .toreadonly() for t in tensors]
+            return [memoryview(_flat_f32(t)).cast("B").toreadonly() for t in tensors]
         out = torch.empty(sum(self.nbytes(t.numel()) for t in tensors), dtype=torch.uint8)
         off = 0
         for t in tensors:
@@ -142,8 +142,8 @@ class Codec:
                              f"got {len(buf)}")
         if numel == 0:
             return torch.zeros(0)
-        if self.name == "fp32":
-            return torch.frombuffer(_writable(buf), dtype=torch.float32)
+        if self.name == "fp32":  # numpy's view holds the GIL (torch.frombuffer releases it)
+            return torch.from_numpy(np.frombuffer(_writable(buf), dtype=np.float32))
         if self.name == "bf16":
             return torch.frombuffer(_writable(buf), dtype=torch.bfloat16).float()
         B = self.block
@@ -178,6 +178,17 @@ class Codec:
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
         """``decode(encode(x))`` reshaped like x (what the receiver sees)."""
         return self.decode(self.encode(x), x.numel()).view(x.shape)
+
+
+def _flat_f32(t: torch.Tensor) -> np.ndarray:
+    """``t`` as a flat fp32 numpy array: its own memory for a contiguous fp32 CPU tensor
+    (one call that keeps the GIL; the chain of torch calls it replaces releases and retakes
+    the GIL once per call, which a busy syncer pays for in thread switches), a copy
+    otherwise."""
+    if (t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+            and not t.requires_grad):
+        return t.numpy().reshape(-1)
+    return t.detach().reshape(-1).float().contiguous().numpy()
 
 
 def _writable(buf: bytes | bytearray | memoryview) -> bytearray | memoryview:
