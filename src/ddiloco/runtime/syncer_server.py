@@ -378,9 +378,10 @@ class SyncerServer:
         fetch_s = [i.report.get("fetch_s", 0.0) for i in self._learners.values()
                    if i.state == "live" and i.report.get("fetch_s") is not None]
         self.state.observe_sync_s(merge_s + (sum(fetch_s) / len(fetch_s) if fetch_s else 0.0))
-        self._event("merge", fragment=mg.fragment, version=mg.version, learners=list(mg.learners),
-                    weights=[round(w, 3) for w in mg.weights], reason=mg.reason,
-                    merge_s=round(merge_s, 6))
+        if self._metrics_f:
+            self._event("merge", fragment=mg.fragment, version=mg.version,
+                        learners=list(mg.learners), weights=[round(w, 3) for w in mg.weights],
+                        reason=mg.reason, merge_s=round(merge_s, 6))
         self._dirty_merges += 1
         if self._durable:
             self._unpublished[mg.fragment] = mg
@@ -388,7 +389,9 @@ class SyncerServer:
             self._ckpt_cv.notify_all()
         else:
             self._publish(mg.fragment, mg.version, mg.params)
-            self._merged_seq_pub = {m: dict(d) for m, d in self._merged_seq.items()}
+            # copy on write: watchers hold the old mapping; only these learners' entries moved
+            self._merged_seq_pub = {**self._merged_seq_pub,
+                                    **{m: dict(self._merged_seq[m]) for m in mg.learners}}
             self._published_cv.notify_all()
             if self.config.checkpoint_dir and self._dirty_merges >= self.config.checkpoint_every:
                 self._ckpt_requested = True
