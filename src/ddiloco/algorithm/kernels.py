@@ -68,8 +68,8 @@ def nesterov_stepped(params: Sequence[torch.Tensor], buffers: Sequence[torch.Ten
     ``theta' = theta - lr*s*g - lr*mu*b'`` with ``g = grads`` or ``g = anchors - pushes``
     (computed on the fly, never stored). Returns (theta', b', every theta' finite), or
     ``None`` where the kernel cannot run. Inputs are never written. The kernel rounds as
-    torch's CPU operations do, step by step (on x86-64 it matches torch's AVX2 and
-    AVX-512 kernels bit for bit)."""
+    torch's CPU operations do, step by step (``tests/algorithm/test_kernels.py`` checks bit
+    equality where torch runs its AVX2 or AVX-512 kernels)."""
     if not enabled():
         return None
     if (grads is None) == (anchors is None or pushes is None):
