@@ -48,6 +48,12 @@ def _serve(conn, kw: dict) -> None:
     from ddiloco.algorithm.syncer_state import SyncerConfig
     from ddiloco.runtime.syncer_server import SyncerServer, SyncerServerConfig
     torch.set_num_threads(int(kw.pop("threads", 1)))
+    cpus = kw.pop("cpus", None)
+    if cpus:  # before any thread starts: every thread of the syncer inherits it
+        os.sched_setaffinity(0, cpus)
+    if not kw.pop("kernels", True):
+        from ddiloco.algorithm import kernels
+        kernels.set_enabled(False)
     quorum, grace = kw.pop("quorum", 1), kw.pop("grace", False)
     history = kw.pop("history", 0)
     kw.setdefault("heartbeat_timeout_s", 3600.0)  # synthetic learners send no heartbeats
@@ -63,7 +69,9 @@ def _serve(conn, kw: dict) -> None:
 
 class SyncerProc:
     """``SyncerServer`` in a spawned process on an ephemeral loopback port (``serve``: a
-    module-level replacement for ``_serve``, e.g. one that patches the server first)."""
+    module-level replacement for ``_serve``, e.g. one that patches the server first;
+    ``cpus``: the cores it may run on; ``kernels=False``: the merge in torch operations, not
+    the C kernel)."""
 
     def __init__(self, serve=None, **kw) -> None:
         ctx = mp.get_context("spawn")
