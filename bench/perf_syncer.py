@@ -282,8 +282,9 @@ def main(quick: bool = False) -> dict:
     pp = s1["per_push_ms"]
     step = merge_step_ms(spec)
     cores = os.cpu_count() or 1
-    where = (f"syncer / raw TCP sink on core {sorted(placement()[0])}, learners / source on "
-             f"cores {sorted(placement()[1])}" if pin else "one core: nothing to pin")
+    place = placement()
+    where = (f"syncer / raw TCP sink on core {sorted(place[0])}, learners / source on "
+             f"cores {sorted(place[1])}" if place else "one core: nothing to pin")
     return {"rows": [
         row("2a. syncer ingest+merge+send-back vs raw loopback TCP (1 process)",
             f"{frac:.1%} ({s1['bytes_per_s'] / 1e6:.0f} MB/s vs {raw / 1e6:.0f} MB/s raw); "
@@ -316,7 +317,7 @@ def main(quick: bool = False) -> dict:
             "second shard can only use what S=1 leaves idle; shards are unmodified "
             "SyncerServer processes, the synthetic learners route fragment p to shard p mod S",
             scaling=scale2)],
-        "details": {**{k: v for k, v in runs.items()}, "merge_step": step,
+        "details": {**runs, "merge_step": step,
                     "model_bytes": len(init), "P": P}}
 
 

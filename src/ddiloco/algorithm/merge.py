@@ -178,9 +178,12 @@ class OuterNesterov:
                         pushes: Sequence[torch.Tensor] | None = None,
                         ) -> tuple[list[torch.Tensor], list[torch.Tensor], bool]:
         """``stepped`` on ``grads``, or on ``anchors - pushes``, and whether every new
-        parameter is finite. Only ``grads`` may be written (scratch, as in ``stepped``). Where the C kernel runs (``kernels``:
-        contiguous fp32 CPU tensors, momentum > 0) this is one pass per tensor; otherwise
-        the multi-tensor operations of ``stepped``. The two agree up to fp32 rounding."""
+        parameter is finite. Only ``grads`` may be written (scratch, as in ``stepped``).
+        Where the C kernel runs (``kernels``: contiguous fp32 CPU tensors, momentum > 0)
+        this is one pass per tensor; otherwise the multi-tensor operations of ``stepped``.
+        The two agree up to fp32 rounding."""
+        if (grads is None) == (anchors is None or pushes is None):
+            raise ValueError("give either grads or both anchors and pushes")
         if self.momentum > 0:
             fused = kernels.nesterov_stepped(params, buffers, lr=self.lr, momentum=self.momentum,
                                              scale=scale, grads=grads, anchors=anchors,
@@ -188,8 +191,6 @@ class OuterNesterov:
             if fused is not None:
                 return fused
         if grads is None:
-            if anchors is None or pushes is None:
-                raise ValueError("give either grads or both anchors and pushes")
             grads = torch._foreach_sub(list(anchors), [x.float() for x in pushes])
         new_p, new_b = self.stepped(params, grads, buffers, scale)
         return new_p, new_b, all_finite_list(new_p)

@@ -304,6 +304,7 @@ class BulkClient:
         self.ssl_context = ssl_context
         self.connect_timeout_s = connect_timeout_s
         self._sock: socket.socket | None = None
+        self._timeout_s: float | None = None  # the timeouts set on _sock
         self._lock = threading.Lock()
 
     def close(self) -> None:
@@ -317,6 +318,7 @@ class BulkClient:
             except OSError:
                 pass
             self._sock = None
+            self._timeout_s = None  # a new connection gets its timeouts set again
 
     def _connect(self) -> socket.socket:
         s = socket.create_connection((self.host, self.port), timeout=self.connect_timeout_s)
@@ -350,7 +352,9 @@ class BulkClient:
                                     f"cannot connect to {self.host}:{self.port}: "
                                     f"{type(e).__name__}: {e}", connect_failed=True) from None
             try:
-                _set_deadline(self._sock, timeout_s)
+                if timeout_s != self._timeout_s:  # a few syscalls: only when it changes
+                    _set_deadline(self._sock, timeout_s)
+                    self._timeout_s = timeout_s
                 _send(self._sock, header, payload)
                 h, plen = _recv_header(self._sock)
                 buf = empty_buffer(plen)
