@@ -17,10 +17,15 @@
   (``ddiloco.algorithm.kernels``); plus the merge step alone on the largest fragment, with
   and without the kernel.
 
-The machine is shared and raw TCP alone moves by 2x between runs, so the measurements
-alternate in rounds, raw TCP in a round is the best of three short runs (the headline
-syncer setting the best of two: interference only ever slows a run down), and each ratio is
-the median over rounds of the ratio within a round. CPU seconds of the syncer and client
+The machine is shared and raw TCP alone moves by 2x between runs, more than the effect
+measured. The headline therefore keeps both the raw TCP pair and the syncer with its
+learners running, and measures them in adjacent short windows (raw-syncer, syncer-raw, ...):
+the ratio of each pair compares two windows that saw nearly the same machine, and the
+headline is the median over the pairs. (Raw TCP counts bytes handed to the socket, up to
+16 MiB of socket buffers more than were received by the window's end: raw TCP is favoured.)
+The references alternate in rounds; raw TCP in a round is the best of three short runs
+(interference only ever slows a run down), and each ratio is the median over rounds of the
+ratio within a round. CPU seconds of the syncer and client
 processes are read from /proc to show how many of the cores each setting keeps busy. A
 py-spy profile of the single syncer is summarised in docs/results/profiles/."""
 
@@ -63,20 +68,12 @@ def placement() -> tuple[set[int], set[int]] | None:
     return ({cores[-1]}, set(cores[:-1])) if len(cores) > 1 else None
 
 
-def raw_tcp_bytes_per_s(duration_s: float, pin: bool = False) -> float:
+def raw_tcp_bytes_per_s(duration_s: float) -> float:
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()
     p = ctx.Process(target=_tcp_sink, args=(b,), daemon=True)
     p.start()
-    place = placement() if pin else None
-    mine = os.sched_getaffinity(0)
-    if place:
-        os.sched_setaffinity(p.pid, place[0])
-        os.sched_setaffinity(0, place[1])
-    try:
-        return _raw_stream(a, p, duration_s)
-    finally:
-        os.sched_setaffinity(0, mine)
+    return _raw_stream(a, p, duration_s)
 
 
 def _raw_stream(a, p, duration_s: float) -> float:
@@ -110,8 +107,9 @@ def _serve_transport_only(conn, kw: dict) -> None:
 
 def _learner_proc(conn, addresses: list[str], m: int, M: int, spec: dict,  # noqa: N803
                   cpus: set[int] | None = None) -> None:
-    """One synthetic learner process: joins every shard, then pushes and fetches its way
-    through the fragments (fragment p to shard p mod S) between "go" and "stop"."""
+    """One synthetic learner process: joins every shard, then, in each window between "go"
+    and "stop", pushes and fetches its way through the fragments (fragment p to shard
+    p mod S) and reports the bytes moved; "end" closes it."""
     import torch
     if cpus:
         os.sched_setaffinity(0, cpus)
@@ -122,70 +120,94 @@ def _learner_proc(conn, addresses: list[str], m: int, M: int, spec: dict,  # noq
     for c in clients:
         c.join()
     conn.send("ready")
-    conn.recv()  # go
     i = m * (P // M)  # learners start at different fragments
-    moved = 0
-    while not conn.poll():
-        p = i % P
-        c = clients[p % S]
-        b = c.bytes_pushed + c.bytes_fetched
-        c.push(p, payloads[p])
-        c.fetch([p])
-        moved += c.bytes_pushed + c.bytes_fetched - b
-        i += 1
-    conn.recv()  # stop
-    conn.send(moved)
+    while conn.recv() == "go":
+        moved = 0
+        while not conn.poll():
+            p = i % P
+            c = clients[p % S]
+            b = c.bytes_pushed + c.bytes_fetched
+            c.push(p, payloads[p])
+            c.fetch([p])
+            moved += c.bytes_pushed + c.bytes_fetched - b
+            i += 1
+        conn.recv()  # stop
+        conn.send(moved)
     for c in clients:
         c.close()
 
 
+def _start_learners(addresses: list[str], M: int, spec: dict,  # noqa: N803
+                    cpus: set[int] | None) -> list:
+    ctx = mp.get_context("spawn")
+    procs = []
+    for m in range(M):
+        a, b = ctx.Pipe()
+        pr = ctx.Process(target=_learner_proc, daemon=True,
+                         args=(b, addresses, m, M, spec, cpus))
+        pr.start()
+        procs.append((pr, a))
+    for pr, a in procs:
+        if not a.poll(300) or a.recv() != "ready":
+            raise RuntimeError("a synthetic learner did not start")
+    return procs
+
+
+def _window(procs: list, duration_s: float) -> tuple[int, float]:
+    """One go/stop window of every learner process: (bytes moved, seconds)."""
+    t0 = time.perf_counter()
+    for _, a in procs:
+        a.send("go")
+    time.sleep(duration_s)
+    for _, a in procs:
+        a.send("stop")
+    moved = 0
+    for _, a in procs:
+        if not a.poll(120):
+            raise RuntimeError("a synthetic learner did not stop")
+        moved += a.recv()
+    return moved, time.perf_counter() - t0
+
+
+def _end_learners(procs: list) -> None:
+    for pr, a in procs:
+        try:
+            a.send("end")
+        except (BrokenPipeError, OSError):
+            pass
+    for pr, _ in procs:
+        pr.join(30)
+        if pr.is_alive():
+            pr.kill()
+
+
+def _init_model(address: str, M: int, spec: dict, init: bytes) -> None:  # noqa: N803
+    first = SyntheticLearner(address, M, spec)  # a learner id the workers do not use
+    first.join(init)
+    first.close()
+
+
 def syncer_bytes_per_s(S: int, M: int, duration_s: float, spec: dict, init: bytes,  # noqa: N803
                        profile: str | None = None, transport_only: bool = False,
-                       pin: bool = False, kernels: bool = True) -> dict:
+                       kernels: bool = True) -> dict:
     """M synthetic learner processes (a real learner is a process of its own) against S
     syncer processes; bytes pushed + fetched per second, and the cores each side kept
     busy."""
-    place = placement() if pin else None
     syncers = [SyncerProc(threads=1, serve=_serve_transport_only if transport_only else None,
-                          cpus=place[0] if place else None, kernels=kernels)
-               for _ in range(S)]
-    ctx = mp.get_context("spawn")
-    procs = []
+                          kernels=kernels) for _ in range(S)]
+    procs: list = []
     try:
-        for sy in syncers:  # the initial model (a learner id the workers do not use)
-            first = SyntheticLearner(sy.address, M, spec)
-            first.join(init)
-            first.close()
-        addresses = [sy.address for sy in syncers]
-        for m in range(M):
-            a, b = ctx.Pipe()
-            pr = ctx.Process(target=_learner_proc, daemon=True,
-                             args=(b, addresses, m, M, spec, place[1] if place else None))
-            pr.start()
-            procs.append((pr, a))
-        for pr, a in procs:
-            if not a.poll(300) or a.recv() != "ready":
-                raise RuntimeError("a synthetic learner did not start")
+        for sy in syncers:
+            _init_model(sy.address, M, spec, init)
+        procs = _start_learners([sy.address for sy in syncers], M, spec, None)
         spy = None
         if profile:
             spy = pyspy_start(syncers[0].pid, duration_s, PROFILES / f"{profile}.raw")
         pids = [sy.pid for sy in syncers] + [pr.pid for pr, _ in procs]
         cpu0 = [_cpu_s(pid) for pid in pids]
-        t0 = time.perf_counter()
-        for _, a in procs:
-            a.send("go")
-        time.sleep(duration_s)
-        for _, a in procs:
-            a.send("stop")
-        moved = 0
-        for _, a in procs:
-            if not a.poll(120):
-                raise RuntimeError("a synthetic learner did not stop")
-            moved += a.recv()
-        dt = time.perf_counter() - t0
+        moved, dt = _window(procs, duration_s)
         cpu1 = [_cpu_s(pid) for pid in pids]
-        for pr, _ in procs:
-            pr.join(30)
+        _end_learners(procs)
         wait_proc(spy)
         text = ""
         if profile:
@@ -207,6 +229,99 @@ def syncer_bytes_per_s(S: int, M: int, duration_s: float, spec: dict, init: byte
                 pr.kill()
         for sy in syncers:
             sy.close()
+
+
+def _tcp_source(conn, port: int, cpus: set[int] | None) -> None:
+    """The raw TCP sender kept open across windows: in each window between "go" and "stop"
+    it streams 4 MiB buffers and reports (bytes, seconds); "end" closes the connection."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    s = socket.create_connection(("127.0.0.1", port))
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
+    data = memoryview(bytes(CHUNK))
+    conn.send("ready")
+    while conn.recv() == "go":
+        n, t0 = 0, time.perf_counter()
+        while not conn.poll():
+            s.sendall(data)
+            n += CHUNK
+        conn.recv()  # stop
+        conn.send((n, time.perf_counter() - t0))
+    s.close()
+
+
+def paired_windows(M: int, spec: dict, init: bytes, pairs: int, window_s: float,  # noqa: N803
+                   profile: str | None = None) -> dict:
+    """The headline: raw TCP and the syncer, each set up once and kept running, measured in
+    adjacent windows of ``window_s`` that alternate raw-syncer, syncer-raw, ...; both pinned
+    alike (receiving side on the last core). Ratio per pair, median over pairs."""
+    place = placement()
+    recv_cpus, send_cpus = place if place else (None, None)
+    ctx = mp.get_context("spawn")
+    a, b = ctx.Pipe()
+    sink = ctx.Process(target=_tcp_sink, args=(b,), daemon=True)
+    sink.start()
+    if recv_cpus:
+        os.sched_setaffinity(sink.pid, recv_cpus)
+    port = a.recv()
+    sa, sb = ctx.Pipe()
+    source = ctx.Process(target=_tcp_source, args=(sb, port, send_cpus), daemon=True)
+    source.start()
+    if not sa.poll(60) or sa.recv() != "ready":
+        raise RuntimeError("the raw TCP source did not start")
+    sy = SyncerProc(threads=1, cpus=recv_cpus)
+    procs: list = []
+    try:
+        _init_model(sy.address, M, spec, init)
+        procs = _start_learners([sy.address], M, spec, send_cpus)
+        spy = None
+        if profile:
+            spy = pyspy_start(sy.pid, pairs * 2 * (window_s + 0.3) + 5,
+                              PROFILES / f"{profile}.raw")
+        pids = [sy.pid] + [pr.pid for pr, _ in procs]
+        raw, syn, busy_s, dt_s = [], [], [0.0] * len(pids), 0.0
+        for i in range(pairs):
+            for what in (("raw", "syncer") if i % 2 == 0 else ("syncer", "raw")):
+                if what == "raw":
+                    sa.send("go")
+                    time.sleep(window_s)
+                    sa.send("stop")
+                    n, dt = sa.recv()
+                    raw.append(n / dt)
+                else:
+                    cpu0 = [_cpu_s(pid) for pid in pids]
+                    moved, dt = _window(procs, window_s)
+                    busy_s = [x + _cpu_s(pid) - c for x, pid, c in zip(busy_s, pids, cpu0)]
+                    dt_s += dt
+                    syn.append(moved / dt)
+        _end_learners(procs)
+        wait_proc(spy)
+        text = ""
+        if profile:
+            text = summarise_collapsed(PROFILES / f"{profile}.raw", PROFILES / f"{profile}.txt",
+                                       f"syncer process (S=1, M={M}) during perf_syncer's "
+                                       f"paired windows (idle between its windows included)")
+        counters = sy.close().get("counters", {})
+    finally:
+        for pr, _ in procs:
+            if pr.is_alive():
+                pr.kill()
+        sy.close()
+        sa.send("end")
+        source.join(30)
+        sink.join(30)
+        for pr in (source, sink):
+            if pr.is_alive():
+                pr.kill()
+    pushes = counters.get("push_accepted", 0) or 1
+    ratios = [x / r for x, r in zip(syn, raw)]
+    return {"pairs": pairs, "window_s": window_s, "raw": raw, "syncer": syn, "ratios": ratios,
+            "ratio": statistics.median(ratios), "profile": bool(text),
+            "syncer_cores": busy_s[0] / dt_s, "client_cores": sum(busy_s[1:]) / dt_s,
+            "syncer_cpu_ms_per_push": 1e3 * busy_s[0] / pushes,
+            "per_push_ms": {k: 1e3 * counters.get(k, 0.0) / pushes
+                            for k in ("push_apply_s", "merge_s", "merge_cpu_s")},
+            "place": None if not place else [sorted(recv_cpus), sorted(send_cpus)]}
 
 
 def merge_step_ms(spec: dict, repeats: int = 40) -> dict:
@@ -250,18 +365,13 @@ def main(quick: bool = False) -> dict:
     P = 8 if quick else 24  # noqa: N806
     spec = spec_of(model, P)
     init, _ = fragment_payloads(spec)
-    pin = placement() is not None
-    runs: dict[str, list] = {k: [] for k in ("raw", "raw_free", "s1", "s1_free", "s2", "wire",
-                                             "torch")}
-    for r in range(rounds):
+    head = paired_windows(M, spec, init, pairs=2 if quick else 20,
+                          window_s=0.5 if quick else 1.5,
+                          profile=None if quick else "syncer_s1")
+    runs: dict[str, list] = {k: [] for k in ("raw_free", "s1_free", "s2", "wire", "torch")}
+    for _ in range(rounds):
         # raw TCP: the best of three short runs (interference only ever slows it down)
-        runs["raw"].append(max(raw_tcp_bytes_per_s(dur / 2, pin=pin) for _ in range(3)))
         runs["raw_free"].append(max(raw_tcp_bytes_per_s(dur / 2) for _ in range(3)))
-        # the headline syncer run is also the best of two (raw TCP gets the best of three)
-        runs["s1"].append(max((syncer_bytes_per_s(
-            1, M, dur, spec, init, pin=pin,
-            profile="syncer_s1" if r == 0 and k == 0 and not quick else None)
-            for k in range(1 if quick else 2)), key=lambda x: x["bytes_per_s"]))
         runs["s1_free"].append(syncer_bytes_per_s(1, M, dur, spec, init))
         runs["s2"].append(syncer_bytes_per_s(2, M, dur, spec, init))
         runs["wire"].append(syncer_bytes_per_s(1, M, dur, spec, init, transport_only=True))
@@ -273,42 +383,46 @@ def main(quick: bool = False) -> dict:
             / (y["bytes_per_s"] if isinstance(y, dict) else y)
             for x, y in zip(runs[a], runs[b]))
 
-    frac, frac_free = median_ratio("s1", "raw"), median_ratio("s1_free", "raw_free")
+    frac, frac_free = head["ratio"], median_ratio("s1_free", "raw_free")
+    q = statistics.quantiles(head["ratios"], n=4) if len(head["ratios"]) > 1 else [frac] * 3
     scale2 = median_ratio("s2", "s1_free")
     wire_frac, torch_frac = median_ratio("wire", "raw_free"), median_ratio("torch", "raw_free")
-    mid = sorted(range(rounds), key=lambda i: runs["s1"][i]["bytes_per_s"] / runs["raw"][i]
-                 )[rounds // 2]
-    s1, s1f, s2, raw = runs["s1"][mid], runs["s1_free"][mid], runs["s2"][mid], runs["raw"][mid]
-    pp = s1["per_push_ms"]
+    mid = sorted(range(rounds), key=lambda i: runs["s1_free"][i]["bytes_per_s"]
+                 / runs["raw_free"][i])[rounds // 2]
+    s1f, s2 = runs["s1_free"][mid], runs["s2"][mid]
+    pp = head["per_push_ms"]
     step = merge_step_ms(spec)
     cores = os.cpu_count() or 1
-    place = placement()
-    where = (f"syncer / raw TCP sink on core {sorted(place[0])}, learners / source on "
-             f"cores {sorted(place[1])}" if place else "one core: nothing to pin")
+    place = head["place"]
+    where = (f"syncer / raw TCP sink on core {place[0]}, learners / source on cores "
+             f"{place[1]}" if place else "one core: nothing to pin")
+    syn_mb, raw_mb = statistics.median(head["syncer"]) / 1e6, statistics.median(head["raw"]) / 1e6
     return {"rows": [
         row("2a. syncer ingest+merge+send-back vs raw loopback TCP (1 process)",
-            f"{frac:.1%} ({s1['bytes_per_s'] / 1e6:.0f} MB/s vs {raw / 1e6:.0f} MB/s raw); "
-            f"unpinned {frac_free:.1%}", ">= 50%", frac >= 0.5,
-            f"median of {rounds} rounds alternating raw TCP (best of 3 runs) and syncer runs "
-            f"(best of {1 if quick else 2}), both placed alike ({where}); per round: "
-            + ", ".join(f"{x['bytes_per_s'] / q:.0%}" for x, q in zip(runs["s1"], runs["raw"]))
-            + "; the same unpinned: "
-            + ", ".join(f"{x['bytes_per_s'] / q:.0%}"
-                        for x, q in zip(runs["s1_free"], runs["raw_free"]))
+            f"{frac:.1%} (median of {head['pairs']} pairs; quartiles {q[0]:.1%} / {q[2]:.1%}; "
+            f"{syn_mb:.0f} MB/s vs {raw_mb:.0f} MB/s raw); unpinned {frac_free:.1%}",
+            ">= 50%", frac >= 0.5,
+            f"syncer and raw TCP each set up once and measured in {head['pairs']} pairs of "
+            f"adjacent {head['window_s']:.1f} s windows, order alternating, both placed alike "
+            f"({where}); ratio per pair, median over pairs. Unpinned: median of {rounds} "
+            f"rounds (raw TCP best of 3 runs), per round: "
+            + ", ".join(f"{x['bytes_per_s'] / q_:.0%}"
+                        for x, q_ in zip(runs["s1_free"], runs["raw_free"]))
             + f". References, unpinned: the data port without merging reaches {wire_frac:.0%} "
             f"of raw TCP, the merge in torch operations instead of the C kernel "
             f"{torch_frac:.0%}; the outer step alone on the largest fragment "
             f"({step['fragment_bytes'] / 1e6:.1f} MB) takes {step['kernel_ms']:.2f} ms with the "
             f"kernel, {step['torch_ms']:.2f} ms in torch. The pinned syncer keeps "
-            f"{s1['syncer_cores']:.2f} cores busy and the {M} learner processes "
-            f"{s1['client_cores']:.2f}, of {cores}; per push the syncer spends "
-            f"{s1['syncer_cpu_ms_per_push']:.2f} ms of CPU, {pp['merge_cpu_s']:.2f} ms of it in "
-            f"the merge arithmetic (wall {pp['merge_s']:.2f} ms; decode, checks and merge "
+            f"{head['syncer_cores']:.2f} cores busy and the {M} learner processes "
+            f"{head['client_cores']:.2f}, of {cores}; per push the syncer spends "
+            f"{head['syncer_cpu_ms_per_push']:.2f} ms of CPU, {pp['merge_cpu_s']:.2f} ms of it "
+            f"in the merge arithmetic (wall {pp['merge_s']:.2f} ms; decode, checks and merge "
             f"{pp['push_apply_s']:.2f} ms wall); unpinned: {s1f['syncer_cores']:.2f} + "
             f"{s1f['client_cores']:.2f} cores; model {'gpt_tiny' if quick else 'gpt_small'}, "
             f"P={P}, M={M}, fp32 pushes, K=1",
-            fraction=frac, fraction_unpinned=frac_free, transport_only_fraction=wire_frac,
-            torch_merge_fraction=torch_frac, merge_step=step),
+            fraction=frac, quartiles=[q[0], q[2]], fraction_unpinned=frac_free,
+            transport_only_fraction=wire_frac, torch_merge_fraction=torch_frac,
+            merge_step=step),
         row(f"2b. syncer sharded by fragment, S=2 (core count {cores})",
             f"{scale2:.2f}x of S=1 ({s2['bytes_per_s'] / 1e6:.0f} MB/s)", ">= 0.8 x S = 1.6x",
             scale2 >= 1.6, f"median of {rounds} rounds, unpinned; busy cores S=1: syncer "
@@ -317,7 +431,7 @@ def main(quick: bool = False) -> dict:
             "second shard can only use what S=1 leaves idle; shards are unmodified "
             "SyncerServer processes, the synthetic learners route fragment p to shard p mod S",
             scaling=scale2)],
-        "details": {**runs, "merge_step": step,
+        "details": {**runs, "paired": head, "merge_step": step,
                     "model_bytes": len(init), "P": P}}
 
 
