@@ -229,7 +229,7 @@ class SyncerServer:
             "Status": grpc.unary_unary_rpc_method_handler(self._status),
         }
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=self.config.max_workers),
-                                   options=wire.GRPC_OPTIONS)
+                                   options=wire.GRPC_SERVER_OPTIONS)
         self._server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(wire.SERVICE, handlers),))
         addr = f"{self.config.host}:{self.config.port}"

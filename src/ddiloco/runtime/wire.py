@@ -25,7 +25,8 @@ import struct
 from collections.abc import Iterator
 
 __all__ = ["SERVICE", "CHUNK_BYTES", "MAX_HEADER_BYTES", "MAX_FRAME_BYTES", "pack", "unpack",
-           "method", "chunks", "ErrorCode", "TOKEN_METADATA", "GRPC_OPTIONS"]
+           "method", "chunks", "ErrorCode", "TOKEN_METADATA", "GRPC_OPTIONS",
+           "GRPC_SERVER_OPTIONS"]
 
 SERVICE = "ddiloco.Syncer"
 CHUNK_BYTES = 1 << 20
@@ -41,6 +42,11 @@ GRPC_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
+]
+GRPC_SERVER_OPTIONS = GRPC_OPTIONS + [
+    # accept the clients' keepalive pings on an idle connection (gRPC's default minimum is
+    # 5 minutes; faster pings earn a GOAWAY "too_many_pings" and a reconnect)
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
 ]
 _LEN = struct.Struct(">I")
 
