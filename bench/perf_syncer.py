@@ -25,9 +25,9 @@ headline is the median over the pairs. (Raw TCP counts bytes handed to the socke
 16 MiB of socket buffers more than were received by the window's end: raw TCP is favoured.)
 The references alternate in rounds; raw TCP in a round is the best of three short runs
 (interference only ever slows a run down), and each ratio is the median over rounds of the
-ratio within a round. CPU seconds of the syncer and client
-processes are read from /proc to show how many of the cores each setting keeps busy. A
-py-spy profile of the single syncer is summarised in docs/results/profiles/."""
+ratio within a round. CPU seconds of the syncer and client processes are read from /proc to
+show how many of the cores each setting keeps busy. A py-spy profile of the single syncer is
+summarised in docs/results/profiles/."""
 
 from __future__ import annotations
 
@@ -73,10 +73,6 @@ def raw_tcp_bytes_per_s(duration_s: float) -> float:
     a, b = ctx.Pipe()
     p = ctx.Process(target=_tcp_sink, args=(b,), daemon=True)
     p.start()
-    return _raw_stream(a, p, duration_s)
-
-
-def _raw_stream(a, p, duration_s: float) -> float:
     port = a.recv()
     s = socket.create_connection(("127.0.0.1", port))
     s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
@@ -368,11 +364,11 @@ def main(quick: bool = False) -> dict:
     head = paired_windows(M, spec, init, pairs=2 if quick else 20,
                           window_s=0.5 if quick else 1.5,
                           profile=None if quick else "syncer_s1")
-    runs: dict[str, list] = {k: [] for k in ("raw_free", "s1_free", "s2", "wire", "torch")}
+    runs: dict[str, list] = {k: [] for k in ("raw", "s1", "s2", "wire", "torch")}
     for _ in range(rounds):
         # raw TCP: the best of three short runs (interference only ever slows it down)
-        runs["raw_free"].append(max(raw_tcp_bytes_per_s(dur / 2) for _ in range(3)))
-        runs["s1_free"].append(syncer_bytes_per_s(1, M, dur, spec, init))
+        runs["raw"].append(max(raw_tcp_bytes_per_s(dur / 2) for _ in range(3)))
+        runs["s1"].append(syncer_bytes_per_s(1, M, dur, spec, init))
         runs["s2"].append(syncer_bytes_per_s(2, M, dur, spec, init))
         runs["wire"].append(syncer_bytes_per_s(1, M, dur, spec, init, transport_only=True))
         runs["torch"].append(syncer_bytes_per_s(1, M, dur, spec, init, kernels=False))
@@ -383,13 +379,13 @@ def main(quick: bool = False) -> dict:
             / (y["bytes_per_s"] if isinstance(y, dict) else y)
             for x, y in zip(runs[a], runs[b]))
 
-    frac, frac_free = head["ratio"], median_ratio("s1_free", "raw_free")
+    frac, frac_free = head["ratio"], median_ratio("s1", "raw")
     q = statistics.quantiles(head["ratios"], n=4) if len(head["ratios"]) > 1 else [frac] * 3
-    scale2 = median_ratio("s2", "s1_free")
-    wire_frac, torch_frac = median_ratio("wire", "raw_free"), median_ratio("torch", "raw_free")
-    mid = sorted(range(rounds), key=lambda i: runs["s1_free"][i]["bytes_per_s"]
-                 / runs["raw_free"][i])[rounds // 2]
-    s1f, s2 = runs["s1_free"][mid], runs["s2"][mid]
+    scale2 = median_ratio("s2", "s1")
+    wire_frac, torch_frac = median_ratio("wire", "raw"), median_ratio("torch", "raw")
+    mid = sorted(range(rounds), key=lambda i: runs["s1"][i]["bytes_per_s"]
+                 / runs["raw"][i])[rounds // 2]
+    s1, s2 = runs["s1"][mid], runs["s2"][mid]
     pp = head["per_push_ms"]
     step = merge_step_ms(spec)
     cores = os.cpu_count() or 1
@@ -412,7 +408,7 @@ def main(quick: bool = False) -> dict:
             f"Unpinned: median of {rounds} "
             f"rounds (raw TCP best of 3 runs), per round: "
             + ", ".join(f"{x['bytes_per_s'] / q_:.0%}"
-                        for x, q_ in zip(runs["s1_free"], runs["raw_free"]))
+                        for x, q_ in zip(runs["s1"], runs["raw"]))
             + f". References, unpinned: the data port without merging reaches {wire_frac:.0%} "
             f"of raw TCP, the merge in torch operations instead of the C kernel "
             f"{torch_frac:.0%}; the outer step alone on the largest fragment "
@@ -422,8 +418,8 @@ def main(quick: bool = False) -> dict:
             f"{head['client_cores']:.2f}, of {cores}; per push the syncer spends "
             f"{head['syncer_cpu_ms_per_push']:.2f} ms of CPU, {pp['merge_cpu_s']:.2f} ms of it "
             f"in the merge arithmetic (wall {pp['merge_s']:.2f} ms; decode, checks and merge "
-            f"{pp['push_apply_s']:.2f} ms wall); unpinned: {s1f['syncer_cores']:.2f} + "
-            f"{s1f['client_cores']:.2f} cores; model {'gpt_tiny' if quick else 'gpt_small'}, "
+            f"{pp['push_apply_s']:.2f} ms wall); unpinned: {s1['syncer_cores']:.2f} + "
+            f"{s1['client_cores']:.2f} cores; model {'gpt_tiny' if quick else 'gpt_small'}, "
             f"P={P}, M={M}, fp32 pushes, K=1",
             fraction=frac, quartiles=[q[0], q[2]], fraction_best_windows=best,
             fraction_unpinned=frac_free,
@@ -432,7 +428,7 @@ def main(quick: bool = False) -> dict:
         row(f"2b. syncer sharded by fragment, S=2 (core count {cores})",
             f"{scale2:.2f}x of S=1 ({s2['bytes_per_s'] / 1e6:.0f} MB/s)", ">= 0.8 x S = 1.6x",
             scale2 >= 1.6, f"median of {rounds} rounds, unpinned; busy cores S=1: syncer "
-            f"{s1f['syncer_cores']:.2f} + clients {s1f['client_cores']:.2f}, S=2: syncers "
+            f"{s1['syncer_cores']:.2f} + clients {s1['client_cores']:.2f}, S=2: syncers "
             f"{s2['syncer_cores']:.2f} + clients {s2['client_cores']:.2f} (of {cores}): a "
             "second shard can only use what S=1 leaves idle; shards are unmodified "
             "SyncerServer processes, the synthetic learners route fragment p to shard p mod S",

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ddiloco.algorithm.kernels import is_plain_f32
+
 __all__ = ["Codec", "CODECS", "get_codec"]
 
 _CHUNK = 1 << 18
@@ -185,8 +187,7 @@ def _flat_f32(t: torch.Tensor) -> np.ndarray:
     (one call that keeps the GIL; the chain of torch calls it replaces releases and retakes
     the GIL once per call, which a busy syncer pays for in thread switches), a copy
     otherwise."""
-    if (t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
-            and not t.requires_grad):
+    if is_plain_f32(t):
         return t.numpy().reshape(-1)
     return t.detach().reshape(-1).float().contiguous().numpy()
 

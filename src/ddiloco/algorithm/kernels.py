@@ -25,7 +25,8 @@ try:
 except ImportError:  # built without a C compiler
     _ext = None
 
-__all__ = ["available", "enabled", "set_enabled", "nesterov_stepped", "all_finite"]
+__all__ = ["available", "enabled", "set_enabled", "nesterov_stepped", "all_finite",
+           "is_plain_f32"]
 
 _enabled = os.environ.get("DDILOCO_KERNELS", "1") != "0"
 
@@ -53,9 +54,14 @@ def _empty_f32(shape: torch.Size) -> torch.Tensor:
     return torch.from_numpy(np.empty(tuple(shape), dtype=np.float32))
 
 
-def _fits(t: torch.Tensor, numel: int) -> bool:
+def is_plain_f32(t: torch.Tensor) -> bool:
+    """A contiguous fp32 CPU tensor outside autograd: its memory is the flat fp32 array."""
     return (t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
-            and t.numel() == numel and not t.requires_grad)
+            and not t.requires_grad)
+
+
+def _fits(t: torch.Tensor, numel: int) -> bool:
+    return t.numel() == numel and is_plain_f32(t)
 
 
 def nesterov_stepped(params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor], *,
