@@ -24,7 +24,7 @@ OUT = ROOT / "bench" / "results" / "gpu_throughput.json"
 
 def measure(steps: int = 48, batch: int = 8, block: int = 1024) -> dict:
     from ddiloco.models import build_model
-    from ddiloco.runtime.learner_client import DecoupledLearner
+    from ddiloco.runtime.learner.hook import DecoupledLearner
     dev = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = True
     model = build_model("gpt_125m").to(dev)

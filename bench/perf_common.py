@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ddiloco.runtime import wire
+from ddiloco.runtime.transport import wire
 
 ROOT = Path(__file__).resolve().parent.parent
 PROFILES = ROOT / "docs" / "results" / "profiles"
@@ -46,7 +46,7 @@ def _serve(conn, kw: dict) -> None:
     logging.disable(logging.WARNING)
     from ddiloco.algorithm.policy import PolicyConfig
     from ddiloco.algorithm.syncer_state import SyncerConfig
-    from ddiloco.runtime.syncer_server import SyncerServer, SyncerServerConfig
+    from ddiloco.runtime.syncer.server import SyncerServer, SyncerServerConfig
     torch.set_num_threads(int(kw.pop("threads", 1)))
     cpus = kw.pop("cpus", None)
     if cpus:  # before any thread starts: every thread of the syncer inherits it
@@ -114,7 +114,7 @@ def meta_model(preset: str, **overrides) -> torch.nn.Module:
 
 
 def spec_of(model: torch.nn.Module, P: int) -> dict:  # noqa: N803
-    from ddiloco.runtime.spec import model_spec
+    from ddiloco.runtime.transport.spec import model_spec
     return model_spec(model, P, "balanced")
 
 
@@ -124,8 +124,8 @@ class SyntheticLearner:
     allows."""
 
     def __init__(self, address: str, learner: int, spec: dict) -> None:
-        from ddiloco.runtime.learner_client import SyncerClient
-        from ddiloco.runtime.spec import fragmentation_from_spec, spec_fingerprint
+        from ddiloco.runtime.learner.client import SyncerClient
+        from ddiloco.runtime.transport.spec import fragmentation_from_spec, spec_fingerprint
         self.client = SyncerClient(address, TOKEN)
         self.learner, self.spec = learner, spec
         self.frag = fragmentation_from_spec(spec)
@@ -176,7 +176,7 @@ class SyntheticLearner:
 
 def fragment_payloads(spec: dict, seed: int = 0) -> tuple[bytes, list[bytes]]:
     """(initial model, per-fragment fp32 payloads) with small random values."""
-    from ddiloco.runtime.spec import fragmentation_from_spec
+    from ddiloco.runtime.transport.spec import fragmentation_from_spec
     frag = fragmentation_from_spec(spec)
     g = torch.Generator().manual_seed(seed)
     numel = dict(zip(spec["names"], (math.prod(s) for s in spec["shapes"])))

@@ -65,7 +65,7 @@ def main(quick: bool = False) -> dict:
 
 def _run(quick: bool, cores) -> dict:
     from ddiloco.models import build_model
-    from ddiloco.runtime.learner_client import DecoupledLearner
+    from ddiloco.runtime.learner.hook import DecoupledLearner
     H, P, tau = 24, 24, 2  # noqa: N806
     if quick:
         model = build_model("gpt_tiny", n_layer=4)

@@ -4,7 +4,7 @@
   that ``recv_into``s a preallocated buffer; bytes/s.
 - syncer: ``SyncerServer`` in its own process, quorum K = 1 (every push merged at once);
   M synthetic learner processes (as real learners are) push precomputed fp32 fragments of a
-  gpt_small-shaped model (P = 24) over the data port (``ddiloco.runtime.bulk``) and fetch
+  gpt_small-shaped model (P = 24) over the data port (``ddiloco.runtime.transport.bulk``) and fetch
   each merged fragment back. Throughput is fragment bytes ingested + sent back per second.
 - placement: the headline pins the receiving side (the raw TCP sink, the syncer) to the last
   core and the sending side (the raw TCP source, the learners) to the others, in both
@@ -95,7 +95,7 @@ def _cpu_s(pid: int) -> float:
 
 def _serve_transport_only(conn, kw: dict) -> None:
     """A syncer process whose pushes are acknowledged without merging."""
-    from ddiloco.runtime.syncer_server import SyncerServer
+    from ddiloco.runtime.syncer.server import SyncerServer
     SyncerServer._push_apply = lambda self, pc, buf: {"status": "accepted", "message": "",
                                                       "target_version": 1}
     _serve(conn, kw)
@@ -325,8 +325,8 @@ def merge_step_ms(spec: dict, repeats: int = 40) -> dict:
     against the torch operations, median ms, in this process."""
     from ddiloco.algorithm import kernels
     from ddiloco.algorithm.merge import OuterNesterov
-    from ddiloco.runtime.spec import fragmentation_from_spec
-    from ddiloco.runtime.syncer_server import tune_malloc
+    from ddiloco.runtime.transport.spec import fragmentation_from_spec
+    from ddiloco.runtime.syncer.server import tune_malloc
     import torch
     tune_malloc()
     threads = torch.get_num_threads()

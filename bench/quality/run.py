@@ -79,12 +79,13 @@ def peak_bytes_per_step(config: dict) -> dict:
     from ddiloco.algorithm.codecs import get_codec
     from ddiloco.algorithm.fragments import fragment_model
     from ddiloco.algorithm.schedule import FragmentSchedule
-    from ddiloco.models import build_model
+    from ddiloco.models import build_model, embedding_param_names
 
     torch.manual_seed(0)
     model = build_model(config["model"], vocab_size=config["vocab_size"],
                         block_size=config["block_size"])
-    frag = fragment_model(model, config["fragments"], config["fragmentation"])
+    frag = fragment_model(model, config["fragments"], config["fragmentation"],
+                          embedding_param_names(model))
     sched = FragmentSchedule(P=frag.P, H=config["H"], tau=config["tau"])
     codec = get_codec(config["codec"])
     per_phase: dict[int, int] = {}

@@ -15,7 +15,7 @@ __all__ = ["__version__", "DecoupledLearner", "TrainConfig"]
 
 def __getattr__(name: str):
     if name == "DecoupledLearner":
-        from ddiloco.runtime.learner_client import DecoupledLearner
+        from ddiloco.runtime.learner.hook import DecoupledLearner
         return DecoupledLearner
     if name == "TrainConfig":
         from ddiloco.config import TrainConfig

@@ -5,7 +5,8 @@ import torch
 
 from ddiloco.config import TrainConfig
 from ddiloco.engine import RunContext, run
-from ddiloco.engine.common import Recorder, data_config, new_model
+from ddiloco.engine.common import Recorder
+from ddiloco.recipe import data_config, new_model
 from ddiloco.engine.decoupled import run_decoupled
 from ddiloco.engine.sync import run_diloco, run_dp, run_streaming
 from ddiloco.data import build_eval_batches

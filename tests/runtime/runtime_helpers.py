@@ -86,8 +86,8 @@ def tiny_model():
 def init_syncer(client, model, P: int = 2) -> tuple[dict, int]:
     """Join as learner 0, upload ``model`` as the initial model, join again: (spec,
     incarnation)."""
-    from ddiloco.runtime import wire
-    from ddiloco.runtime.spec import model_spec, spec_fingerprint
+    from ddiloco.runtime.transport import wire
+    from ddiloco.runtime.transport.spec import model_spec, spec_fingerprint
     spec = model_spec(model, P)
     fp = spec_fingerprint(spec)
     r = client.unary("Join", {"learner": 0, "incarnation": -1, "fingerprint": fp})

@@ -1,4 +1,4 @@
-"""The data port (``ddiloco.runtime.bulk``): pushes and fetches over framed TCP beside gRPC,
+"""The data port (``ddiloco.runtime.transport.bulk``): pushes and fetches over framed TCP beside gRPC,
 against a real ``ddiloco syncer`` process on 127.0.0.1. Same results as gRPC, the same
 typed rejections, hostile bytes never reach the state machine, and a learner that cannot
 reach the data port falls back to gRPC."""
@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from ddiloco.algorithm.codecs import get_codec
-from ddiloco.runtime.bulk import BulkClient, BulkError, split_host
-from ddiloco.runtime.learner_client import SyncerClient
-from ddiloco.runtime.spec import fragmentation_from_spec
+from ddiloco.runtime.transport.bulk import BulkClient, BulkError, split_host
+from ddiloco.runtime.learner.client import SyncerClient
+from ddiloco.runtime.transport.spec import fragmentation_from_spec
 from runtime_helpers import expect_rejection, init_syncer, tiny_model
 
 
@@ -189,7 +189,7 @@ def _silent_server(read: bool):
     reads either)."""
     import threading
 
-    from ddiloco.runtime import bulk as B
+    from ddiloco.runtime.transport import bulk as B
     srv = socket.create_server(("127.0.0.1", 0))
     srv.settimeout(20)
 

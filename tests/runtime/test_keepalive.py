@@ -10,7 +10,7 @@ import time
 import grpc
 import pytest
 
-from ddiloco.runtime import wire
+from ddiloco.runtime.transport import wire
 
 
 @pytest.mark.slow

@@ -15,11 +15,11 @@ import grpc
 import pytest
 import torch
 
-from ddiloco.runtime import wire
-from ddiloco.runtime.chaos import ChaosConfig, chaos_preset, chaos_schedule
-from ddiloco.runtime.bulk import BulkClient, BulkError
-from ddiloco.runtime.checkpoint import load_checkpoint, save_atomic
-from ddiloco.runtime.learner_client import SyncerClient
+from ddiloco.runtime.transport import wire
+from ddiloco.runtime.launch.chaos import ChaosConfig, chaos_preset, chaos_schedule
+from ddiloco.runtime.transport.bulk import BulkClient, BulkError
+from ddiloco.runtime.syncer.checkpoint import load_checkpoint, save_atomic
+from ddiloco.runtime.learner.client import SyncerClient
 from runtime_helpers import SyncerProcess, init_syncer, tiny_model
 
 

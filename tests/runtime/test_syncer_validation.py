@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from ddiloco.algorithm.codecs import get_codec
-from ddiloco.runtime import wire
-from ddiloco.runtime.learner_client import DecoupledLearner, SyncerClient, SyncerError
-from ddiloco.runtime.spec import fragmentation_from_spec
+from ddiloco.runtime.transport import wire
+from ddiloco.runtime.learner.client import SyncerClient, SyncerError
+from ddiloco.runtime.learner.hook import DecoupledLearner
+from ddiloco.runtime.transport.spec import fragmentation_from_spec
 from runtime_helpers import expect_rejection, init_syncer, tiny_model
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddiloco.runtime.launcher import Launcher, LaunchOptions
+from ddiloco.runtime.launch.launcher import Launcher, LaunchOptions
 from runtime_helpers import max_gap_ratio, read_jsonl, step_walls, tiny_config
 
 

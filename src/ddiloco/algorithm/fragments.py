@@ -151,11 +151,10 @@ def fragment_parameters(
 
 
 def fragment_model(model, P: int, strategy: str = "balanced",  # noqa: N803
-                   embedding_names: Iterable[str] | None = None) -> Fragmentation:
-    """Fragment a ``torch.nn.Module``'s parameters (embedding names detected if not given)."""
-    if embedding_names is None:
-        from ddiloco.models import embedding_param_names
-        embedding_names = embedding_param_names(model)
+                   embedding_names: Iterable[str] = ()) -> Fragmentation:
+    """Fragment a ``torch.nn.Module``'s parameters. ``embedding_names`` are the parameters
+    merged by plain averaging instead of RDA (``ddiloco.models.embedding_param_names`` finds
+    them for the built-in models)."""
     return fragment_parameters(
         ((n, p.numel(), p.element_size()) for n, p in model.named_parameters()),
         P, strategy, embedding_names)

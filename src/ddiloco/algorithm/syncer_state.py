@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import time
 from collections import deque
 from collections.abc import Callable
 from collections.abc import Sequence
@@ -185,9 +184,6 @@ class SyncerState:
         self._seen_seq: dict[tuple[int, int], int] = {}
         self.merges = 0
         self.nonfinite_merges = 0
-        self.merge_s = 0.0
-        """Time spent in merge arithmetic (wall, and CPU of the merging thread), seconds."""
-        self.merge_cpu_s = 0.0
         self.quorum_sizes: list[int] = []
         self.unlocked: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
         """Context the merge arithmetic runs in (see the module docstring)."""
@@ -353,7 +349,6 @@ class SyncerState:
         s.merging = True
         try:
             with self.unlocked():
-                t_wall, t_cpu = time.perf_counter(), time.thread_time()
                 # new tensors: the published theta is never written again, so Merged shares it
                 if len(contribs) == 1:  # the merged outer gradient is the push's own
                     theta, momentum, finite = self.outer.stepped_checked(
@@ -365,8 +360,6 @@ class SyncerState:
                                                    self.config.merge_rule)
                     theta, momentum, finite = self.outer.stepped_checked(
                         theta0, momentum0, scale, grads=update)
-                self.merge_s += time.perf_counter() - t_wall
-                self.merge_cpu_s += time.thread_time() - t_cpu
         finally:
             s.merging = False
         merged = None

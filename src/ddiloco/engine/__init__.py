@@ -14,7 +14,8 @@ import torch
 
 from ddiloco.config import TrainConfig
 from ddiloco.data import DataConfig
-from ddiloco.engine.common import Recorder, eval_setup, evaluate_metrics, new_model
+from ddiloco.engine.common import Recorder
+from ddiloco.recipe import eval_setup, evaluate_metrics, new_model
 
 __all__ = ["run", "RunContext"]
 

@@ -22,8 +22,8 @@ from ddiloco.algorithm.policy import PolicyConfig, WaitUntil
 from ddiloco.algorithm.schedule import FragmentSchedule
 from ddiloco.algorithm.syncer_state import Contribution, Merged, Status, SyncerConfig, SyncerState
 from ddiloco.config import TrainConfig
-from ddiloco.engine.common import (EventQueue, Recorder, TimeBreakdown, World, build_workers,
-                                   evaluate, fragmentation_for)
+from ddiloco.engine.common import EventQueue, Recorder, TimeBreakdown, World, build_workers
+from ddiloco.recipe import evaluate, fragmentation_for
 
 __all__ = ["run_decoupled"]
 

@@ -11,8 +11,8 @@ from tqdm import tqdm
 from ddiloco.algorithm.merge import OuterNesterov, alpha_mix, merge_outer_gradients, token_weight
 from ddiloco.algorithm.schedule import FragmentSchedule
 from ddiloco.config import TrainConfig
-from ddiloco.engine.common import (TimeBreakdown, World, build_workers, evaluate,
-                                   fragmentation_for, new_optimizer, set_lr)
+from ddiloco.engine.common import TimeBreakdown, World, build_workers
+from ddiloco.recipe import evaluate, fragmentation_for, new_optimizer, set_lr
 from ddiloco.models import embedding_param_names
 
 __all__ = ["run_local", "run_dp", "run_diloco", "run_streaming"]

@@ -75,8 +75,8 @@ def add_syncer_parser(subparsers) -> argparse.ArgumentParser:
 def syncer_server_config(args):
     from ddiloco.algorithm.policy import PolicyConfig
     from ddiloco.algorithm.syncer_state import SyncerConfig
-    from ddiloco.runtime.auth import load_token
-    from ddiloco.runtime.syncer_server import SyncerServerConfig
+    from ddiloco.runtime.transport.auth import load_token
+    from ddiloco.runtime.syncer.server import SyncerServerConfig
 
     sc = SyncerConfig(policy=PolicyConfig(quorum=args.quorum, grace=not args.no_grace,
                                           gamma=args.gamma, tau=args.tau),
@@ -95,7 +95,7 @@ def syncer_server_config(args):
 
 
 def cmd_syncer(args) -> int:
-    from ddiloco.runtime.syncer_server import SyncerServer
+    from ddiloco.runtime.syncer.server import SyncerServer
 
     _logging(args.log_level)
     import torch
@@ -165,8 +165,8 @@ def train_config_from(config_path: str | None, overrides: list[str]):
 
 
 def cmd_learner(args) -> int:
-    from ddiloco.runtime.learner_client import LinkLimits, SyncerError
-    from ddiloco.runtime.learner_main import run_learner
+    from ddiloco.runtime.learner.client import LinkLimits, SyncerError
+    from ddiloco.runtime.learner.main import run_learner
 
     _logging(args.log_level)
     try:
@@ -193,7 +193,7 @@ def add_status_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def cmd_status(args) -> int:
-    from ddiloco.runtime.status import fetch_status, format_status
+    from ddiloco.runtime.launch.status import fetch_status, format_status
 
     try:
         st = fetch_status(args.address, token_file=args.token_file, tls_ca=args.tls_ca)
@@ -210,7 +210,7 @@ def run_processes(config, args=None) -> int:
 
     ``args`` may carry ``chaos`` (preset name or JSON path), ``island_size`` (ranks per
     learner) and ``port``; missing attributes take their defaults."""
-    from ddiloco.runtime.launcher import Launcher, LaunchOptions
+    from ddiloco.runtime.launch.launcher import Launcher, LaunchOptions
 
     opts = LaunchOptions(chaos=getattr(args, "chaos", None) or "none",
                          island_size=getattr(args, "island_size", None) or 1,

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from ddiloco.runtime.auth import load_token
+from ddiloco.runtime.transport.auth import load_token
 
 __all__ = ["fetch_status", "format_status", "goodput_so_far"]
 
 
 def fetch_status(address: str, *, token_file: str | None = None, tls_ca: str | None = None,
                  timeout_s: float = 5.0) -> dict:
-    from ddiloco.runtime.learner_client import SyncerClient
+    from ddiloco.runtime.learner.client import SyncerClient
 
     client = SyncerClient(address, load_token(token_file), tls_ca)
     try:

@@ -36,8 +36,8 @@ from collections.abc import Callable, Sequence
 import grpc
 import numpy as np
 
-from ddiloco.runtime import wire
-from ddiloco.runtime.auth import check_token
+from ddiloco.runtime.transport import wire
+from ddiloco.runtime.transport.auth import check_token
 
 __all__ = ["BulkClient", "BulkError", "BulkServer", "BulkReject", "empty_buffer", "split_host"]
 

@@ -35,8 +35,8 @@ import traceback
 __all__ = ["ForkServer", "ForkedProcess", "PRELOAD"]
 
 PRELOAD = ("torch", "torch._dynamo", "numpy", "ddiloco.config", "ddiloco.models", "ddiloco.data",
-           "ddiloco.engine.common", "ddiloco.algorithm.learner_state",
-           "ddiloco.algorithm.codecs", "ddiloco.runtime.spec")
+           "ddiloco.recipe", "ddiloco.algorithm.learner_state",
+           "ddiloco.algorithm.codecs", "ddiloco.runtime.transport.spec")
 """Modules imported once by the server (none of them starts a thread or imports gRPC).
 ``torch._dynamo`` is what the first ``torch.optim`` optimizer imports (about 800 modules,
 2 s of CPU): without it here every learner would pay for it again."""
@@ -155,13 +155,13 @@ class ForkedProcess:
 
 
 class ForkServer:
-    """Starts ``python -m ddiloco.runtime.forkserver`` and forks learners through it."""
+    """Starts ``python -m ddiloco.runtime.launch.forkserver`` and forks learners through it."""
 
     def __init__(self, env: dict, log_path: str, startup_timeout_s: float = 120.0,
                  run_dir: str = "") -> None:
         self._log = open(log_path, "ab")
         # the run directory on the command line names the server and its children in ps
-        self.proc = subprocess.Popen([sys.executable, "-m", "ddiloco.runtime.forkserver",
+        self.proc = subprocess.Popen([sys.executable, "-m", "ddiloco.runtime.launch.forkserver",
                                       "--run-dir", run_dir],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self._log, env=env, start_new_session=True)

@@ -22,8 +22,9 @@ import torch
 
 from ddiloco.config import TrainConfig
 from ddiloco.data import build_stream
-from ddiloco.engine.common import data_config, new_model, new_optimizer, set_lr
-from ddiloco.runtime.learner_client import DecoupledLearner, LinkLimits
+from ddiloco.recipe import data_config, new_model, new_optimizer, set_lr
+from ddiloco.runtime.learner.hook import DecoupledLearner
+from ddiloco.runtime.learner.client import LinkLimits
 
 __all__ = ["run_learner"]
 

@@ -30,7 +30,7 @@ __all__ = ["LaunchOptions", "Launcher"]
 @dataclass(kw_only=True, slots=True)
 class LaunchOptions:
     chaos: str = "none"
-    """Chaos preset name or JSON file (see ``ddiloco.runtime.chaos``)."""
+    """Chaos preset name or JSON file (see ``ddiloco.runtime.launch.chaos``)."""
     island_size: int = 1
     """Ranks per learner; > 1 runs each learner as a torchrun island."""
     port: int = 0
@@ -48,7 +48,7 @@ class LaunchOptions:
     progress_interval_s: float = 2.0
     fork_server: bool = True
     """Fork the syncer and single-process learners from a warm server that has imported
-    torch once (``ddiloco.runtime.forkserver``): a restart after a kill costs a fraction of
+    torch once (``ddiloco.runtime.launch.forkserver``): a restart after a kill costs a fraction of
     a second instead of seconds of start-up that also compete with the running learners for
     the CPU. Islands (torchrun) are always started afresh."""
     global_budget: bool = True
@@ -81,9 +81,9 @@ class Launcher:
     """Runs one ``TrainConfig`` with real processes. ``run()`` returns the summary."""
 
     def __init__(self, config, options: LaunchOptions | None = None) -> None:
-        from ddiloco.runtime.chaos import ChaosConfig, chaos_preset
+        from ddiloco.runtime.launch.chaos import ChaosConfig, chaos_preset
 
-        from ddiloco.runtime.syncer_server import DOWNLINK_CODECS
+        from ddiloco.runtime.syncer.server import DOWNLINK_CODECS
 
         if config.down_codec not in DOWNLINK_CODECS:
             raise ValueError(f"down_codec {config.down_codec!r}: the runtime's syncer sends "
@@ -113,7 +113,7 @@ class Launcher:
         self._stop_requested = False
         self._fired: set = set()
         self.env = dict(os.environ)
-        from ddiloco.runtime.auth import TOKEN_ENV, new_token
+        from ddiloco.runtime.transport.auth import TOKEN_ENV, new_token
         self.env[TOKEN_ENV] = new_token()
         self.env.setdefault("OMP_NUM_THREADS", "1")
         self._client = None
@@ -233,7 +233,7 @@ class Launcher:
 
     # -- the run --------------------------------------------------------------------------
     def run(self) -> dict:
-        from ddiloco.runtime.chaos import ChaosLog, chaos_schedule
+        from ddiloco.runtime.launch.chaos import ChaosLog, chaos_schedule
 
         c = self.cfg
         (self.out / "train_config.json").write_text(json.dumps(
@@ -259,7 +259,7 @@ class Launcher:
             signal.signal(signal.SIGINT, _stop)
         try:
             if self.opts.fork_server:
-                from ddiloco.runtime.forkserver import ForkServer
+                from ddiloco.runtime.launch.forkserver import ForkServer
                 self._forkserver = ForkServer(self.env, str(self.out / "logs" / "forkserver.log"),
                                               self.opts.startup_timeout_s, str(self.out))
             self.procs["syncer"] = _Proc("syncer", self._syncer_cmd(False),
@@ -287,8 +287,8 @@ class Launcher:
         return self._summarise(final_params, interrupted)
 
     def _make_client(self):
-        from ddiloco.runtime.learner_client import SyncerClient
-        from ddiloco.runtime.auth import TOKEN_ENV
+        from ddiloco.runtime.learner.client import SyncerClient
+        from ddiloco.runtime.transport.auth import TOKEN_ENV
         return SyncerClient(f"127.0.0.1:{self.port}", self.env[TOKEN_ENV])
 
     def _learners(self) -> list[_Proc]:
@@ -351,7 +351,7 @@ class Launcher:
 
     def _step_triggers(self) -> None:
         """Deterministic, progress-based faults (``kill_at_step``, ``syncer_kill_at_step``)."""
-        from ddiloco.runtime.chaos import ChaosEvent
+        from ddiloco.runtime.launch.chaos import ChaosEvent
 
         st = self._status or {}
         steps = {int(m): (i.get("report") or {}).get("global_step") or 0
@@ -424,7 +424,7 @@ class Launcher:
             steps.append(f"{rep.get('global_step', 0)}{tag}")
             if rep.get("loss") is not None:
                 losses.append(rep["loss"])
-        from ddiloco.runtime.status import goodput_so_far
+        from ddiloco.runtime.launch.status import goodput_so_far
         g = goodput_so_far(st) if st else None
         budget = f" ({st.get('steps_done', 0)}/{st['step_budget']})" if st.get("step_budget") else ""
         print(f"[{self._now():6.1f}s] steps {' '.join(steps)}{budget}  merges {st.get('merges', 0)}  "
@@ -443,8 +443,8 @@ class Launcher:
     def _summarise(self, final_params, interrupted: bool) -> dict:
         import torch
 
-        from ddiloco.engine.common import eval_setup, evaluate, new_model
-        from ddiloco.runtime.spec import fragmentation_from_spec, model_spec
+        from ddiloco.recipe import eval_setup, evaluate, new_model
+        from ddiloco.runtime.transport.spec import fragmentation_from_spec, model_spec
 
         c = self.cfg
         torch.set_num_threads(1)

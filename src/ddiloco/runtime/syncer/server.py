@@ -35,12 +35,12 @@ from ddiloco.algorithm.codecs import Codec, get_codec
 from ddiloco.algorithm.merge import all_finite
 from ddiloco.algorithm.syncer_state import (Contribution, Merged, Status, SyncerConfig,
                                             SyncerState, vars_of)
-from ddiloco.runtime import wire
-from ddiloco.runtime.auth import check_token, server_credentials, server_ssl_context
-from ddiloco.runtime.bulk import BulkReject, BulkServer
-from ddiloco.runtime.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_atomic
-from ddiloco.runtime.spec import check_spec, fragmentation_from_spec, spec_fingerprint
-from ddiloco.runtime.wire import ErrorCode as E
+from ddiloco.runtime.transport import wire
+from ddiloco.runtime.transport.auth import check_token, server_credentials, server_ssl_context
+from ddiloco.runtime.transport.bulk import BulkReject, BulkServer
+from ddiloco.runtime.syncer.checkpoint import CHECKPOINT_NAME, load_checkpoint, save_atomic
+from ddiloco.runtime.transport.spec import check_spec, fragmentation_from_spec, spec_fingerprint
+from ddiloco.runtime.transport.wire import ErrorCode as E
 
 __all__ = ["SyncerServerConfig", "SyncerServer"]
 
@@ -78,7 +78,7 @@ class SyncerServerConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     bulk_port: int | None = 0
-    """Data port for fragment pushes and fetches (``ddiloco.runtime.bulk``: framed TCP, TLS
+    """Data port for fragment pushes and fetches (``ddiloco.runtime.transport.bulk``: framed TCP, TLS
     when the syncer has a certificate), advertised to learners in the Join reply. 0 picks
     a free one; None disables it (learners then send fragments over gRPC, a few times
     slower). Learners that cannot reach it fall back to gRPC."""
@@ -185,6 +185,9 @@ class SyncerServer:
         tune_malloc()
         self.boot_id = uuid.uuid4().hex[:12]
         self.started_s = time.monotonic()
+        self.merge_s = 0.0
+        """Time in merge arithmetic (wall, and CPU of the merging thread), seconds."""
+        self.merge_cpu_s = 0.0
         self._lock = threading.Lock()
         self._published_cv = threading.Condition(self._lock)
         self._timer_cv = threading.Condition(self._lock)
@@ -413,12 +416,17 @@ class SyncerServer:
     @contextlib.contextmanager
     def _unlocked(self):
         """The state machine's merge arithmetic runs with the lock released, so merges of
-        different fragments (and every other call) proceed meanwhile."""
+        different fragments (and every other call) proceed meanwhile. Its wall and CPU time
+        (of the merging thread) are counted here."""
         self._lock.release()
+        t_wall, t_cpu = time.perf_counter(), time.thread_time()
         try:
             yield
         finally:
+            wall, cpu = time.perf_counter() - t_wall, time.thread_time() - t_cpu
             self._lock.acquire()
+            self.merge_s += wall
+            self.merge_cpu_s += cpu
 
     def _add_timer(self, at_s: float, p: int) -> None:
         heapq.heappush(self._timers, (at_s, p))
@@ -771,7 +779,7 @@ class SyncerServer:
                                     "codec": self.config.downlink_codec, "numels": numels}, data)
 
     def _bulk(self, op: str, h: dict, plen: int, read_payload) -> tuple[dict, list[bytes]]:
-        """Requests on the data port (``ddiloco.runtime.bulk``): push and fetch."""
+        """Requests on the data port (``ddiloco.runtime.transport.bulk``): push and fetch."""
         who = f"bulk {op!r}"
         try:
             if op == "push":
@@ -902,8 +910,7 @@ class SyncerServer:
                 "live": sorted(st.live) if st else [],
                 "learners": learners,
                 "counters": {**self.counters,
-                             "merge_s": st.merge_s if st else 0.0,
-                             "merge_cpu_s": st.merge_cpu_s if st else 0.0},
+                             "merge_s": self.merge_s, "merge_cpu_s": self.merge_cpu_s},
                 "rejections": dict(self.rejections),
                 "mean_quorum": (sum(st.quorum_sizes) / len(st.quorum_sizes)
                                 if st and st.quorum_sizes else None),

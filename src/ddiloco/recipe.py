@@ -1,0 +1,98 @@
+"""The recipe both engines share: the run's model, inner optimizer, data source and
+evaluation, built from a ``TrainConfig``. The in-process engine and the real learner
+processes call the same builders, so both train the same thing."""
+
+from __future__ import annotations
+
+import torch
+
+from ddiloco.algorithm.fragments import Fragmentation, fragment_model
+from ddiloco.config import TrainConfig
+from ddiloco.data import DataConfig, build_eval_batches, parse_data_spec
+from ddiloco.data.synthetic import MarkovConfig, MarkovLanguage
+from ddiloco.models import build_model, embedding_param_names
+
+__all__ = ["make_language", "data_config", "eval_setup", "is_image_model", "new_model",
+           "new_optimizer", "set_lr", "evaluate", "evaluate_metrics", "fragmentation_for",
+           "tokens_per_step"]
+
+
+def make_language(cfg: TrainConfig) -> MarkovLanguage:
+    return MarkovLanguage(MarkovConfig(vocab_size=cfg.vocab_size, seed=cfg.seed))
+
+
+def data_config(cfg: TrainConfig) -> DataConfig:
+    """The run's data source; the synthetic language takes its size and seed from ``cfg``."""
+    d = parse_data_spec(cfg.data)
+    if d.kind == "synthetic":
+        return DataConfig(kind="synthetic", markov=MarkovConfig(vocab_size=cfg.vocab_size,
+                                                                seed=cfg.seed))
+    return d
+
+
+def eval_setup(cfg: TrainConfig) -> tuple[DataConfig, MarkovLanguage | None, float | None, list]:
+    """The run's data source, its synthetic language (None for other data), the entropy
+    floor of the eval sequences (None without a known floor) and the held-out batches."""
+    data = data_config(cfg)
+    lang = MarkovLanguage(data.markov) if data.kind == "synthetic" else None
+    floor = lang.sequence_floor(cfg.block_size) if lang is not None else None
+    evals = build_eval_batches(data, n_batches=cfg.eval_batches, batch_size=cfg.batch_size,
+                               block_size=cfg.block_size, seed=cfg.seed)
+    return data, lang, floor, evals
+
+
+def is_image_model(cfg: TrainConfig) -> bool:
+    return cfg.model.startswith("vit")
+
+
+def new_model(cfg: TrainConfig) -> torch.nn.Module:
+    torch.manual_seed(cfg.seed)
+    if is_image_model(cfg):
+        return build_model(cfg.model)
+    vocab = data_config(cfg).vocab_size or cfg.vocab_size
+    return build_model(cfg.model, vocab_size=vocab, block_size=cfg.block_size)
+
+
+def new_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+    if cfg.inner_optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=cfg.inner_lr)
+    return torch.optim.AdamW(model.parameters(), lr=cfg.inner_lr, betas=(0.9, 0.95),
+                             weight_decay=cfg.weight_decay)
+
+
+def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
+    for g in opt.param_groups:
+        g["lr"] = lr
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, batches) -> float:
+    return evaluate_metrics(model, batches)[0]
+
+
+@torch.no_grad()
+def evaluate_metrics(model: torch.nn.Module, batches) -> tuple[float, float | None]:
+    """Mean held-out loss, and accuracy for classifiers (None for language models)."""
+    was = model.training
+    model.eval()
+    loss = correct = count = 0.0
+    classify = False
+    for x, y in batches:
+        logits, batch_loss = model(x, y)
+        loss += float(batch_loss)
+        if logits.dim() == 2 and y.dim() == 1:
+            classify = True
+            correct += float((logits.argmax(-1) == y).sum())
+            count += y.numel()
+    model.train(was)
+    return loss / len(batches), (correct / count if classify and count else None)
+
+
+def fragmentation_for(cfg: TrainConfig, model: torch.nn.Module, P: int | None = None) -> Fragmentation:  # noqa: N803
+    return fragment_model(model, P if P is not None else cfg.fragments, cfg.fragmentation,
+                          embedding_param_names(model))
+
+
+def tokens_per_step(cfg: TrainConfig) -> int:
+    """Tokens (images for image models) one learner consumes per inner step."""
+    return cfg.batch_size if is_image_model(cfg) else cfg.batch_size * cfg.block_size

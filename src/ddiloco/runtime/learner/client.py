@@ -1,0 +1,184 @@
+"""The learner's connection to a syncer: ``SyncerClient`` (gRPC control plane, data-port
+pushes and fetches, retries), ``LinkLimits`` (emulated bandwidth and latency) and
+``SyncerError`` (a call the syncer rejected for good)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from ddiloco.algorithm.codecs import get_codec
+from ddiloco.runtime.transport import wire
+from ddiloco.runtime.transport.auth import channel_credentials, client_ssl_context
+from ddiloco.runtime.transport.bulk import BulkClient, BulkError, split_host
+
+__all__ = ["LinkLimits", "SyncerClient", "SyncerError", "RETRYABLE", "rpc_code", "rpc_details"]
+
+log = logging.getLogger("ddiloco.learner")
+
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+              grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
+              grpc.StatusCode.ABORTED}
+
+
+class SyncerError(RuntimeError):
+    """A call the syncer rejected for good (bad token, mismatched model...)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class LinkLimits:
+    """Emulated link between this learner and the syncer (chaos / WAN experiments)."""
+
+    bandwidth_bytes_per_s: float = 0.0
+    """0: unlimited."""
+    latency_s: float = 0.0
+    """One-way latency added to every bulk transfer."""
+
+    def delay_s(self, nbytes: int) -> float:
+        bw = nbytes / self.bandwidth_bytes_per_s if self.bandwidth_bytes_per_s > 0 else 0.0
+        return self.latency_s + bw
+
+
+class SyncerClient:
+    """Thin typed wrapper over the syncer's calls: gRPC channels for control (and bulk when
+    the syncer has no data port), and a ``BulkClient`` for fragments once a Join reply has
+    advertised the syncer's data port (``ddiloco.runtime.transport.bulk``)."""
+
+    def __init__(self, address: str, token: str, tls_ca: str | None = None,
+                 tls: bool = False) -> None:
+        self.address = address
+        self._token, self._tls, self._tls_ca = token, bool(tls or tls_ca), tls_ca
+        self._md = ((wire.TOKEN_METADATA, token),)
+        mk = (lambda: grpc.secure_channel(address, channel_credentials(tls_ca), wire.GRPC_OPTIONS)) \
+            if (tls or tls_ca) else (lambda: grpc.insecure_channel(address, wire.GRPC_OPTIONS))
+        self.bulk = mk()
+        # a distinct channel arg keeps grpc from sharing the bulk connection (liveness must
+        # not queue behind multi-megabyte pushes)
+        self.control = (grpc.secure_channel(address, channel_credentials(tls_ca),
+                                            wire.GRPC_OPTIONS + [("ddiloco.channel", "control")])
+                        if (tls or tls_ca) else
+                        grpc.insecure_channel(address, wire.GRPC_OPTIONS + [("ddiloco.channel",
+                                                                             "control")]))
+        self.data: BulkClient | None = None
+        """The data-port connection for pushes, or None: fragments go over gRPC."""
+        self.data_fetch: BulkClient | None = None
+        """A second connection for fetches, so that a fetch never queues behind a push
+        (the sender and receiver threads each have their own)."""
+
+    def close(self) -> None:
+        self.use_data_port(None)
+        self.bulk.close()
+        self.control.close()
+
+    def use_data_port(self, port: int | None) -> None:
+        """Send pushes and fetches to the syncer's data port (None: over gRPC). Called with
+        every Join reply's ``bulk_port`` (a restarted syncer may listen elsewhere)."""
+        if self.data is not None and self.data.port == port:
+            return
+        for c in (self.data, self.data_fetch):
+            if c is not None:
+                c.close()
+        self.data = self.data_fetch = None
+        if port is not None:
+            ctx = client_ssl_context(self._tls_ca) if self._tls else None
+            host = split_host(self.address)
+            self.data = BulkClient(host, int(port), self._token, ssl_context=ctx)
+            self.data_fetch = BulkClient(host, int(port), self._token, ssl_context=ctx)
+
+    def unary(self, name: str, header: dict, timeout_s: float = 10.0, control: bool = False
+              ) -> dict:
+        ch = self.control if control else self.bulk
+        resp = ch.unary_unary(wire.method(name))(wire.pack(header), timeout=timeout_s,
+                                                 metadata=self._md)
+        r = wire.unpack(resp)[0]
+        if name == "Join" and not r.get("need_init"):
+            self.use_data_port(r.get("bulk_port"))
+        return r
+
+    def stream(self, name: str, frames, timeout_s: float = 60.0) -> dict:
+        resp = self.bulk.stream_unary(wire.method(name))(frames, timeout=timeout_s,
+                                                         metadata=self._md)
+        return wire.unpack(resp)[0]
+
+    def _data_request(self, header: dict, payload: list, timeout_s: float,
+                      fetch: bool = False) -> tuple[dict, memoryview] | None:
+        """A request on the data port; None when there is none or it cannot be reached
+        (the caller then uses gRPC: the data port may be firewalled off)."""
+        data = self.data_fetch if fetch else self.data
+        if data is None:
+            return None
+        try:
+            return data.request(header, payload, timeout_s)
+        except BulkError as e:
+            if not e.connect_failed:
+                raise
+            log.warning("syncer data port %s:%d unreachable (%s): sending fragments over gRPC "
+                        "until the next join", data.host, data.port, e.details())
+            if data in (self.data, self.data_fetch):
+                self.use_data_port(None)
+            return None
+
+    def push(self, header: dict, data: bytes | memoryview, timeout_s: float = 60.0) -> dict:
+        """Push one fragment (``header`` as the Push call's); returns the syncer's reply."""
+        r = self._data_request({"op": "push", **header}, [data], timeout_s)
+        if r is not None:
+            return r[0]
+        return self.stream("Push", wire.chunks(header, data), timeout_s)
+
+    def fetch(self, fragments: list[int] | None, timeout_s: float = 60.0
+              ) -> dict[int, tuple[int, list[torch.Tensor], int]]:
+        """Published fragments: p -> (version, flat fp32 tensors, wire bytes)."""
+        out: dict[int, tuple[int, list[torch.Tensor], int]] = {}
+
+        def decode(h: dict, buf: memoryview) -> None:
+            codec = get_codec(h["codec"])
+            ts, off = [], 0
+            for k in h["numels"]:
+                nb = codec.nbytes(k)
+                ts.append(codec.decode(buf[off:off + nb], k))
+                off += nb
+            out[h["fragment"]] = (h["version"], ts, len(buf))
+
+        r = self._data_request({"op": "fetch", "fragments": fragments}, [], timeout_s,
+                               fetch=True)
+        if r is not None:
+            h, buf = r
+            mv, off = memoryview(buf), 0
+            for item in h["items"]:
+                decode(item, mv[off:off + item["nbytes"]])
+                off += item["nbytes"]
+            return out
+        call = self.bulk.unary_stream(wire.method("Fetch"))(
+            wire.pack({"fragments": fragments}), timeout=timeout_s, metadata=self._md)
+        cur: dict | None = None
+        buf = bytearray()
+        for frame in call:
+            h, payload = wire.unpack(frame)
+            if "cont" not in h:
+                if cur is not None:
+                    decode(cur, memoryview(buf))
+                cur, buf = h, bytearray()
+            buf += payload
+        if cur is not None:
+            decode(cur, memoryview(buf))
+        return out
+
+    def status(self, timeout_s: float = 5.0) -> dict:
+        return self.unary("Status", {}, timeout_s, control=True)
+
+
+def rpc_code(e: grpc.RpcError) -> grpc.StatusCode:
+    try:
+        return e.code()
+    except Exception:  # noqa: BLE001 - non-call errors
+        return grpc.StatusCode.UNKNOWN
+
+
+def rpc_details(e: grpc.RpcError) -> str:
+    try:
+        return e.details() or ""
+    except Exception:  # noqa: BLE001
+        return str(e)
