@@ -1,2 +1,3 @@
-"""The syncer service: ``server`` (gRPC handlers, data-port dispatch, liveness, durable
-publication around one ``SyncerState``) and ``checkpoint`` (atomic checkpoint files)."""
+"""The syncer service: ``server`` (``SyncerServer``, assembled from ``control``, ``data``,
+``liveness`` and ``durability`` around one ``SyncerState``) and ``checkpoint`` (atomic,
+checkpoint files)."""

@@ -1,0 +1,212 @@
+"""Fragment traffic on both transports: pushes and fetches over gRPC streams and over the
+data port (``ddiloco.runtime.transport.bulk``), one validation and one apply path for both."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from ddiloco.algorithm.codecs import Codec, get_codec
+from ddiloco.algorithm.merge import all_finite
+from ddiloco.algorithm.syncer_state import Contribution, Status
+from ddiloco.runtime.syncer.common import Reject
+from ddiloco.runtime.transport import wire
+from ddiloco.runtime.transport.bulk import BulkReject
+from ddiloco.runtime.transport.wire import ErrorCode as E
+
+__all__ = ["DataHandlers"]
+
+log = logging.getLogger("ddiloco.syncer")
+
+
+@dataclass(slots=True, frozen=True)
+class PushCheck:
+    """A push header that passed validation: what reading and applying its payload needs."""
+    m: int
+    p: int
+    inc: int
+    seq: int
+    base: int
+    c_steps: int
+    c_tokens: int
+    nbytes: int
+    codec: Codec
+    names: tuple[str, ...]
+    numels: tuple[int, ...]
+    shapes: list[tuple[int, ...]]
+    delta: bool
+    who: str
+
+
+class DataHandlers:
+    """Push and fetch handlers of ``SyncerServer`` (a mixin)."""
+
+    @staticmethod
+    def _push_who(h: dict) -> str:
+        return f"[learner {h.get('learner')} step {h.get('step')}] push of fragment {h.get('fragment')}"
+
+    def _push_check(self, h: dict) -> PushCheck:
+        """Validate a push header before its payload is read (either transport)."""
+        m, p = self._int(h, "learner"), self._int(h, "fragment")
+        seq, base = self._int(h, "seq"), self._int(h, "base_version")
+        c_steps, c_tokens = self._int(h, "c_steps"), self._int(h, "c_tokens")
+        nbytes, inc = self._int(h, "nbytes"), self._int(h, "incarnation")
+        try:
+            codec = get_codec(str(h.get("codec")))
+        except ValueError as e:
+            raise Reject(grpc.StatusCode.INVALID_ARGUMENT, E.CODEC, str(e)) from None
+        if nbytes > self.config.max_push_bytes:
+            raise Reject(grpc.StatusCode.RESOURCE_EXHAUSTED, E.OVERSIZE,
+                          f"declared payload {nbytes} bytes exceeds max_push_bytes "
+                          f"{self.config.max_push_bytes}")
+        with self._lock:
+            st = self._require_live(m, inc)
+            if not 0 <= p < st.fragmentation.P:
+                raise Reject(grpc.StatusCode.INVALID_ARGUMENT, E.FRAGMENT,
+                              f"fragment {p} out of range [0, {st.fragmentation.P})")
+            fr = st.fragmentation.fragments[p]
+            shapes = self._shapes[p]
+        numels = h.get("numels")
+        if numels != list(fr.numels):
+            raise Reject(grpc.StatusCode.INVALID_ARGUMENT, E.SHAPE,
+                          f"fragment {p} has tensors of {list(fr.numels)} elements, push "
+                          f"declares {numels}")
+        expected = sum(codec.nbytes(n) for n in fr.numels)
+        if nbytes != expected:
+            raise Reject(grpc.StatusCode.INVALID_ARGUMENT, E.SIZE,
+                          f"{codec.name} payload of fragment {p} must be {expected} bytes, "
+                          f"push declares {nbytes}")
+        return PushCheck(m=m, p=p, inc=inc, seq=seq, base=base, c_steps=c_steps,
+                          c_tokens=c_tokens, nbytes=nbytes, codec=codec, names=fr.names,
+                          numels=fr.numels, shapes=shapes, delta=bool(h.get("delta", False)),
+                          who=self._push_who(h))
+
+    def _push_apply(self, pc: PushCheck, buf: bytearray) -> dict:
+        """Decode a validated push's payload and hand it to the state machine."""
+        t_wall = time.perf_counter()
+        codec, p = pc.codec, pc.p
+        params, off = [], 0
+        for k, shape in zip(pc.numels, pc.shapes):
+            nb = codec.nbytes(k)
+            params.append(codec.decode(memoryview(buf)[off:off + nb], k).view(shape))
+            off += nb
+        if pc.delta:
+            with self._lock:
+                ref = self._require_ready().published(p, pc.base)
+                ref = None if ref is None else [t.clone() for t in ref]
+            if ref is None:
+                raise Reject(grpc.StatusCode.FAILED_PRECONDITION, E.BASE,
+                              f"delta push against version {pc.base} of fragment {p}, which the "
+                              f"syncer no longer holds (raise --history or send parameters)")
+            params = [r.add_(d) for r, d in zip(ref, params)]
+        # fp32 pushes: one check of the whole payload, tensor by tensor only to name a culprit
+        if not (codec.name == "fp32" and not pc.delta
+                and all_finite(codec.decode(memoryview(buf), sum(pc.numels)))):
+            for name, t in zip(pc.names, params):
+                if not all_finite(t):
+                    raise Reject(grpc.StatusCode.INVALID_ARGUMENT, E.NONFINITE,
+                                  f"tensor {name} has NaN/inf values")
+        m, seq = pc.m, pc.seq
+        c = Contribution(learner=m, fragment=p, params=params, c_steps=pc.c_steps,
+                         c_tokens=pc.c_tokens, base_version=pc.base, seq=seq)
+        with self._lock:
+            st = self._require_live(m, pc.inc)
+            t0 = time.monotonic()
+            res = st.submit(c, t0, finite_checked=True)
+            self.counters["push_apply_s"] += time.perf_counter() - t_wall
+            self.counters[f"push_{res.status.value}"] += 1
+            if res.status is Status.INVALID:
+                raise Reject(grpc.StatusCode.INVALID_ARGUMENT, E.INVALID, res.message)
+            if res.status is Status.UNKNOWN_LEARNER:
+                raise Reject(grpc.StatusCode.FAILED_PRECONDITION, E.UNKNOWN_LEARNER,
+                              res.message)
+            if res.status is Status.ACCEPTED:
+                if res.merged is not None:
+                    self._on_merged(res.merged, time.monotonic() - t0)
+                elif res.wake_at_s is not None:
+                    self._add_timer(res.wake_at_s, p)
+                self._followups(t0)
+            elif res.status is not Status.DUPLICATE:
+                self._event("push-" + res.status.value, learner=m, fragment=p,
+                            message=res.message)
+                log.info("%s: %s (%s)", pc.who, res.status.value, res.message)
+        return {"status": res.status.value, "message": res.message,
+                "target_version": res.target_version}
+
+    def _push(self, it, ctx: grpc.ServicerContext) -> bytes:
+        self._auth(ctx)
+        who = "push"
+        try:
+            first = next(it, None)
+            if first is None:
+                raise Reject(grpc.StatusCode.INVALID_ARGUMENT, E.BAD_FRAME, "empty Push stream")
+            h, payload = self._parse(first)
+            who = self._push_who(h)
+            pc = self._push_check(h)
+            return wire.pack(self._push_apply(pc, self._read_stream(payload, it, pc.nbytes)))
+        except Reject as r:
+            self._fail(ctx, r, who)
+
+    def _fetch_items(self, h: dict) -> list[tuple[int, int, list[memoryview], list[int]]]:
+        """(fragment, version, downlink byte pieces, numels) of the published fragments asked
+        for."""
+        with self._lock:
+            st = self._require_ready()
+            want = h.get("fragments")
+            if want is None:
+                want = list(range(st.fragmentation.P))
+            if not isinstance(want, list) or not all(
+                    isinstance(p, int) and not isinstance(p, bool) and 0 <= p < st.fragmentation.P
+                    for p in want):
+                raise Reject(grpc.StatusCode.INVALID_ARGUMENT, E.FRAGMENT,
+                              f"fragments must be a list of ints in [0, {st.fragmentation.P})")
+            items = [(p, *self._pub[p], list(st.fragmentation.fragments[p].numels))
+                     for p in want]
+            self.counters["bytes_out"] += sum(len(b) for _, _, d, _ in items for b in d)
+        return items
+
+    def _fetch(self, req: bytes, ctx: grpc.ServicerContext):
+        self._auth(ctx)
+        try:
+            h, _ = self._parse(req)
+            items = self._fetch_items(h)
+        except Reject as r:
+            self._fail(ctx, r, "fetch")
+            return
+        for p, version, pieces, numels in items:
+            data = b"".join(pieces)
+            yield from wire.chunks({"fragment": p, "version": version, "nbytes": len(data),
+                                    "codec": self.config.downlink_codec, "numels": numels}, data)
+
+    def _bulk(self, op: str, h: dict, plen: int, read_payload) -> tuple[dict, list[bytes]]:
+        """Requests on the data port (``ddiloco.runtime.transport.bulk``): push and fetch."""
+        who = f"bulk {op!r}"
+        try:
+            if op == "push":
+                who = self._push_who(h)
+                pc = self._push_check(h)
+                if plen != pc.nbytes:
+                    raise Reject(grpc.StatusCode.INVALID_ARGUMENT, E.SIZE,
+                                  f"payload has {plen} bytes, header declared {pc.nbytes}")
+                buf = read_payload()
+                self.counters["bytes_in"] += len(buf)
+                return self._push_apply(pc, buf), []
+            if op == "fetch":
+                if plen:
+                    raise Reject(grpc.StatusCode.INVALID_ARGUMENT, E.BAD_FRAME,
+                                  "a fetch request carries no payload")
+                items = self._fetch_items(h)
+                return ({"items": [{"fragment": p, "version": v,
+                                    "nbytes": sum(len(b) for b in d),
+                                    "codec": self.config.downlink_codec, "numels": n}
+                                   for p, v, d, n in items]},
+                        [b for _, _, d, _ in items for b in d])
+            raise Reject(grpc.StatusCode.INVALID_ARGUMENT, E.BAD_FRAME,
+                          f"unknown bulk op {op!r} (push, fetch)")
+        except Reject as r:
+            self._note_reject(r, who)
+            raise BulkReject(r.status, f"{r.code}: {r.message}") from None
+

@@ -1,0 +1,176 @@
+"""Durable publication: merged fragments are published (visible to ``Fetch``/``Watch``)
+once a checkpoint holding them is on disk; checkpoints written by a background thread,
+coalescing the merges made during a write; resume from a checkpoint."""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import logging
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from ddiloco.algorithm.codecs import get_codec
+from ddiloco.algorithm.syncer_state import Merged, SyncerState
+from ddiloco.runtime.syncer.checkpoint import load_checkpoint, save_atomic, CHECKPOINT_NAME
+from ddiloco.runtime.transport.spec import check_spec, fragmentation_from_spec, spec_fingerprint
+
+__all__ = ["Durability"]
+
+log = logging.getLogger("ddiloco.syncer")
+
+
+class Durability:
+    """Publication, merge bookkeeping and checkpoints of ``SyncerServer`` (a mixin: the
+    server's lock is held where a method says so)."""
+
+    def _encode_down(self, params: list[torch.Tensor]) -> list[memoryview]:
+        """The downlink bytes of a fragment, as pieces to send one after the other (fp32:
+        views of the published tensors themselves, which are never written again)."""
+        return get_codec(self.config.downlink_codec).encode_many(params)
+
+    def _publish(self, p: int, version: int, params: list[torch.Tensor]) -> None:
+        self._pub[p] = (version, self._encode_down(params))
+
+    def _on_merged(self, mg: Merged, merge_s: float) -> None:
+        """Called under the lock for every Merged the state machine returns."""
+        for m, seq in zip(mg.learners, mg.seqs):
+            self._merged_seq.setdefault(m, {})[mg.fragment] = seq
+        self.counters["merges"] += 1
+        fetch_s = [i.report.get("fetch_s", 0.0) for i in self._learners.values()
+                   if i.state == "live" and i.report.get("fetch_s") is not None]
+        self.state.observe_sync_s(merge_s + (sum(fetch_s) / len(fetch_s) if fetch_s else 0.0))
+        if self._metrics_f:
+            self._event("merge", fragment=mg.fragment, version=mg.version,
+                        learners=list(mg.learners), weights=[round(w, 3) for w in mg.weights],
+                        reason=mg.reason, merge_s=round(merge_s, 6))
+        self._dirty_merges += 1
+        if self._durable:
+            self._unpublished[mg.fragment] = mg
+            self._ckpt_requested = True
+            self._ckpt_cv.notify_all()
+        else:
+            self._publish(mg.fragment, mg.version, mg.params)
+            # copy on write: watchers hold the old mapping; only these learners' entries moved
+            self._merged_seq_pub = {**self._merged_seq_pub,
+                                    **{m: dict(self._merged_seq[m]) for m in mg.learners}}
+            self._published_cv.notify_all()
+            if self.config.checkpoint_dir and self._dirty_merges >= self.config.checkpoint_every:
+                self._ckpt_requested = True
+                self._ckpt_cv.notify_all()
+
+    def _handle_merges(self, merged: list[Merged], t0: float) -> None:
+        for mg in merged:
+            self._on_merged(mg, time.monotonic() - t0)
+        self._followups(t0)
+
+    def _followups(self, t0: float) -> None:
+        """Decisions on rounds that filled while their fragment's merge ran unlocked."""
+        for p, out in self.state.take_followups():
+            if isinstance(out, Merged):
+                self._on_merged(out, time.monotonic() - t0)
+            else:
+                self._add_timer(out.at_s, p)
+
+    @contextlib.contextmanager
+    def _unlocked(self):
+        """The state machine's merge arithmetic runs with the lock released, so merges of
+        different fragments (and every other call) proceed meanwhile. Its wall and CPU time
+        (of the merging thread) are counted here."""
+        self._lock.release()
+        t_wall, t_cpu = time.perf_counter(), time.thread_time()
+        try:
+            yield
+        finally:
+            wall, cpu = time.perf_counter() - t_wall, time.thread_time() - t_cpu
+            self._lock.acquire()
+            self.merge_s += wall
+            self.merge_cpu_s += cpu
+
+    def _add_timer(self, at_s: float, p: int) -> None:
+        heapq.heappush(self._timers, (at_s, p))
+        self._timer_cv.notify_all()
+
+
+    def _snapshot(self) -> dict:
+        return {
+            "format": 1,
+            "spec": self.spec,
+            "state": self.state.state_dict(),
+            "pub_versions": [v for v, _ in self._pub],
+            "merged_seq": {m: dict(d) for m, d in self._merged_seq.items()},
+            "incarnations": dict(self._incarnations),
+            "counters": dict(self.counters),
+            "syncer_config": asdict(self.config.syncer),
+            "saved_wall": time.time(),
+        }
+
+    def _write(self, snap: dict) -> None:
+        t0 = time.monotonic()
+        n = save_atomic(snap, Path(self.config.checkpoint_dir) / CHECKPOINT_NAME)
+        self.counters["checkpoints"] += 1
+        self.counters["checkpoint_bytes"] = n
+        self.counters["checkpoint_s_total"] = self.counters.get("checkpoint_s_total", 0) + (
+            time.monotonic() - t0)
+
+    def _ckpt_loop(self) -> None:
+        if not self.config.checkpoint_dir:
+            return
+        while True:
+            with self._lock:
+                while not self._ckpt_requested and not self._closed:
+                    self._ckpt_cv.wait(1.0)
+                if self._closed:
+                    return
+                self._ckpt_requested = False
+                self._dirty_merges = 0
+                snap = self._snapshot()
+                to_publish = dict(self._unpublished)
+                self._unpublished.clear()
+                merged_seq = {m: dict(d) for m, d in self._merged_seq.items()}
+            try:
+                self._write(snap)
+            except OSError as e:  # disk trouble is an event, not a crash; retry next merge
+                log.error("checkpoint write failed: %s", e)
+                with self._lock:
+                    self._unpublished = {**to_publish, **self._unpublished}
+                    self.counters["checkpoint_errors"] += 1
+                continue
+            with self._lock:
+                for p, mg in to_publish.items():
+                    if mg.version > self._pub[p][0]:
+                        self._publish(p, mg.version, mg.params)
+                self._merged_seq_pub = merged_seq
+                self._published_cv.notify_all()
+
+    def _load(self, path: Path) -> None:
+        ck = load_checkpoint(path)
+        self._setup(ck["spec"])
+        self.state.load_state_dict(ck["state"])
+        for p in range(len(self._pub)):
+            self._publish(p, self.state.version(p), self.state.frags[p].theta)
+        self._merged_seq = {int(m): {int(p): int(s) for p, s in d.items()}
+                            for m, d in ck["merged_seq"].items()}
+        self._merged_seq_pub = {m: dict(d) for m, d in self._merged_seq.items()}
+        self._incarnations = {int(m): int(v) for m, v in ck["incarnations"].items()}
+        self.counters.update(ck.get("counters", {}))
+        self.counters["resumes"] += 1
+        self._event("resume", versions=self.state.versions(), merges=self.state.merges)
+        log.info("resumed from %s: versions %s, %d merges", path, self.state.versions(),
+                 self.state.merges)
+
+    def _setup(self, spec: dict) -> None:
+        check_spec(spec)
+        frag = fragmentation_from_spec(spec)
+        initial = {n: torch.zeros(s) for n, s in zip(spec["names"], spec["shapes"])}
+        self.state = SyncerState(frag, initial, self.config.syncer)
+        self.state.unlocked = self._unlocked
+        self.spec = spec
+        self._fp = spec_fingerprint(spec)
+        self._pub = [(0, []) for _ in range(frag.P)]
+        shape = dict(zip(spec["names"], (tuple(s) for s in spec["shapes"])))
+        self._shapes = [[shape[n] for n in f.names] for f in frag.fragments]  # per fragment
+
