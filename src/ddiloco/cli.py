@@ -187,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     for module, adders in (("ddiloco.sim.cli", ("add_simulate_parser", "add_bandwidth_parser")),
                            ("ddiloco.runtime.cli", ("add_syncer_parser", "add_learner_parser",
                                                     "add_status_parser")),
+                           ("ddiloco.runtime.export", ("add_export_parser",)),
                            ("ddiloco.report", ("add_report_parser",))):
         try:
             mod = __import__(module, fromlist=list(adders))

@@ -284,7 +284,7 @@ class Launcher:
             final_params = self._fetch_global()
         self.close()
         self.chaos_log.close()
-        return self._summarise(final_params, interrupted)
+        return self._summarise(self._final_model(final_params), interrupted)
 
     def _make_client(self):
         from ddiloco.runtime.learner.client import SyncerClient
@@ -439,12 +439,30 @@ class Launcher:
             return None
         return got
 
+    def _final_model(self, fetched) -> dict | None:
+        """The global model the run ends with, name -> tensor: the syncer's final checkpoint
+        (its fp32 values, written as it stops; what ``ddiloco export OUT`` writes), else the
+        fragments fetched before the stop (None: neither)."""
+        if fetched is None:
+            return None
+        from ddiloco.runtime.export import ExportError, state_dict_from_checkpoint
+        try:
+            return state_dict_from_checkpoint(self.out / "checkpoint")[0]
+        except ExportError as e:
+            print(f"ddiloco: evaluating the fetched global model: {e}", file=sys.stderr)
+        from ddiloco.recipe import new_model
+        from ddiloco.runtime.transport.spec import fragmentation_from_spec, model_spec
+        model = new_model(self.cfg)
+        frag = fragmentation_from_spec(model_spec(model, self.cfg.fragments, self.cfg.fragmentation))
+        shapes = {n: t.shape for n, t in model.named_parameters()}
+        return {n: t.view(shapes[n]) for p, f in enumerate(frag.fragments)
+                for n, t in zip(f.names, fetched[p][1])}
+
     # -- summary --------------------------------------------------------------------------
-    def _summarise(self, final_params, interrupted: bool) -> dict:
+    def _summarise(self, final_params: dict | None, interrupted: bool) -> dict:
         import torch
 
         from ddiloco.recipe import eval_setup, evaluate, new_model
-        from ddiloco.runtime.transport.spec import fragmentation_from_spec, model_spec
 
         c = self.cfg
         torch.set_num_threads(1)
@@ -454,12 +472,7 @@ class Launcher:
         n_params = sum(p.numel() for p in model.parameters())
         final_loss = None
         if final_params is not None:
-            frag = fragmentation_from_spec(model_spec(model, c.fragments, c.fragmentation))
-            named = dict(model.named_parameters())
-            with torch.no_grad():
-                for p, f in enumerate(frag.fragments):
-                    for n, t in zip(f.names, final_params[p][1]):
-                        named[n].copy_(t.view(named[n].shape))
+            model.load_state_dict(final_params)
             final_loss = evaluate(model, evals)
         per_step = c.batch_size if data.kind in ("digits", "images") else c.batch_size * c.block_size
         rows = self._collect_rows()

@@ -1,0 +1,75 @@
+"""``ddiloco export``: the global model out of a run directory or a live syncer, as a
+safetensors state_dict that the built-in model class loads."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ddiloco.cli import main
+from ddiloco.runtime.launch.launcher import Launcher, LaunchOptions
+from ddiloco.runtime.learner.client import SyncerClient
+from runtime_helpers import init_syncer, tiny_config, tiny_model
+
+
+@pytest.mark.timeout(180)
+def test_export_of_a_run_evaluates_to_the_runs_final_loss(tmp_path, capsys):
+    from ddiloco.recipe import eval_setup, evaluate, new_model
+
+    cfg = tiny_config(tmp_path / "run", learners=2, steps=40)
+    with Launcher(cfg, LaunchOptions()) as la:
+        s = la.run()
+    assert s["ok"] and s["merges"] > 0, s
+    out = tmp_path / "model.safetensors"
+    assert main(["export", str(tmp_path / "run"), "--out", str(out)]) == 0
+    assert "wrote" in capsys.readouterr().out
+    model = new_model(cfg)  # a fresh built-in model: the run's initial weights
+    _, _, _, evals = eval_setup(cfg)
+    assert evaluate(model, evals) == pytest.approx(s["initial_eval_loss"], abs=1e-5)
+    model.load_state_dict(load_file(str(out)))  # strict: every tensor, nothing else
+    assert evaluate(model, evals) == pytest.approx(s["final_eval_loss"], abs=1e-5)
+    assert s["final_eval_loss"] < s["initial_eval_loss"] - 0.3
+
+
+@pytest.mark.timeout(60)
+def test_export_from_a_live_syncer_and_clear_errors(syncer_factory, tmp_path, capsys,
+                                                    monkeypatch):
+    s = syncer_factory()
+    model = tiny_model()
+    client = SyncerClient(s.address, s.token)
+    init_syncer(client, model, P=2)
+    client.close()
+    monkeypatch.setenv("DDILOCO_TOKEN", s.token)
+    out = tmp_path / "live.safetensors"
+    assert main(["export", s.address, "--out", str(out)]) == 0
+    got = load_file(str(out))
+    want = dict(model.named_parameters())
+    assert sorted(got) == sorted(want)  # safetensors stores names sorted
+    for n, t in want.items():
+        assert torch.equal(got[n], t.detach()), n
+    fresh = tiny_model()
+    fresh.load_state_dict(got)
+
+    monkeypatch.setenv("DDILOCO_TOKEN", "wrong")
+    assert main(["export", s.address, "--out", str(out)]) == 2
+    assert "refused the token" in capsys.readouterr().err
+
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        free = sock.getsockname()[1]
+    assert main(["export", f"127.0.0.1:{free}", "--out", str(out), "--timeout-s", "2"]) == 2
+    assert "cannot reach a syncer at" in capsys.readouterr().err
+
+    assert main(["export", str(tmp_path / "nope"), "--out", str(out)]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    (tmp_path / "empty_run").mkdir()
+    assert main(["export", str(tmp_path / "empty_run"), "--out", str(out)]) == 2
+    assert "no syncer checkpoint in" in capsys.readouterr().err
+    bad = tmp_path / "bad" / "syncer.pt"
+    bad.parent.mkdir()
+    bad.write_bytes(b"\x80\x02 not a checkpoint")
+    assert main(["export", str(bad.parent), "--out", str(out)]) == 2
+    assert "not a readable ddiloco syncer checkpoint" in capsys.readouterr().err
