@@ -121,6 +121,13 @@ class TrainConfig:
     progress: bool = True
     """Show a progress bar."""
 
+    # -- devices (learner processes) ----------------------------------------------------
+    device: str = "auto"
+    """Device of each learner rank: auto (cuda:LOCAL_RANK where CUDA is available, else
+    cpu), cpu or cuda."""
+    autocast: str = "none"
+    """Mixed precision of the inner steps on a CUDA device: none or bf16 (autocast)."""
+
     def __post_init__(self) -> None:
         def one_of(name: str, value: str, allowed) -> None:
             if value not in allowed:
@@ -138,6 +145,8 @@ class TrainConfig:
         one_of("fragmentation", self.fragmentation, STRATEGIES)
         one_of("anchor", self.anchor, ("current", "base"))
         one_of("schedule", self.schedule, ("time", "steps"))
+        one_of("device", self.device, ("auto", "cpu", "cuda"))
+        one_of("autocast", self.autocast, ("none", "bf16"))
         from ddiloco.data import parse_data_spec
         from ddiloco.models import MODEL_PRESETS
         parse_data_spec(self.data)  # validates the kind and the path's presence

@@ -12,7 +12,7 @@ thread moves ``Outgoing`` to the syncer and feeds ``receive``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -21,7 +21,7 @@ from ddiloco.algorithm.fragments import Fragmentation
 from ddiloco.algorithm.merge import alpha_mix
 from ddiloco.algorithm.schedule import FragmentSchedule
 
-__all__ = ["Outgoing", "LearnerSync", "StepLedger"]
+__all__ = ["Outgoing", "LearnerSync", "StepLedger", "Snapshot", "host_snapshot"]
 
 
 @dataclass(slots=True)
@@ -38,6 +38,25 @@ class Outgoing:
     send_step: int
     covered_steps: int
     """Inner steps whose progress on this fragment this push is the first to carry."""
+    ready: Callable[[], None] | None = None
+    """Call before reading ``params`` when set (an asynchronous device-to-host copy)."""
+
+
+Snapshot = Callable[[Sequence[torch.Tensor], "list[torch.Tensor] | None"],
+                    "tuple[list[torch.Tensor], Callable[[], None] | None]"]
+"""Copies a fragment's tensors into fp32 host buffers (the given ones, or new ones) and
+returns them with an optional ``ready`` to call before reading them."""
+
+
+def host_snapshot(src: Sequence[torch.Tensor],
+                  bufs: list[torch.Tensor] | None) -> tuple[list[torch.Tensor], None]:
+    """The synchronous ``Snapshot``: a plain copy into fp32 host buffers."""
+    if bufs is None:
+        bufs = [torch.empty(t.shape, dtype=torch.float32) for t in src]
+    with torch.no_grad():
+        for b, t in zip(bufs, src):
+            b.copy_(t.detach())
+    return bufs, None
 
 
 @dataclass(slots=True)
@@ -71,7 +90,8 @@ class _Frag:
     waiting: bool = False          # a push is out and its merged value not yet installed
     due_step: int = 0              # install not before this step
     target_version: int | None = None  # install the first received version >= this
-    received: tuple[int, list[torch.Tensor]] | None = None  # latest (version, params)
+    received: tuple[int, list[torch.Tensor], Callable[[], None] | None] | None = None
+    """The latest (version, params, ready) received."""
     in_flight: dict[int, int] = field(default_factory=dict)  # seq -> covered steps
 
 
@@ -80,10 +100,12 @@ class LearnerSync:
 
     def __init__(self, params: Mapping[str, torch.Tensor], fragmentation: Fragmentation,
                  schedule: FragmentSchedule, *, alpha: float = 0.0,
-                 slot_s: float | None = None) -> None:
+                 slot_s: float | None = None, snapshot: Snapshot = host_snapshot) -> None:
         """``slot_s``: None sends on the learner's own step count; a duration (the nominal
         step time) sends on elapsed time instead (``after_step(tokens, now_s)``), so that
-        learners of different speeds send each fragment together."""
+        learners of different speeds send each fragment together. ``snapshot`` copies a
+        fragment out at send time (asynchronously for a device, see
+        ``ddiloco.runtime.learner.device``)."""
         if schedule.P != fragmentation.P:
             raise ValueError(f"schedule has P={schedule.P} but the fragmentation has {fragmentation.P}")
         if not 0.0 <= alpha < 1.0:
@@ -95,6 +117,7 @@ class LearnerSync:
         if slot_s is not None and not slot_s > 0:
             raise ValueError(f"slot_s must be > 0, got {slot_s}")
         self.slot_s = slot_s
+        self.snapshot = snapshot
         self.last_s = 0.0
         self.step = 0
         self.seq = 0
@@ -177,26 +200,22 @@ class LearnerSync:
         fr.in_flight[self.seq] = covered
         self.ledger.unpushed -= covered * self.share[p]
         self.ledger.pending += covered * self.share[p]
-        snap = self._snapshot(p)
+        snap, ready = self._snapshot(p)
         fr.waiting = True
         fr.due_step = self.schedule.install_step(self.step)
         fr.target_version = None
         return Outgoing(fragment=p, params=snap, c_steps=fr.c_steps, c_tokens=fr.c_tokens,
                         base_version=fr.base_version, seq=self.seq, send_step=self.step,
-                        covered_steps=covered)
+                        covered_steps=covered, ready=ready)
 
-    def _snapshot(self, p: int) -> list[torch.Tensor]:
-        """Copy fragment p into a CPU fp32 buffer: a released one when there is one (the
-        training thread then does one copy and no allocation), else a new one."""
-        src = self._tensors(p)
+    def _snapshot(self, p: int) -> tuple[list[torch.Tensor], Callable[[], None] | None]:
+        """Copy fragment p into fp32 host buffers: released ones when there are some (the
+        training thread then does one copy and no allocation), else new ones."""
         try:
             bufs = self._free[p].pop()
         except IndexError:
-            bufs = [torch.empty(t.shape, dtype=torch.float32) for t in src]
-        with torch.no_grad():
-            for b, t in zip(bufs, src):
-                b.copy_(t.detach())
-        return bufs
+            bufs = None
+        return self.snapshot(self._tensors(p), bufs)
 
     def release(self, p: int, params: list[torch.Tensor]) -> None:
         """Give back the snapshot of an ``Outgoing`` of fragment p once it is encoded, for
@@ -220,11 +239,13 @@ class LearnerSync:
             if fr.waiting:  # nothing will contain our push: install the latest global we have
                 fr.target_version = -1
 
-    def receive(self, p: int, version: int, params: list[torch.Tensor]) -> None:
-        """A merged version of fragment p arrived (kept until its install step)."""
+    def receive(self, p: int, version: int, params: list[torch.Tensor],
+                ready: Callable[[], None] | None = None) -> None:
+        """A merged version of fragment p arrived (kept until its install step). ``ready``,
+        when given, is called before ``params`` are used (a staged device copy)."""
         fr = self.frags[p]
         if fr.received is None or version > fr.received[0]:
-            fr.received = (version, params)
+            fr.received = (version, params, ready)
 
     def mark_merged(self, p: int, seq: int) -> None:
         """The push ``seq`` of fragment p is part of a published version (and with it every
@@ -242,10 +263,12 @@ class LearnerSync:
         for p, fr in enumerate(self.frags):
             if not fr.waiting or self.step < fr.due_step or fr.received is None:
                 continue
-            version, params = fr.received
+            version, params, ready = fr.received
             if fr.target_version is None or version < fr.target_version:
                 if fr.target_version != -1 or version <= fr.base_version:
                     continue
+            if ready is not None:
+                ready()
             with torch.no_grad():
                 for t, g in zip(self._tensors(p), params):
                     alpha_mix(t, g.to(t.device, t.dtype), self.alpha)

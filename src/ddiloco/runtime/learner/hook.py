@@ -40,6 +40,7 @@ from ddiloco.algorithm.learner_state import LearnerSync, Outgoing
 from ddiloco.algorithm.schedule import FragmentSchedule
 from ddiloco.runtime.learner.client import (RETRYABLE, LinkLimits, SyncerClient, SyncerError,
                                             rpc_code, rpc_details)
+from ddiloco.runtime.learner.device import DeviceCopier
 from ddiloco.runtime.transport import wire
 from ddiloco.runtime.transport.auth import load_token
 from ddiloco.runtime.transport.spec import fragmentation_from_spec, model_spec, spec_fingerprint
@@ -79,10 +80,17 @@ class DecoupledLearner:
         self.heartbeat_s = heartbeat_interval.total_seconds()
         self.flush_timeout_s = flush_timeout.total_seconds()
         self.group = process_group
+        self._control_group = process_group
         self.rank = 0
         if process_group is not None:
             import torch.distributed as dist
             self.rank = dist.get_rank(process_group)
+            if dist.get_backend(process_group) == "nccl":
+                # NCCL takes device tensors only: the island's small control messages (install
+                # mask, stop flag, budget) go over a Gloo group beside it, so reading them
+                # never synchronises the device; parameters still travel over NCCL
+                self._control_group = dist.new_group(dist.get_process_group_ranks(process_group),
+                                                     backend="gloo")
         n_tensors = len(list(model.parameters()))
         P = P if P is not None else min(H, n_tensors, 24)
         self.spec = model_spec(model, P, strategy)
@@ -90,7 +98,9 @@ class DecoupledLearner:
         self.fragmentation = fragmentation_from_spec(self.spec)
         self.schedule = FragmentSchedule(P, H, tau)
         self.params = dict(model.named_parameters())
-        self.sync = LearnerSync(self.params, self.fragmentation, self.schedule, alpha=alpha)
+        self.copier = DeviceCopier.for_params(list(self.params.values()))
+        self.sync = LearnerSync(self.params, self.fragmentation, self.schedule, alpha=alpha,
+                                snapshot=self.copier.snapshot)
         self._is_root = self.rank == 0
         self._token = None
         if self._is_root:
@@ -153,7 +163,7 @@ class DecoupledLearner:
                 for t in self.params.values():
                     dist.broadcast(t.data, src=src, group=self.group)
             budget = torch.tensor([self.step_budget, int(self._stop_seen)], dtype=torch.int64)
-            dist.broadcast(budget, src=src, group=self.group)
+            dist.broadcast(budget, src=src, group=self._control_group)
             self.step_budget = int(budget[0])
             self._stop_seen = bool(budget[1])
         if self._is_root:
@@ -316,7 +326,7 @@ class DecoupledLearner:
         mask = torch.zeros(P + 1, dtype=torch.uint8)  # installed fragments, then the stop flag
         mask[installed] = 1
         mask[P] = int(stop)
-        dist.broadcast(mask, src=src, group=self.group)
+        dist.broadcast(mask, src=src, group=self._control_group)
         out = [int(p) for p in mask[:P].nonzero().flatten()]
         with torch.no_grad():
             for p in out:
@@ -344,8 +354,8 @@ class DecoupledLearner:
         for p, seq, accepted, target in results:
             self.sync.on_push_result(p, seq, accepted, target)
             self._results_known[p].append(seq)
-        for p, version, tensors in recvs:
-            self.sync.receive(p, version, tensors)
+        for p, version, tensors, ready in recvs:
+            self.sync.receive(p, version, tensors, ready)
         with self._lock:
             merged_seq = dict(self._merged_seq)
         for p, ms in merged_seq.items():
@@ -392,6 +402,8 @@ class DecoupledLearner:
             o = self._sendq.get()
             if o is None:
                 return
+            if o.ready is not None:
+                o.ready()  # the snapshot's device-to-host copy has landed
             with self._lock:
                 if self._latest_seq.get(o.fragment, o.seq) > o.seq:
                     self.sync.release(o.fragment, o.params)
@@ -480,7 +492,8 @@ class DecoupledLearner:
                         shaped = [t.view(self.params[n].shape) for t, n in
                                   zip(ts, self.fragmentation.fragments[p].names)]
                         self._remember_base(p, v, shaped)
-                        self._inbox.put(("recv", p, v, shaped))
+                        staged, ready = self.copier.stage(shaped)  # to the device, async
+                        self._inbox.put(("recv", p, v, staged, ready))
                 cursor = versions
                 backoff = 0.1
             except grpc.RpcError as e:

@@ -4,6 +4,8 @@ on the synthetic language against a syncer.
 The run configuration is the shared ``TrainConfig`` (model, data, P, H, tau, codec...), read
 from a JSON file and/or flags. Under ``torchrun`` (``WORLD_SIZE > 1``) the ranks form an
 island: DDP inside (Gloo on CPU, NCCL on GPU), rank 0 talks to the syncer and broadcasts.
+Each rank trains on ``cuda:LOCAL_RANK`` where CUDA is available (``device``), optionally
+under bf16 autocast (``autocast``); the code is the same on the CPU.
 
 A restarted learner resumes its step count and data position from ``progress.json`` in its
 run directory and fetches the current global parameters before its first step.
@@ -23,8 +25,9 @@ import torch
 from ddiloco.config import TrainConfig
 from ddiloco.data import build_stream
 from ddiloco.recipe import data_config, new_model, new_optimizer, set_lr
-from ddiloco.runtime.learner.hook import DecoupledLearner
 from ddiloco.runtime.learner.client import LinkLimits
+from ddiloco.runtime.learner.device import learner_device
+from ddiloco.runtime.learner.hook import DecoupledLearner
 
 __all__ = ["run_learner"]
 
@@ -44,9 +47,14 @@ def run_learner(cfg: TrainConfig, *, syncer: str, learner: int, run_dir: str | N
     """Train ``cfg.steps`` inner steps (in total over restarts), or, when the syncer holds a
     global step budget, until the syncer says it is spent; returns the final report."""
     world, rank, group = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0")), None
+    backend = os.environ.get("DDILOCO_ISLAND_BACKEND") or (
+        "nccl" if cfg.device != "cpu" and torch.cuda.is_available() else "gloo")
+    device = learner_device(cfg.device, int(os.environ.get("LOCAL_RANK", "0")),
+                            exclusive=world > 1 and backend == "nccl")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     if world > 1:
         import torch.distributed as dist
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend, timeout=timedelta(minutes=5))
         group = dist.group.WORLD
     torch.set_num_threads(1)
@@ -58,12 +66,13 @@ def run_learner(cfg: TrainConfig, *, syncer: str, learner: int, run_dir: str | N
     if progress_path is not None and progress_path.is_file():
         start_step = int(json.loads(progress_path.read_text())["step"])
     data = data_config(cfg)
-    model = new_model(cfg)
+    model = new_model(cfg).to(device)
     train_model = model
     if group is not None:
         from torch.nn.parallel import DistributedDataParallel as DDP
-        train_model = DDP(model)
+        train_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     opt = new_optimizer(cfg, model)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.autocast == "bf16")
     stream = build_stream(data, learner=learner * world + rank, n_learners=cfg.learners * world,
                           batch_size=cfg.batch_size, block_size=cfg.block_size, seed=cfg.seed)
     stream.load_state_dict({**stream.state_dict(), "position": start_step})
@@ -91,8 +100,10 @@ def run_learner(cfg: TrainConfig, *, syncer: str, learner: int, run_dir: str | N
         while step < limit and not dl.should_stop:
             t0 = time.perf_counter()
             x, y = stream.next_batch()
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             opt.zero_grad(set_to_none=True)
-            _, loss = train_model(x, y)
+            with autocast:
+                _, loss = train_model(x, y)
             loss.backward()
             set_lr(opt, cfg.lr_at(step))  # the same inner schedule as the in-process engine
             opt.step()
@@ -119,7 +130,7 @@ def run_learner(cfg: TrainConfig, *, syncer: str, learner: int, run_dir: str | N
     if group is not None:  # every rank of the island must hold the same parameters
         import torch.distributed as dist
         with torch.no_grad():
-            diff = torch.zeros(())
+            diff = torch.zeros((), device=device)
             for t in model.parameters():
                 ref = t.detach().clone()
                 dist.broadcast(ref, src=0, group=group)
