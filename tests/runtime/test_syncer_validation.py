@@ -64,7 +64,8 @@ def test_bad_pushes_are_rejected_and_the_global_model_is_unchanged(syncer_factor
     expect_rejection(grpc.StatusCode.INVALID_ARGUMENT, "E_CODEC",
             lambda: client.stream("Push", iter([wire.pack({
                 "learner": 0, "incarnation": inc, "fragment": 0, "seq": 1, "base_version": 0,
-                "c_steps": 1, "c_tokens": 1, "codec": "fp64", "nbytes": 8})])))
+                "c_steps": 1, "c_tokens": 1, "codec": "fp64", "nbytes": 8,
+                "numels": list(frag.fragments[0].numels)})])))
     expect_rejection(grpc.StatusCode.FAILED_PRECONDITION, "E_UNKNOWN_LEARNER",
             lambda: _push(client, frag, 0, good, inc=inc, learner=5))
     expect_rejection(grpc.StatusCode.FAILED_PRECONDITION, "E_SPEC",

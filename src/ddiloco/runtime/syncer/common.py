@@ -1,12 +1,21 @@
-"""Types shared by the syncer's parts: a typed rejection and what is known of a learner."""
+"""What the syncer's parts share: a typed rejection, what is known of a learner, and the
+wrapper that turns every handler's failure into a typed, counted error."""
 
 from __future__ import annotations
 
+import functools
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
-__all__ = ["Reject", "LearnerInfo"]
+from ddiloco.runtime.transport.wire import ErrorCode as E
+
+__all__ = ["Reject", "LearnerInfo", "handler"]
+
+log = logging.getLogger("ddiloco.syncer")
 
 
 class Reject(Exception):
@@ -25,3 +34,26 @@ class LearnerInfo:
     state: str = "live"
     report: dict = field(default_factory=dict)
     joins: int = 0
+
+
+def handler(what: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Wrap a gRPC handler of ``SyncerServer``: check the token, then run it; a ``Reject``
+    becomes its status and typed code, any other exception an ``E_INTERNAL`` error (logged
+    with its traceback). Both are counted in ``rejections``; none escapes to gRPC."""
+
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def run(self, req: Any, ctx: grpc.ServicerContext) -> Any:
+            try:
+                self._auth(ctx)
+                return fn(self, req, ctx)
+            except Reject as r:
+                err = r
+            except Exception as e:  # noqa: BLE001 - a handler bug must not escape untyped
+                log.exception("%s failed", what)
+                err = Reject(grpc.StatusCode.INTERNAL, E.INTERNAL, f"{type(e).__name__}: {e}")
+            self._fail(ctx, err, what)
+
+        return run
+
+    return wrap

@@ -11,8 +11,10 @@ import torch
 
 from ddiloco.algorithm.merge import all_finite
 from ddiloco.algorithm.syncer_state import SyncerState, vars_of
-from ddiloco.runtime.syncer.common import LearnerInfo, Reject
+from ddiloco.runtime.syncer.common import LearnerInfo, Reject, handler
 from ddiloco.runtime.transport import wire
+from ddiloco.runtime.transport.schema import (HeartbeatRequest, InitHeader, JoinRequest,
+                                               LeaveRequest, Report, WatchRequest)
 from ddiloco.runtime.transport.spec import check_spec, fragmentation_from_spec
 from ddiloco.runtime.transport.wire import ErrorCode as E
 
@@ -24,85 +26,76 @@ log = logging.getLogger("ddiloco.syncer")
 class ControlHandlers:
     """The control-plane handlers of ``SyncerServer`` (a mixin)."""
 
+    @handler("join")
     def _join(self, req: bytes, ctx: grpc.ServicerContext) -> bytes:
-        self._auth(ctx)
-        try:
-            h, _ = self._parse(req)
-            m = self._int(h, "learner")
-            if m < 0:
-                raise Reject(grpc.StatusCode.INVALID_ARGUMENT, E.BAD_FRAME, "learner must be >= 0")
-            inc = self._int(h, "incarnation", -1)
-            with self._lock:
-                if self.state is None:
-                    return wire.pack({"need_init": True, "boot_id": self.boot_id})
-                if h.get("fingerprint") not in (None, self._fp):
-                    raise Reject(grpc.StatusCode.FAILED_PRECONDITION, E.SPEC,
-                                  f"model/fragmentation spec {h.get('fingerprint')} differs from "
-                                  f"the syncer's {self._fp}: same model, P and strategy everywhere")
-                if inc < 0 or inc != self._incarnations.get(m):
-                    inc = self._incarnations.get(m, 0) + 1
-                    self._incarnations[m] = inc
-                info = self._learners.setdefault(m, LearnerInfo())
-                info.incarnation, info.last_hb_s, info.state = inc, time.monotonic(), "live"
-                info.joins += 1
-                self.state.join(m)
-                self._event("join", learner=m, incarnation=inc, host=h.get("host"),
-                            pid=h.get("pid"))
-                log.info("[learner %d] joined (incarnation %d)", m, inc)
-                return wire.pack({
-                    "need_init": False, "boot_id": self.boot_id, "incarnation": inc,
-                    "versions": [v for v, _ in self._pub], "spec": self.spec,
-                    "fingerprint": self._fp, "downlink_codec": self.config.downlink_codec,
-                    "history": self.config.syncer.history,
-                    "merged_seq": self._merged_seq_pub.get(m, {}),
-                    "step_budget": self.config.step_budget, "stop": self.budget_spent,
-                    "bulk_port": self.bulk_port,
-                })
-        except Reject as r:
-            self._fail(ctx, r, "join")
+        h = self._parse_as(JoinRequest, req, "join")
+        m, inc = h.learner, h.incarnation
+        with self._lock:
+            if self.state is None:
+                return wire.pack({"need_init": True, "boot_id": self.boot_id})
+            if h.fingerprint not in (None, self._fp):
+                raise Reject(grpc.StatusCode.FAILED_PRECONDITION, E.SPEC,
+                              f"model/fragmentation spec {h.fingerprint} differs from "
+                              f"the syncer's {self._fp}: same model, P and strategy everywhere")
+            if inc < 0 or inc != self._incarnations.get(m):
+                inc = self._incarnations.get(m, 0) + 1
+                self._incarnations[m] = inc
+            info = self._learners.setdefault(m, LearnerInfo())
+            info.incarnation, info.last_hb_s, info.state = inc, time.monotonic(), "live"
+            info.joins += 1
+            self.state.join(m)
+            self._event("join", learner=m, incarnation=inc, host=h.host, pid=h.pid)
+            log.info("[learner %d] joined (incarnation %d)", m, inc)
+            return wire.pack({
+                "need_init": False, "boot_id": self.boot_id, "incarnation": inc,
+                "versions": [v for v, _ in self._pub], "spec": self.spec,
+                "fingerprint": self._fp, "downlink_codec": self.config.downlink_codec,
+                "history": self.config.syncer.history,
+                "merged_seq": self._merged_seq_pub.get(m, {}),
+                "step_budget": self.config.step_budget, "stop": self.budget_spent,
+                "bulk_port": self.bulk_port,
+            })
 
+    @handler("init")
     def _init(self, it, ctx: grpc.ServicerContext) -> bytes:
-        self._auth(ctx)
+        first = next(it, None)
+        if first is None:
+            raise Reject(grpc.StatusCode.INVALID_ARGUMENT, E.BAD_FRAME, "empty Init stream")
+        raw, payload = self._parse(first)
+        h = self._validate(InitHeader, raw, "init")
+        spec = h.spec
         try:
-            first = next(it, None)
-            if first is None:
-                raise Reject(grpc.StatusCode.INVALID_ARGUMENT, E.BAD_FRAME, "empty Init stream")
-            h, payload = self._parse(first)
-            spec = h.get("spec")
-            try:
-                check_spec(spec)
-                frag = fragmentation_from_spec(spec)
-            except (ValueError, TypeError) as e:
-                raise Reject(grpc.StatusCode.INVALID_ARGUMENT, E.SPEC, str(e)) from None
-            numels = [math.prod(s) for s in spec["shapes"]]
-            expected = 4 * sum(numels)
-            if expected > self.config.max_push_bytes * max(1, frag.P):
-                raise Reject(grpc.StatusCode.RESOURCE_EXHAUSTED, E.OVERSIZE,
-                              f"initial model of {expected} bytes exceeds the limit")
-            buf = self._read_stream(payload, it, expected)
-            params = {}
-            off = 0
-            for n, s, k in zip(spec["names"], spec["shapes"], numels):
-                params[n] = torch.frombuffer(buf, dtype=torch.float32, count=k,
-                                             offset=off).view(s).clone()
-                off += 4 * k
-            if not all(all_finite(t) for t in params.values()):
-                raise Reject(grpc.StatusCode.INVALID_ARGUMENT, E.NONFINITE,
-                              "initial model has NaN/inf values")
-            with self._lock:
-                if self.state is not None:
-                    return wire.pack({"accepted": False, "fingerprint": self._fp})
-                self._setup(spec)
-                self.state = SyncerState(frag, params, self.config.syncer)
-                self.state.unlocked = self._unlocked
-                for p in range(frag.P):
-                    self._publish(p, 0, self.state.frags[p].theta)
-                log.info("initialised by learner %s: %d tensors, P=%d, %d bytes", h.get("learner"),
-                         len(numels), frag.P, expected)
-                self._event("init", learner=h.get("learner"), nbytes=expected)
-                return wire.pack({"accepted": True, "fingerprint": self._fp})
-        except Reject as r:
-            self._fail(ctx, r, "init")
+            check_spec(spec)
+            frag = fragmentation_from_spec(spec)
+        except (ValueError, TypeError) as e:
+            raise Reject(grpc.StatusCode.INVALID_ARGUMENT, E.SPEC, str(e)) from None
+        numels = [math.prod(s) for s in spec["shapes"]]
+        expected = 4 * sum(numels)
+        if expected > self.config.max_push_bytes * max(1, frag.P):
+            raise Reject(grpc.StatusCode.RESOURCE_EXHAUSTED, E.OVERSIZE,
+                          f"initial model of {expected} bytes exceeds the limit")
+        buf = self._read_stream(payload, it, expected)
+        params = {}
+        off = 0
+        for n, s, k in zip(spec["names"], spec["shapes"], numels):
+            params[n] = torch.frombuffer(buf, dtype=torch.float32, count=k,
+                                         offset=off).view(s).clone()
+            off += 4 * k
+        if not all(all_finite(t) for t in params.values()):
+            raise Reject(grpc.StatusCode.INVALID_ARGUMENT, E.NONFINITE,
+                          "initial model has NaN/inf values")
+        with self._lock:
+            if self.state is not None:
+                return wire.pack({"accepted": False, "fingerprint": self._fp})
+            self._setup(spec)
+            self.state = SyncerState(frag, params, self.config.syncer)
+            self.state.unlocked = self._unlocked
+            for p in range(frag.P):
+                self._publish(p, 0, self.state.frags[p].theta)
+            log.info("initialised by learner %s: %d tensors, P=%d, %d bytes", h.learner,
+                     len(numels), frag.P, expected)
+            self._event("init", learner=h.learner, nbytes=expected)
+            return wire.pack({"accepted": True, "fingerprint": self._fp})
 
     def _read_stream(self, payload: memoryview, it, nbytes: int) -> bytearray:
         buf = bytearray(payload)
@@ -121,79 +114,65 @@ class ControlHandlers:
         self.counters["bytes_in"] += len(buf)
         return buf
 
-
+    @handler("watch")
     def _watch(self, req: bytes, ctx: grpc.ServicerContext) -> bytes:
-        self._auth(ctx)
-        try:
-            h, _ = self._parse(req)
-            m = self._int(h, "learner")
-            cursor = h.get("cursor")
-            timeout_s = min(max(float(h.get("timeout_s", 1.0)), 0.0), 30.0)
-            deadline = time.monotonic() + timeout_s
-            with self._lock:
-                self._require_ready()
-                while (not self._closed and [v for v, _ in self._pub] == cursor
-                       and self._merged_seq_pub.get(m, {}) == {
-                           int(k): v for k, v in (h.get("merged_seq") or {}).items()}):
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        break
-                    self._published_cv.wait(left)
-                return wire.pack({"versions": [v for v, _ in self._pub], "boot_id": self.boot_id,
-                                  "merged_seq": self._merged_seq_pub.get(m, {})})
-        except Reject as r:
-            self._fail(ctx, r, "watch")
+        h = self._parse_as(WatchRequest, req, "watch")
+        m, cursor = h.learner, h.cursor
+        seen = {int(k): v for k, v in (h.merged_seq or {}).items() if k.isdigit()}
+        deadline = time.monotonic() + h.timeout_s
+        with self._lock:
+            self._require_ready()
+            while (not self._closed and [v for v, _ in self._pub] == cursor
+                   and self._merged_seq_pub.get(m, {}) == seen):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._published_cv.wait(left)
+            return wire.pack({"versions": [v for v, _ in self._pub], "boot_id": self.boot_id,
+                              "merged_seq": self._merged_seq_pub.get(m, {})})
 
+    @handler("heartbeat")
     def _heartbeat(self, req: bytes, ctx: grpc.ServicerContext) -> bytes:
-        self._auth(ctx)
-        try:
-            h, _ = self._parse(req)
-            m, inc = self._int(h, "learner"), self._int(h, "incarnation")
-            with self._lock:
-                st = self._require_ready()
-                info = self._learners.get(m)
-                if m not in st.live or info is None or info.incarnation != inc:
-                    return wire.pack({"rejoin": True, "boot_id": self.boot_id})
-                info.last_hb_s = time.monotonic()
-                rep = h.get("report") or {}
-                if isinstance(rep, dict):
-                    info.report = rep
-                    step_s = rep.get("step_s")
-                    if isinstance(step_s, (int, float)) and step_s > 0:
-                        st.observe_step_s(float(step_s))
-                    self._count_steps(m, rep)
-                return wire.pack({"rejoin": False, "boot_id": self.boot_id,
-                                  "versions": [v for v, _ in self._pub], "live": len(st.live),
-                                  "stop": self.budget_spent})
-        except Reject as r:
-            self._fail(ctx, r, "heartbeat")
+        h = self._parse_as(HeartbeatRequest, req, "heartbeat")
+        m, inc = h.learner, h.incarnation
+        with self._lock:
+            st = self._require_ready()
+            info = self._learners.get(m)
+            if m not in st.live or info is None or info.incarnation != inc:
+                return wire.pack({"rejoin": True, "boot_id": self.boot_id})
+            info.last_hb_s = time.monotonic()
+            if h.report is not None:
+                info.report = h.report.model_dump()
+                if h.report.step_s:
+                    st.observe_step_s(h.report.step_s)
+                self._count_steps(m, h.report)
+            return wire.pack({"rejoin": False, "boot_id": self.boot_id,
+                              "versions": [v for v, _ in self._pub], "live": len(st.live),
+                              "stop": self.budget_spent})
 
+    @handler("leave")
     def _leave(self, req: bytes, ctx: grpc.ServicerContext) -> bytes:
-        self._auth(ctx)
-        try:
-            h, _ = self._parse(req)
-            m, inc = self._int(h, "learner"), self._int(h, "incarnation")
-            with self._lock:
-                st = self._require_ready()
-                info = self._learners.get(m)
-                if info is not None and info.incarnation == inc:
-                    info.state = "left"
-                    if isinstance(h.get("report"), dict):
-                        info.report = h["report"]
-                        self._count_steps(m, info.report)
-                    self._event("leave", learner=m)
-                    t0 = time.monotonic()
-                    self._handle_merges(st.leave(m, t0), t0)
-                return wire.pack({"ok": True})
-        except Reject as r:
-            self._fail(ctx, r, "leave")
+        h = self._parse_as(LeaveRequest, req, "leave")
+        m, inc = h.learner, h.incarnation
+        with self._lock:
+            st = self._require_ready()
+            info = self._learners.get(m)
+            if info is not None and info.incarnation == inc:
+                info.state = "left"
+                if h.report is not None:
+                    info.report = h.report.model_dump()
+                    self._count_steps(m, h.report)
+                self._event("leave", learner=m)
+                t0 = time.monotonic()
+                self._handle_merges(st.leave(m, t0), t0)
+            return wire.pack({"ok": True})
 
-    def _count_steps(self, m: int, rep: dict) -> None:
+    def _count_steps(self, m: int, rep: Report) -> None:
         """Track the global step budget from a learner's report (caller holds the lock).
         A learner's total is its latest report (``global_step``, counted over its restarts,
         else ``step``): a restarted learner that resumes from an earlier step lowers it."""
-        n = rep.get("global_step", rep.get("step"))
-        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        n = rep.global_step if rep.global_step is not None else rep.step
+        if n is None:
             return
         self._steps_done[m] = n
         budget = self.config.step_budget
@@ -239,14 +218,14 @@ class ControlHandlers:
                 "budget_spent": self.budget_spent,
             }
 
+    @handler("status")
     def _status(self, req: bytes, ctx: grpc.ServicerContext) -> bytes:
-        self._auth(ctx)
         try:
             h, _ = wire.unpack(req)
         except ValueError:  # an empty or odd request asks for the plain snapshot
             h = {}
         st = self.status()
-        if h.get("spec"):  # `ddiloco export HOST:PORT` needs the tensor names and shapes
+        if h.get("spec") is True:  # `ddiloco export HOST:PORT` needs the tensor names and shapes
             with self._lock:
                 st["spec"] = self.spec
         return wire.pack(st)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import grpc
@@ -12,9 +13,10 @@ import grpc
 from ddiloco.algorithm.codecs import Codec, get_codec
 from ddiloco.algorithm.merge import all_finite
 from ddiloco.algorithm.syncer_state import Contribution, Status
-from ddiloco.runtime.syncer.common import Reject
+from ddiloco.runtime.syncer.common import Reject, handler
 from ddiloco.runtime.transport import wire
 from ddiloco.runtime.transport.bulk import BulkReject
+from ddiloco.runtime.transport.schema import FetchRequest, PushHeader
 from ddiloco.runtime.transport.wire import ErrorCode as E
 
 __all__ = ["DataHandlers"]
@@ -45,44 +47,43 @@ class DataHandlers:
     """Push and fetch handlers of ``SyncerServer`` (a mixin)."""
 
     @staticmethod
-    def _push_who(h: dict) -> str:
-        return f"[learner {h.get('learner')} step {h.get('step')}] push of fragment {h.get('fragment')}"
+    def _push_who(h: object) -> str:
+        g = h.get if isinstance(h, dict) else (lambda k: None)
+        return f"[learner {g('learner')} step {g('step')}] push of fragment {g('fragment')}"
 
-    def _push_check(self, h: dict) -> PushCheck:
+    def _push_check(self, raw: dict) -> PushCheck:
         """Validate a push header before its payload is read (either transport)."""
-        m, p = self._int(h, "learner"), self._int(h, "fragment")
-        seq, base = self._int(h, "seq"), self._int(h, "base_version")
-        c_steps, c_tokens = self._int(h, "c_steps"), self._int(h, "c_tokens")
-        nbytes, inc = self._int(h, "nbytes"), self._int(h, "incarnation")
+        h = self._validate(PushHeader, raw, "push")
+        m, p, inc, nbytes = h.learner, h.fragment, h.incarnation, h.nbytes
         try:
-            codec = get_codec(str(h.get("codec")))
+            codec = get_codec(h.codec)
         except ValueError as e:
             raise Reject(grpc.StatusCode.INVALID_ARGUMENT, E.CODEC, str(e)) from None
         if nbytes > self.config.max_push_bytes:
             raise Reject(grpc.StatusCode.RESOURCE_EXHAUSTED, E.OVERSIZE,
-                          f"declared payload {nbytes} bytes exceeds max_push_bytes "
-                          f"{self.config.max_push_bytes}")
+                         f"declared payload {nbytes} bytes exceeds max_push_bytes "
+                         f"{self.config.max_push_bytes}")
         with self._lock:
             st = self._require_live(m, inc)
             if not 0 <= p < st.fragmentation.P:
                 raise Reject(grpc.StatusCode.INVALID_ARGUMENT, E.FRAGMENT,
-                              f"fragment {p} out of range [0, {st.fragmentation.P})")
+                             f"fragment {p} out of range [0, {st.fragmentation.P})")
             fr = st.fragmentation.fragments[p]
             shapes = self._shapes[p]
-        numels = h.get("numels")
-        if numels != list(fr.numels):
+        if h.numels != list(fr.numels):
+            shown = h.numels if len(h.numels) <= 16 else f"{len(h.numels)} tensors"
             raise Reject(grpc.StatusCode.INVALID_ARGUMENT, E.SHAPE,
-                          f"fragment {p} has tensors of {list(fr.numels)} elements, push "
-                          f"declares {numels}")
+                         f"fragment {p} has tensors of {list(fr.numels)} elements, push "
+                         f"declares {shown}")
         expected = sum(codec.nbytes(n) for n in fr.numels)
         if nbytes != expected:
             raise Reject(grpc.StatusCode.INVALID_ARGUMENT, E.SIZE,
-                          f"{codec.name} payload of fragment {p} must be {expected} bytes, "
-                          f"push declares {nbytes}")
-        return PushCheck(m=m, p=p, inc=inc, seq=seq, base=base, c_steps=c_steps,
-                          c_tokens=c_tokens, nbytes=nbytes, codec=codec, names=fr.names,
-                          numels=fr.numels, shapes=shapes, delta=bool(h.get("delta", False)),
-                          who=self._push_who(h))
+                         f"{codec.name} payload of fragment {p} must be {expected} bytes, "
+                         f"push declares {nbytes}")
+        return PushCheck(m=m, p=p, inc=inc, seq=h.seq, base=h.base_version, c_steps=h.c_steps,
+                         c_tokens=h.c_tokens, nbytes=nbytes, codec=codec, names=fr.names,
+                         numels=fr.numels, shapes=shapes, delta=h.delta,
+                         who=self._push_who(raw))
 
     def _push_apply(self, pc: PushCheck, buf: bytearray) -> dict:
         """Decode a validated push's payload and hand it to the state machine."""
@@ -136,46 +137,38 @@ class DataHandlers:
         return {"status": res.status.value, "message": res.message,
                 "target_version": res.target_version}
 
+    @handler("push")
     def _push(self, it, ctx: grpc.ServicerContext) -> bytes:
-        self._auth(ctx)
-        who = "push"
-        try:
-            first = next(it, None)
-            if first is None:
-                raise Reject(grpc.StatusCode.INVALID_ARGUMENT, E.BAD_FRAME, "empty Push stream")
-            h, payload = self._parse(first)
-            who = self._push_who(h)
-            pc = self._push_check(h)
-            return wire.pack(self._push_apply(pc, self._read_stream(payload, it, pc.nbytes)))
-        except Reject as r:
-            self._fail(ctx, r, who)
+        first = next(it, None)
+        if first is None:
+            raise Reject(grpc.StatusCode.INVALID_ARGUMENT, E.BAD_FRAME, "empty Push stream")
+        h, payload = self._parse(first)
+        pc = self._push_check(h)
+        return wire.pack(self._push_apply(pc, self._read_stream(payload, it, pc.nbytes)))
 
-    def _fetch_items(self, h: dict) -> list[tuple[int, int, list[memoryview], list[int]]]:
+    def _fetch_items(self, raw: dict) -> list[tuple[int, int, list[memoryview], list[int]]]:
         """(fragment, version, downlink byte pieces, numels) of the published fragments asked
         for."""
+        want = self._validate(FetchRequest, raw, "fetch").fragments
         with self._lock:
             st = self._require_ready()
-            want = h.get("fragments")
+            P = st.fragmentation.P
             if want is None:
-                want = list(range(st.fragmentation.P))
-            if not isinstance(want, list) or not all(
-                    isinstance(p, int) and not isinstance(p, bool) and 0 <= p < st.fragmentation.P
-                    for p in want):
+                want = list(range(P))
+            if any(p >= P for p in want):
                 raise Reject(grpc.StatusCode.INVALID_ARGUMENT, E.FRAGMENT,
-                              f"fragments must be a list of ints in [0, {st.fragmentation.P})")
+                             f"fragments must be a list of ints in [0, {P})")
             items = [(p, *self._pub[p], list(st.fragmentation.fragments[p].numels))
                      for p in want]
             self.counters["bytes_out"] += sum(len(b) for _, _, d, _ in items for b in d)
         return items
 
-    def _fetch(self, req: bytes, ctx: grpc.ServicerContext):
-        self._auth(ctx)
-        try:
-            h, _ = self._parse(req)
-            items = self._fetch_items(h)
-        except Reject as r:
-            self._fail(ctx, r, "fetch")
-            return
+    @handler("fetch")
+    def _fetch(self, req: bytes, ctx: grpc.ServicerContext) -> Iterator[bytes]:
+        items = self._fetch_items(self._parse(req)[0])
+        return self._fetch_frames(items)
+
+    def _fetch_frames(self, items) -> Iterator[bytes]:
         for p, version, pieces, numels in items:
             data = b"".join(pieces)
             yield from wire.chunks({"fragment": p, "version": version, "nbytes": len(data),
@@ -207,6 +200,10 @@ class DataHandlers:
             raise Reject(grpc.StatusCode.INVALID_ARGUMENT, E.BAD_FRAME,
                           f"unknown bulk op {op!r} (push, fetch)")
         except Reject as r:
-            self._note_reject(r, who)
-            raise BulkReject(r.status, f"{r.code}: {r.message}") from None
+            err = r
+        except Exception as e:  # noqa: BLE001 - a handler bug must not escape untyped
+            log.exception("%s failed", who)
+            err = Reject(grpc.StatusCode.INTERNAL, E.INTERNAL, f"{type(e).__name__}: {e}")
+        self._note_reject(err, who)
+        raise BulkReject(err.status, f"{err.code}: {err.message}")
 

@@ -29,8 +29,10 @@ from collections import Counter
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
+from pydantic import BaseModel
 
 from ddiloco.algorithm.syncer_state import Merged, SyncerConfig, SyncerState
 from ddiloco.runtime.syncer.checkpoint import CHECKPOINT_NAME
@@ -42,9 +44,12 @@ from ddiloco.runtime.syncer.liveness import Liveness
 from ddiloco.runtime.transport import wire
 from ddiloco.runtime.transport.auth import check_token, server_credentials, server_ssl_context
 from ddiloco.runtime.transport.bulk import BulkServer
+from ddiloco.runtime.transport.schema import SchemaError, parse
 from ddiloco.runtime.transport.wire import ErrorCode as E
 
 __all__ = ["SyncerServerConfig", "SyncerServer"]
+
+M = TypeVar("M", bound=BaseModel)
 
 log = logging.getLogger("ddiloco.syncer")
 
@@ -282,12 +287,11 @@ class SyncerServer(ControlHandlers, DataHandlers, Durability, Liveness):
 
     def _auth(self, ctx: grpc.ServicerContext) -> None:
         md = dict(ctx.invocation_metadata())
-        if not check_token(self.config.token, md.get(wire.TOKEN_METADATA)):
-            self.rejections[E.AUTH] += 1
-            log.warning("rejected call from %s: %s", ctx.peer(), E.AUTH)
-            ctx.abort(grpc.StatusCode.UNAUTHENTICATED,
-                      f"{E.AUTH}: missing or wrong token (set $DDILOCO_TOKEN or --token-file to "
-                      f"the syncer's secret)")
+        token = md.get(wire.TOKEN_METADATA)
+        if not isinstance(token, str) or not check_token(self.config.token, token):
+            raise Reject(grpc.StatusCode.UNAUTHENTICATED, E.AUTH,
+                         f"missing or wrong token from {ctx.peer()} (set $DDILOCO_TOKEN or "
+                         f"--token-file to the syncer's secret)")
 
     def _note_reject(self, r: Reject, who: str) -> None:
         with self._lock:
@@ -312,12 +316,15 @@ class SyncerServer(ControlHandlers, DataHandlers, Durability, Liveness):
             raise Reject(grpc.StatusCode.INVALID_ARGUMENT, E.BAD_FRAME, str(e)) from None
 
     @staticmethod
-    def _int(h: dict, key: str, default: int | None = None) -> int:
-        v = h.get(key, default)
-        if not isinstance(v, int) or isinstance(v, bool):
-            raise Reject(grpc.StatusCode.INVALID_ARGUMENT, E.BAD_FRAME,
-                          f"header field {key!r} must be an integer, got {v!r}")
-        return v
+    def _validate(model: type[M], header: object, what: str) -> M:
+        """``header`` checked against its message schema (``transport.schema``)."""
+        try:
+            return parse(model, header, what)
+        except SchemaError as e:
+            raise Reject(grpc.StatusCode.INVALID_ARGUMENT, E.BAD_FRAME, str(e)) from None
+
+    def _parse_as(self, model: type[M], req: bytes, what: str) -> M:
+        return self._validate(model, self._parse(req)[0], what)
 
     def _require_ready(self) -> SyncerState:
         if self.state is None:

@@ -38,6 +38,7 @@ import numpy as np
 
 from ddiloco.runtime.transport import wire
 from ddiloco.runtime.transport.auth import check_token
+from ddiloco.runtime.transport.schema import Hello, SchemaError, loads, parse
 
 __all__ = ["BulkClient", "BulkError", "BulkServer", "BulkReject", "empty_buffer", "split_host"]
 
@@ -153,10 +154,7 @@ def _recv_header(sock: socket.socket) -> tuple[dict, int]:
         raise ValueError(f"header of {hlen} bytes exceeds {wire.MAX_HEADER_BYTES}")
     raw = bytearray(hlen)
     _recv_exact(sock, memoryview(raw))
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"header is not JSON: {e}") from None
+    header = loads(raw)
     if not isinstance(header, dict):
         raise ValueError("header must be a JSON object")
     return header, plen
@@ -227,7 +225,11 @@ class BulkServer:
                 conn = self.ssl_context.wrap_socket(conn, server_side=True)
                 conn.settimeout(None)
             h, plen = _recv_header(conn)
-            if h.get("op") != "hello" or plen or not check_token(self.token, h.get("token")):
+            try:
+                hello = parse(Hello, h, "hello") if not plen else None
+            except SchemaError:
+                hello = None
+            if hello is None or not check_token(self.token, hello.token):
                 if self.on_auth_failure:
                     self.on_auth_failure(str(peer))
                 _send(conn, {"error": f"{wire.ErrorCode.AUTH}: missing or wrong token (set "

@@ -24,6 +24,8 @@ import json
 import struct
 from collections.abc import Iterator
 
+from ddiloco.runtime.transport.schema import loads
+
 __all__ = ["SERVICE", "CHUNK_BYTES", "MAX_HEADER_BYTES", "MAX_FRAME_BYTES", "pack", "unpack",
            "method", "chunks", "ErrorCode", "TOKEN_METADATA", "GRPC_OPTIONS",
            "GRPC_SERVER_OPTIONS"]
@@ -67,6 +69,8 @@ class ErrorCode:
     SPEC = "E_SPEC"
     NOT_READY = "E_NOT_READY"
     INVALID = "E_INVALID"
+    INTERNAL = "E_INTERNAL"
+    """A handler failed on a bug; the call changed nothing it had not committed."""
 
 
 def pack(header: dict, payload: bytes | memoryview = b"") -> bytes:
@@ -81,10 +85,7 @@ def unpack(buf: bytes) -> tuple[dict, memoryview]:
     (n,) = _LEN.unpack_from(buf, 0)
     if n > MAX_HEADER_BYTES or 4 + n > len(buf):
         raise ValueError(f"frame header length {n} invalid for a {len(buf)}-byte frame")
-    try:
-        header = json.loads(bytes(buf[4:4 + n]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"frame header is not JSON: {e}") from None
+    header = loads(buf[4:4 + n])
     if not isinstance(header, dict):
         raise ValueError("frame header must be a JSON object")
     return header, memoryview(buf)[4 + n:]
