@@ -57,6 +57,11 @@ class DecoupledLearner:
     steps, merged value installed tau steps after sending, alpha mixing on install.
     ``codec`` compresses pushes (quantised codecs send the delta against the installed
     base version). Thread-safety: call ``step`` from the training thread only.
+
+    The global model: ``global_state_dict()`` returns it at any time, ``load_global()``
+    installs it into ``model`` and trains on from it, ``load_global_on_exit=True`` copies it
+    into ``model`` when the learner closes. ``global_step`` counts this learner id's steps
+    over its restarts (the syncer keeps the count of its earlier processes).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -68,7 +73,8 @@ class DecoupledLearner:
                  connect_timeout: timedelta = timedelta(minutes=5),
                  heartbeat_interval: timedelta = timedelta(milliseconds=500),
                  flush_timeout: timedelta = timedelta(seconds=10),
-                 link: LinkLimits | None = None, process_group=None) -> None:
+                 link: LinkLimits | None = None, process_group=None,
+                 load_global_on_exit: bool = False) -> None:
         if learner < 0:
             raise ValueError(f"learner must be >= 0, got {learner}")
         self.model, self.optimizer = model, optimizer
@@ -79,6 +85,13 @@ class DecoupledLearner:
         self.connect_timeout_s = connect_timeout.total_seconds()
         self.heartbeat_s = heartbeat_interval.total_seconds()
         self.flush_timeout_s = flush_timeout.total_seconds()
+        self.load_global_on_exit = load_global_on_exit
+        """At ``close``, after the last pushes are merged, copy the global model into
+        ``model`` (the local model stays if the syncer cannot be reached: a warning)."""
+        self.loaded_global_on_exit = False
+        self.step_offset = 0
+        """Steps this learner id did in earlier processes (the syncer's record, from the
+        latest report of its previous incarnation): ``global_step`` counts from it."""
         self.group = process_group
         self._control_group = process_group
         self.rank = 0
@@ -111,6 +124,7 @@ class DecoupledLearner:
         self._closed = threading.Event()
         self._joined = threading.Event()
         self._lock = threading.Lock()
+        self._fetch_lock = threading.Lock()  # one fetch at a time on the fetch connection
         self._wanted: set[int] = set()
         self._base_versions: list[int] = [-1] * P
         self._latest_seq: dict[int, int] = {}
@@ -189,7 +203,8 @@ class DecoupledLearner:
 
     def _join(self) -> dict:
         h = {"learner": self.learner, "incarnation": self.incarnation,
-             "fingerprint": self.fingerprint, "host": socket.gethostname(), "pid": os.getpid()}
+             "fingerprint": self.fingerprint, "spec": self.spec,  # a mismatch names the field
+             "host": socket.gethostname(), "pid": os.getpid()}
         return self.client.unary("Join", h, timeout_s=10.0, control=True)
 
     def _join_and_fetch(self, initial: bool) -> tuple[list[int], dict[str, torch.Tensor]]:
@@ -197,22 +212,18 @@ class DecoupledLearner:
         backoff = 0.1
         while True:
             try:
+                fresh = self.incarnation < 0
                 r = self._join()
                 if r.get("need_init"):
                     self._upload_initial()
                     r = self._join()
+                if fresh:  # a new process of this learner id carries on its step count
+                    self.step_offset = int(r.get("steps_done") or 0)
                 self.incarnation = r["incarnation"]
                 self.boot_id = r["boot_id"]
                 self._merged_seq = {int(k): v for k, v in r.get("merged_seq", {}).items()}
                 self._note_budget(r)
-                got = self.client.fetch(None)
-                versions = [got[p][0] for p in range(self.fragmentation.P)]
-                params = {}
-                for p, f in enumerate(self.fragmentation.fragments):
-                    shaped = [t.view(self.params[n].shape) for n, t in zip(f.names, got[p][1])]
-                    params.update(zip(f.names, shaped))
-                    self._remember_base(p, got[p][0], shaped)
-                    self.stats["bytes_received"] += got[p][2]
+                versions, params = self._fetch_all()
                 self._joined.set()
                 log.info("[learner %d] joined syncer %s (incarnation %d), versions %s",
                          self.learner, self.boot_id, self.incarnation, versions)
@@ -233,6 +244,74 @@ class DecoupledLearner:
         if r.get("stop"):
             self._stop.set()
 
+    def _fetch_all(self, timeout_s: float = 60.0) -> tuple[list[int], dict[str, torch.Tensor]]:
+        """The published global model: (versions, name -> tensor in the model's shapes)."""
+        with self._fetch_lock:
+            got = self.client.fetch(None, timeout_s=timeout_s)
+        versions, params = [got[p][0] for p in range(self.fragmentation.P)], {}
+        for p, f in enumerate(self.fragmentation.fragments):
+            shaped = [t.view(self.params[n].shape) for n, t in zip(f.names, got[p][1])]
+            params.update(zip(f.names, shaped))
+            self._remember_base(p, got[p][0], shaped)
+            self.stats["bytes_received"] += got[p][2]
+        return versions, params
+
+    def _global_everywhere(self, timeout_s: float) -> tuple[list[int], dict[str, torch.Tensor]]:
+        """Root fetches the global model; an island's other ranks receive it from root."""
+        versions, params = [], {}
+        if self._is_root:
+            try:
+                versions, params = self._fetch_all(timeout_s)
+            except grpc.RpcError as e:
+                raise SyncerError(f"[learner {self.learner}] could not fetch the global model "
+                                  f"from {self.client.address}: {rpc_code(e).name}: "
+                                  f"{rpc_details(e)}") from None
+        if self.group is not None:
+            import torch.distributed as dist
+            src = dist.get_global_rank(self.group, 0)
+            ok = torch.tensor([int(bool(params))], dtype=torch.int64)
+            dist.broadcast(ok, src=src, group=self.group)
+            if not ok.item():
+                raise SyncerError(f"[learner {self.learner}] rank 0 could not fetch the "
+                                  f"global model")
+            if not self._is_root:
+                params = {n: torch.empty_like(t) for n, t in self.params.items()}
+            for n in self.params:
+                dist.broadcast(params[n], src=src, group=self.group)
+        return versions, params
+
+    def global_state_dict(self, timeout: timedelta = timedelta(seconds=60)
+                          ) -> dict[str, torch.Tensor]:
+        """The syncer's current global model as a ``state_dict`` (copies in the model's
+        dtypes; ``model`` is not touched). Blocks on the network; every rank of an island
+        calls it."""
+        _, params = self._global_everywhere(timeout.total_seconds())
+        return {n: params[n].to(self.params[n].dtype).clone() for n in self.params}
+
+    def load_global(self, timeout: timedelta = timedelta(seconds=60)) -> list[int]:
+        """Install the syncer's current global model into ``model`` now and go on training
+        from it, as a restarted learner does; returns the installed fragment versions. The
+        local steps not yet pushed are discarded (counted lost). Call it from the training
+        thread, between steps (every rank of an island)."""
+        versions, params = self._global_everywhere(timeout.total_seconds())
+        if self._is_root:
+            self.sync.fail()  # steps since each fragment's last push are overwritten
+            self.sync.load_global(params, versions)
+            with self._lock:
+                self._base_versions = list(versions)
+                self._wanted = set()
+        else:
+            with torch.no_grad():
+                for n, t in self.params.items():
+                    t.copy_(params[n])
+        return versions
+
+    @property
+    def global_step(self) -> int:
+        """Inner steps of this learner id over all its processes: the steps of earlier
+        processes (``step_offset``, from the syncer) plus this one's."""
+        return self.step_offset + self.sync.step
+
     @property
     def should_stop(self) -> bool:
         """True once the syncer's global step budget is spent: finish the loop (then leave
@@ -251,11 +330,13 @@ class DecoupledLearner:
                  "accepted" if r.get("accepted") else "another learner was first")
 
     def close(self) -> None:
-        """Wait (up to ``flush_timeout``) for pushes in flight to be merged, leave, stop."""
+        """Wait (up to ``flush_timeout``) for pushes in flight to be merged, (with
+        ``load_global_on_exit``) copy the global model into ``model``, leave, stop."""
         if self._closed.is_set():
             return
         if self._hook is not None:
             self._hook.remove()
+        exit_params: dict[str, torch.Tensor] | None = None
         if self._is_root and self._started:
             for o in self.sync.flush():
                 if o.c_steps < 1:  # installed since its last push: nothing left to contribute
@@ -269,6 +350,13 @@ class DecoupledLearner:
                     not self._sendq.empty() or self.sync.ledger.pending > 1e-9):
                 time.sleep(0.02)
                 self._drain()
+            if self.load_global_on_exit:
+                try:
+                    exit_params = self._fetch_all(self.flush_timeout_s)[1]
+                except grpc.RpcError as e:
+                    log.warning("[learner %d step %d] could not fetch the global model at exit "
+                                "(%s): the model keeps its local parameters", self.learner,
+                                self.sync.step, rpc_details(e))
             self._leaving.set()  # the heartbeat thread must not rejoin after the Leave
             try:
                 self.client.unary("Leave", {"learner": self.learner,
@@ -276,12 +364,33 @@ class DecoupledLearner:
                                             "report": self.report()}, timeout_s=3.0, control=True)
             except grpc.RpcError:
                 pass
+        if self.load_global_on_exit and self._started:
+            self._install_at_exit(exit_params)
         self._closed.set()
         self._sendq.put(None)
         for th in self._threads:
             th.join(timeout=3.0)
         if self._is_root:
             self.client.close()
+
+    def _install_at_exit(self, params: dict[str, torch.Tensor] | None) -> None:
+        if self.group is not None:  # root's fetch (or its failure) reaches every rank
+            import torch.distributed as dist
+            src = dist.get_global_rank(self.group, 0)
+            ok = torch.tensor([int(params is not None)], dtype=torch.int64)
+            dist.broadcast(ok, src=src, group=self.group)
+            if not ok.item():
+                return
+            if params is None:
+                params = {n: torch.empty_like(t) for n, t in self.params.items()}
+            for n in self.params:
+                dist.broadcast(params[n], src=src, group=self.group)
+        if params is None:
+            return
+        with torch.no_grad():
+            for n, t in self.params.items():
+                t.copy_(params[n])
+        self.loaded_global_on_exit = True
 
     # -- the training thread ----------------------------------------------------------------
     def step(self, tokens: int) -> list[int]:
@@ -372,7 +481,8 @@ class DecoupledLearner:
         return {"step": self.sync.step, "incarnation": self.incarnation,
                 "step_s": self.step_s_ema, "compute_s": self.compute_s,
                 "ledger": asdict(self.sync.ledger), "tokens_per_step": self.tokens_per_step,
-                "fetch_s": self.stats["fetch_s"], **self.stats, **self.extra_report}
+                "fetch_s": self.stats["fetch_s"], "global_step": self.global_step,
+                **self.stats, **self.extra_report}
 
     # -- background threads -----------------------------------------------------------------
     def _wire_seq(self, o: Outgoing) -> int:
@@ -478,7 +588,8 @@ class DecoupledLearner:
                             if versions[p] > max(got[p], self._base_versions[p])]
                 if need:
                     t0 = time.monotonic()
-                    res = self.client.fetch(sorted(need))
+                    with self._fetch_lock:
+                        res = self.client.fetch(sorted(need))
                     nbytes = sum(v[2] for v in res.values())
                     d = self.link.delay_s(nbytes)
                     if d > 0:

@@ -15,7 +15,7 @@ from ddiloco.runtime.syncer.common import LearnerInfo, Reject, handler
 from ddiloco.runtime.transport import wire
 from ddiloco.runtime.transport.schema import (HeartbeatRequest, InitHeader, JoinRequest,
                                                LeaveRequest, Report, WatchRequest)
-from ddiloco.runtime.transport.spec import check_spec, fragmentation_from_spec
+from ddiloco.runtime.transport.spec import check_spec, fragmentation_from_spec, spec_diff
 from ddiloco.runtime.transport.wire import ErrorCode as E
 
 __all__ = ["ControlHandlers"]
@@ -34,9 +34,17 @@ class ControlHandlers:
             if self.state is None:
                 return wire.pack({"need_init": True, "boot_id": self.boot_id})
             if h.fingerprint not in (None, self._fp):
+                what = ""
+                if h.spec is not None:
+                    try:
+                        check_spec(h.spec)
+                        what = spec_diff(self.spec, h.spec)
+                    except (ValueError, TypeError):  # a malformed spec: the fingerprint says it
+                        pass
                 raise Reject(grpc.StatusCode.FAILED_PRECONDITION, E.SPEC,
-                              f"model/fragmentation spec {h.fingerprint} differs from "
-                              f"the syncer's {self._fp}: same model, P and strategy everywhere")
+                             f"model/fragmentation spec {h.fingerprint} differs from the "
+                             f"syncer's {self._fp}{': ' + what if what else ''}; every learner "
+                             f"must pass the same model (names, shapes, dtypes), P and strategy")
             if inc < 0 or inc != self._incarnations.get(m):
                 inc = self._incarnations.get(m, 0) + 1
                 self._incarnations[m] = inc
@@ -54,6 +62,8 @@ class ControlHandlers:
                 "merged_seq": self._merged_seq_pub.get(m, {}),
                 "step_budget": self.config.step_budget, "stop": self.budget_spent,
                 "bulk_port": self.bulk_port,
+                # this learner's steps over its earlier processes (its latest report)
+                "steps_done": self._steps_done.get(m, 0),
             })
 
     @handler("init")

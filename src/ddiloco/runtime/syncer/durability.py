@@ -103,6 +103,7 @@ class Durability:
             "pub_versions": [v for v, _ in self._pub],
             "merged_seq": {m: dict(d) for m, d in self._merged_seq.items()},
             "incarnations": dict(self._incarnations),
+            "steps_done": dict(self._steps_done),
             "counters": dict(self.counters),
             "syncer_config": asdict(self.config.syncer),
             "saved_wall": time.time(),
@@ -156,6 +157,7 @@ class Durability:
                             for m, d in ck["merged_seq"].items()}
         self._merged_seq_pub = {m: dict(d) for m, d in self._merged_seq.items()}
         self._incarnations = {int(m): int(v) for m, v in ck["incarnations"].items()}
+        self._steps_done = {int(m): int(v) for m, v in ck.get("steps_done", {}).items()}
         self.counters.update(ck.get("counters", {}))
         self.counters["resumes"] += 1
         self._event("resume", versions=self.state.versions(), merges=self.state.merges)

@@ -92,6 +92,8 @@ class JoinRequest(BaseModel):
     learner: LearnerId
     incarnation: Annotated[int, Field(ge=-1, le=MAX_INCARNATION)] = -1
     fingerprint: ShortStr | None = None
+    spec: dict[str, Any] | None = None
+    """The learner's model spec: a mismatch is answered naming the fields that differ."""
     host: ShortStr | None = None
     pid: Annotated[int, Field(ge=0, le=1 << 40)] | None = None
     session: ShortStr | None = None
