@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import socket
 import struct
+import time
 
 import grpc
 import pytest
@@ -108,3 +109,37 @@ def test_data_port_hello_of_any_shape_gets_a_typed_refusal(syncer_factory):
     ok.close()
     assert torch.is_tensor(client.fetch([0])[0][1][0])
     client.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_publication_is_counted_and_retried_never_lost():
+    from ddiloco.runtime.syncer.server import SyncerServer, SyncerServerConfig
+    server = SyncerServer(SyncerServerConfig(token="tok"))
+    port = server.start()
+    client = SyncerClient(f"127.0.0.1:{port}", "tok")
+    try:
+        spec, inc = init_syncer(client, tiny_model())
+        frag = fragmentation_from_spec(spec)
+        real, failures = server._encode_down, [1]
+
+        def flaky(params):  # the first publication after the merge runs out of memory
+            if failures:
+                failures.pop()
+                raise MemoryError("injected")
+            return real(params)
+
+        server._encode_down = flaky
+        base = client.fetch([0])[0][1]
+        data = b"".join(get_codec("fp32").encode(t.view(-1) - 0.01) for t in base)
+        r = client.push(_push_h(frag, 0, data, inc, (inc << 32) + 1), data)
+        assert r["status"] == "accepted"
+        deadline = time.monotonic() + 5
+        while client.status()["versions"][0] != 1:
+            assert time.monotonic() < deadline, "the merged version is published on retry"
+            time.sleep(0.05)
+        st = client.status()
+        assert st["counters"]["publish_errors"] == 1 and st["merges"] == 1
+        assert client.fetch([0])[0][0] == 1
+    finally:
+        client.close()
+        server.close()

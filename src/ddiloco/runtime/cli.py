@@ -105,7 +105,11 @@ def cmd_syncer(args) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"ddiloco syncer: {e}", file=sys.stderr)
         return 2
-    server = SyncerServer(cfg)
+    try:
+        server = SyncerServer(cfg)
+    except (ValueError, FileNotFoundError) as e:  # no valid checkpoint to resume from
+        print(f"ddiloco syncer: {e}", file=sys.stderr)
+        return 2
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -72,9 +72,10 @@ def _checkpoint_path(source: str | Path) -> Path:
 def state_dict_from_checkpoint(source: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     """(state_dict, metadata) of the global model in a syncer checkpoint; ``source`` is a run
     directory, a checkpoint directory or the ``syncer.pt`` file."""
+    from ddiloco.runtime.syncer.checkpoint import load_checkpoint
     path = _checkpoint_path(source)
     try:
-        ck = torch.load(path, map_location="cpu", weights_only=True)
+        ck = load_checkpoint(path)
     except Exception as e:  # noqa: BLE001 - any unreadable file is the same error to the user
         raise ExportError(f"{path} is not a readable ddiloco syncer checkpoint "
                           f"({type(e).__name__}: {e}); it may be truncated or from another "

@@ -15,7 +15,7 @@ import torch
 
 from ddiloco.algorithm.codecs import get_codec
 from ddiloco.algorithm.syncer_state import Merged, SyncerState
-from ddiloco.runtime.syncer.checkpoint import load_checkpoint, save_atomic, CHECKPOINT_NAME
+from ddiloco.runtime.syncer.checkpoint import CHECKPOINT_NAME, load_newest_valid, save_atomic
 from ddiloco.runtime.transport.spec import check_spec, fragmentation_from_spec, spec_fingerprint
 
 __all__ = ["Durability"]
@@ -40,27 +40,57 @@ class Durability:
         for m, seq in zip(mg.learners, mg.seqs):
             self._merged_seq.setdefault(m, {})[mg.fragment] = seq
         self.counters["merges"] += 1
-        fetch_s = [i.report.get("fetch_s", 0.0) for i in self._learners.values()
-                   if i.state == "live" and i.report.get("fetch_s") is not None]
-        self.state.observe_sync_s(merge_s + (sum(fetch_s) / len(fetch_s) if fetch_s else 0.0))
-        if self._metrics_f:
-            self._event("merge", fragment=mg.fragment, version=mg.version,
-                        learners=list(mg.learners), weights=[round(w, 3) for w in mg.weights],
-                        reason=mg.reason, merge_s=round(merge_s, 6))
+        try:  # timing and metrics: never in the way of publishing what was merged
+            fetch_s = [i.report.get("fetch_s", 0.0) for i in self._learners.values()
+                       if i.state == "live" and i.report.get("fetch_s") is not None]
+            self.state.observe_sync_s(merge_s + (sum(fetch_s) / len(fetch_s) if fetch_s
+                                                 else 0.0))
+            if self._metrics_f:
+                self._event("merge", fragment=mg.fragment, version=mg.version,
+                            learners=list(mg.learners),
+                            weights=[round(w, 3) for w in mg.weights],
+                            reason=mg.reason, merge_s=round(merge_s, 6))
+        except Exception:  # noqa: BLE001 - counted and logged
+            self.counters["merge_bookkeeping_errors"] += 1
+            log.exception("merge of fragment %d: bookkeeping failed (the merge stands)",
+                          mg.fragment)
         self._dirty_merges += 1
         if self._durable:
             self._unpublished[mg.fragment] = mg
             self._ckpt_requested = True
             self._ckpt_cv.notify_all()
         else:
-            self._publish(mg.fragment, mg.version, mg.params)
-            # copy on write: watchers hold the old mapping; only these learners' entries moved
-            self._merged_seq_pub = {**self._merged_seq_pub,
-                                    **{m: dict(self._merged_seq[m]) for m in mg.learners}}
-            self._published_cv.notify_all()
+            self._publish_merged(mg)
             if self.config.checkpoint_dir and self._dirty_merges >= self.config.checkpoint_every:
                 self._ckpt_requested = True
                 self._ckpt_cv.notify_all()
+
+    def _publish_merged(self, mg: Merged, merged_seq: dict | None = None) -> bool:
+        """Publish a merged version (caller holds the lock). A failure (out of memory while
+        encoding) is counted and the version kept for a retry by the timer thread: the
+        state machine has committed the merge, so it is published late, never lost."""
+        try:
+            if mg.version > self._pub[mg.fragment][0]:
+                self._publish(mg.fragment, mg.version, mg.params)
+        except Exception as e:  # noqa: BLE001 - counted, logged and retried
+            self.counters["publish_errors"] += 1
+            self._publish_retry[mg.fragment] = mg
+            log.error("publishing version %d of fragment %d failed (%s: %s): retrying",
+                      mg.version, mg.fragment, type(e).__name__, e)
+            return False
+        self._publish_retry.pop(mg.fragment, None)
+        # copy on write: watchers hold the old mapping; only these learners' entries moved
+        self._merged_seq_pub = ({m: dict(d) for m, d in merged_seq.items()}
+                                if merged_seq is not None else
+                                {**self._merged_seq_pub,
+                                 **{m: dict(self._merged_seq[m]) for m in mg.learners}})
+        self._published_cv.notify_all()
+        return True
+
+    def _retry_publish(self) -> None:
+        """Publish versions whose publication failed (timer thread, lock held)."""
+        for mg in list(self._publish_retry.values()):
+            self._publish_merged(mg)
 
     def _handle_merges(self, merged: list[Merged], t0: float) -> None:
         for mg in merged:
@@ -111,7 +141,8 @@ class Durability:
 
     def _write(self, snap: dict) -> None:
         t0 = time.monotonic()
-        n = save_atomic(snap, Path(self.config.checkpoint_dir) / CHECKPOINT_NAME)
+        n = save_atomic(snap, Path(self.config.checkpoint_dir) / CHECKPOINT_NAME,
+                        keep=self.config.checkpoint_keep)
         self.counters["checkpoints"] += 1
         self.counters["checkpoint_bytes"] = n
         self.counters["checkpoint_s_total"] = self.counters.get("checkpoint_s_total", 0) + (
@@ -142,13 +173,10 @@ class Durability:
                 continue
             with self._lock:
                 for p, mg in to_publish.items():
-                    if mg.version > self._pub[p][0]:
-                        self._publish(p, mg.version, mg.params)
-                self._merged_seq_pub = merged_seq
-                self._published_cv.notify_all()
+                    self._publish_merged(mg, merged_seq)
 
     def _load(self, path: Path) -> None:
-        ck = load_checkpoint(path)
+        ck, path = load_newest_valid(path, self.config.checkpoint_keep)
         self._setup(ck["spec"])
         self.state.load_state_dict(ck["state"])
         for p in range(len(self._pub)):

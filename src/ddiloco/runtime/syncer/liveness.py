@@ -29,6 +29,8 @@ class Liveness:
                 if self._closed or self.state is None:
                     continue
                 now = time.monotonic()
+                if self._publish_retry:
+                    self._retry_publish()
                 while self._timers and self._timers[0][0] <= now:
                     _, p = heapq.heappop(self._timers)
                     t0 = time.monotonic()

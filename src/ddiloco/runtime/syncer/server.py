@@ -20,6 +20,7 @@ resume).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -35,7 +36,7 @@ import grpc
 from pydantic import BaseModel
 
 from ddiloco.algorithm.syncer_state import Merged, SyncerConfig, SyncerState
-from ddiloco.runtime.syncer.checkpoint import CHECKPOINT_NAME
+from ddiloco.runtime.syncer.checkpoint import CHECKPOINT_NAME, DEFAULT_KEEP, remove_stale_temps
 from ddiloco.runtime.syncer.common import LearnerInfo, Reject
 from ddiloco.runtime.syncer.control import ControlHandlers
 from ddiloco.runtime.syncer.data import DataHandlers
@@ -52,6 +53,9 @@ __all__ = ["SyncerServerConfig", "SyncerServer"]
 M = TypeVar("M", bound=BaseModel)
 
 log = logging.getLogger("ddiloco.syncer")
+
+DATA_PORT_FILE = "data_port"
+"""In the checkpoint directory: the data port of the last run, bound again on restart."""
 
 DOWNLINK_CODECS = ("fp32", "bf16", "int8")
 """Codecs of merged fragments sent to learners. int8 quantises the parameters themselves
@@ -81,7 +85,11 @@ class SyncerServerConfig:
     """1: every merge is durable before it is published. N > 1: a checkpoint every N merges,
     published at once (a SIGKILL may lose up to N - 1 merges)."""
     resume: bool = False
-    """Load ``checkpoint_dir/syncer.pt`` at start."""
+    """Load ``checkpoint_dir/syncer.pt`` at start (or, if it is damaged or holds NaN, the
+    newest valid one of those kept)."""
+    checkpoint_keep: int = DEFAULT_KEEP
+    """Checkpoints kept on disk (``syncer.pt``, ``syncer.pt.1``...): the fallbacks when the
+    newest is damaged."""
     tls_cert: str | None = None
     tls_key: str | None = None
     bulk_port: int | None = 0
@@ -104,6 +112,8 @@ class SyncerServerConfig:
             raise ValueError("a shared-secret token is required")
         if self.downlink_codec not in DOWNLINK_CODECS:
             raise ValueError(f"downlink_codec must be one of {DOWNLINK_CODECS}")
+        if self.checkpoint_keep < 1:
+            raise ValueError("checkpoint_keep must be >= 1")
         if self.checkpoint_every < 1:
             raise ValueError("checkpoint_every must be >= 1")
         if self.resume and not self.checkpoint_dir:
@@ -172,6 +182,7 @@ class SyncerServer(ControlHandlers, DataHandlers, Durability, Liveness):
         self._pub: list[tuple[int, list[memoryview]]] = []  # per fragment: (version, downlink bytes)
         self._shapes: list[list[tuple[int, ...]]] = []  # per fragment: its tensors' shapes
         self._unpublished: dict[int, Merged] = {}       # merged, waiting for durability
+        self._publish_retry: dict[int, Merged] = {}     # merged, publication failed: retried
         self._merged_seq: dict[int, dict[int, int]] = {}       # m -> p -> seq (all merges)
         self._merged_seq_pub: dict[int, dict[int, int]] = {}   # the published part
         self._learners: dict[int, LearnerInfo] = {}
@@ -190,6 +201,8 @@ class SyncerServer(ControlHandlers, DataHandlers, Durability, Liveness):
         self.bulk_port: int | None = None
         self._threads: list[threading.Thread] = []
         self.port = -1
+        if config.checkpoint_dir:
+            remove_stale_temps(config.checkpoint_dir)
         if config.resume:
             self._load(Path(config.checkpoint_dir) / CHECKPOINT_NAME)
 
@@ -218,19 +231,7 @@ class SyncerServer(ControlHandlers, DataHandlers, Durability, Liveness):
         if self.port == 0:
             raise RuntimeError(f"could not bind {addr}")
         if self.config.bulk_port is not None:
-            ctx = (server_ssl_context(self.config.tls_cert, self.config.tls_key)
-                   if self.config.tls_cert else None)
-            try:
-                self._bulk_server = BulkServer(
-                    self.config.host, self.config.bulk_port, self.config.token, self._bulk,
-                    max_payload=self.config.max_push_bytes, ssl_context=ctx,
-                    on_auth_failure=self._bulk_auth_failed)
-            except OSError as e:
-                self._server.stop(None)
-                raise RuntimeError(f"could not bind the data port {self.config.host}:"
-                                   f"{self.config.bulk_port}: {e}") from None
-            self.bulk_port = self._bulk_server.port
-            self._bulk_server.start()
+            self._start_data_port()
         for target, name in ((self._timer_loop, "syncer-timer"), (self._ckpt_loop, "syncer-ckpt")):
             t = threading.Thread(target=target, name=name, daemon=True)
             t.start()
@@ -239,6 +240,38 @@ class SyncerServer(ControlHandlers, DataHandlers, Durability, Liveness):
         log.info("syncer %s listening on %s:%d (data port %s)", self.boot_id, self.config.host,
                  self.port, self.bulk_port if self.bulk_port is not None else "off")
         return self.port
+
+    def _start_data_port(self) -> None:
+        """Bind the data port. With a checkpoint directory and ``bulk_port == 0`` the port
+        first bound is remembered there (``data_port``) and taken again after a restart, so
+        learners keep reaching it across resumes (any free port if it is taken by then)."""
+        cfg = self.config
+        ctx = server_ssl_context(cfg.tls_cert, cfg.tls_key) if cfg.tls_cert else None
+        remembered = Path(cfg.checkpoint_dir) / DATA_PORT_FILE if cfg.checkpoint_dir else None
+        ports = [cfg.bulk_port]
+        if cfg.bulk_port == 0 and remembered is not None and remembered.is_file():
+            with contextlib.suppress(ValueError, OSError):
+                ports.insert(0, int(remembered.read_text()))
+        for i, port in enumerate(ports):
+            try:
+                self._bulk_server = BulkServer(
+                    cfg.host, port, cfg.token, self._bulk, max_payload=cfg.max_push_bytes,
+                    ssl_context=ctx, on_auth_failure=self._bulk_auth_failed)
+                break
+            except OSError as e:
+                if i + 1 < len(ports):
+                    log.warning("data port %d of the previous run is taken (%s): binding "
+                                "another; learners learn it when they rejoin", port, e)
+                    continue
+                self._server.stop(None)
+                raise RuntimeError(f"could not bind the data port {cfg.host}:{port}: {e}"
+                                   ) from None
+        self.bulk_port = self._bulk_server.port
+        if remembered is not None and cfg.bulk_port == 0:
+            with contextlib.suppress(OSError):
+                remembered.parent.mkdir(parents=True, exist_ok=True)
+                remembered.write_text(str(self.bulk_port))
+        self._bulk_server.start()
 
     def close(self) -> None:
         with self._lock:
@@ -257,7 +290,11 @@ class SyncerServer(ControlHandlers, DataHandlers, Durability, Liveness):
         if self.config.checkpoint_dir and self.state is not None:
             with self._lock:
                 snap = self._snapshot()
-            self._write(snap)
+            try:
+                self._write(snap)
+            except OSError as e:  # disk full at shutdown: the last durable checkpoint stays
+                log.error("final checkpoint not written: %s (the last durable checkpoint "
+                          "stays; no published version is lost)", e)
         if self._metrics_f:
             self._metrics_f.close()
             self._metrics_f = None
