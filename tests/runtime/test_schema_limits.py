@@ -100,8 +100,11 @@ def test_data_port_hello_of_any_shape_gets_a_typed_refusal(syncer_factory):
         assert r["grpc"] == "UNAUTHENTICATED" and r["error"].startswith("E_AUTH"), r
     deep = b'{"op":"hello","token":' + b"[" * 10_000 + b"]" * 10_000 + b"}"
     with socket.create_connection(("127.0.0.1", port), timeout=10) as c:
-        c.sendall(struct.pack(">IQ", len(deep), 0) + deep)
-        assert c.recv(1 << 16) == b"", "not JSON within the depth bound: closed, no reply"
+        try:  # over the hello size and depth bounds: closed (or reset), no reply
+            c.sendall(struct.pack(">IQ", len(deep), 0) + deep)
+            assert c.recv(1 << 16) == b""
+        except (ConnectionResetError, BrokenPipeError):
+            pass
     # the port still serves an honest client
     ok = BulkClient(split_host(s.address), port, s.token)
     h, _ = ok.request({"op": "fetch", "fragments": [1]})

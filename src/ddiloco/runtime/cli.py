@@ -39,6 +39,14 @@ def add_syncer_parser(subparsers) -> argparse.ArgumentParser:
                         "several times faster; learners learn it when they join and fall back "
                         "to gRPC if they cannot reach it). 0: a free port; -1: off. Fix it "
                         "(and open it) when learners are behind a firewall")
+    p.add_argument("--handshake-timeout", type=float, default=5.0,
+                   help="seconds a new data-port connection has to authenticate")
+    p.add_argument("--max-connections", type=int, default=256,
+                   help="open data-port connections in total (more are closed at once)")
+    p.add_argument("--max-connections-per-peer", type=int, default=32,
+                   help="open data-port connections from one IP address")
+    p.add_argument("--data-workers", type=int, default=16,
+                   help="threads serving data-port requests (idle connections hold none)")
     p.add_argument("--token-file", help="file holding the shared secret")
     p.add_argument("--tls-cert", help="server certificate (PEM) to enable TLS")
     p.add_argument("--tls-key", help="server private key (PEM)")
@@ -77,6 +85,7 @@ def syncer_server_config(args):
     from ddiloco.algorithm.syncer_state import SyncerConfig
     from ddiloco.runtime.transport.auth import load_token
     from ddiloco.runtime.syncer.server import SyncerServerConfig
+    from ddiloco.runtime.transport.bulk import BulkLimits
 
     sc = SyncerConfig(policy=PolicyConfig(quorum=args.quorum, grace=not args.no_grace,
                                           gamma=args.gamma, tau=args.tau),
@@ -91,7 +100,12 @@ def syncer_server_config(args):
                               checkpoint_every=args.checkpoint_every, resume=args.resume,
                               tls_cert=args.tls_cert, tls_key=args.tls_key,
                               metrics_path=args.metrics_file, step_budget=args.step_budget,
-                              bulk_port=None if args.bulk_port == -1 else args.bulk_port)
+                              bulk_port=None if args.bulk_port == -1 else args.bulk_port,
+                              data_limits=BulkLimits(
+                                  handshake_timeout_s=args.handshake_timeout,
+                                  max_connections=args.max_connections,
+                                  max_connections_per_peer=args.max_connections_per_peer,
+                                  workers=args.data_workers))
 
 
 def cmd_syncer(args) -> int:

@@ -44,7 +44,7 @@ from ddiloco.runtime.syncer.durability import Durability
 from ddiloco.runtime.syncer.liveness import Liveness
 from ddiloco.runtime.transport import wire
 from ddiloco.runtime.transport.auth import check_token, server_credentials, server_ssl_context
-from ddiloco.runtime.transport.bulk import BulkServer
+from ddiloco.runtime.transport.bulk import BulkLimits, BulkServer
 from ddiloco.runtime.transport.schema import SchemaError, parse
 from ddiloco.runtime.transport.wire import ErrorCode as E
 
@@ -97,6 +97,9 @@ class SyncerServerConfig:
     when the syncer has a certificate), advertised to learners in the Join reply. 0 picks
     a free one; None disables it (learners then send fragments over gRPC, a few times
     slower). Learners that cannot reach it fall back to gRPC."""
+    data_limits: BulkLimits = field(default_factory=BulkLimits)
+    """Connection limits of the data port (hello size, handshake deadline, connections in
+    total and per peer, worker threads, request deadline)."""
     max_workers: int = 64
     """gRPC handler threads (each live learner holds up to three calls)."""
     metrics_path: str | None = None
@@ -256,7 +259,8 @@ class SyncerServer(ControlHandlers, DataHandlers, Durability, Liveness):
             try:
                 self._bulk_server = BulkServer(
                     cfg.host, port, cfg.token, self._bulk, max_payload=cfg.max_push_bytes,
-                    ssl_context=ctx, on_auth_failure=self._bulk_auth_failed)
+                    ssl_context=ctx, on_auth_failure=self._bulk_auth_failed,
+                    on_refused=self._bulk_refused, limits=cfg.data_limits)
                 break
             except OSError as e:
                 if i + 1 < len(ports):
@@ -335,6 +339,11 @@ class SyncerServer(ControlHandlers, DataHandlers, Durability, Liveness):
             self.rejections[r.code] += 1
             self._event("reject", code=r.code, who=who, message=r.message)
         log.warning("%s rejected: %s: %s", who, r.code, r.message)
+
+    def _bulk_refused(self, peer: str, code: str, reason: str) -> None:
+        with self._lock:
+            self.rejections[code] += 1
+        log.warning("data connection from %s dropped: %s: %s", peer, code, reason)
 
     def _bulk_auth_failed(self, peer: str) -> None:
         with self._lock:

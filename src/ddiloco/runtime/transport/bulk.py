@@ -9,7 +9,8 @@ minimal protocol:
   message      12-byte prefix ``>IQ`` (header length, payload length), a UTF-8 JSON header,
                then the payload (codec output, never pickled). Payloads are read straight
                into one preallocated buffer and sent from memory views (no joins).
-  connection   the client's first message is ``{"op": "hello", "token": ...}``; the server
+  connection   the client's first message is ``{"op": "hello", "token": ...}`` (at most
+               ``BulkLimits.hello_max_bytes``, within ``handshake_timeout_s``); the server
                answers ``{"ok": true}`` or an ``E_AUTH`` error and closes.
   push         ``{"op": "push", <the Push header>}`` + payload  ->  ``{"status": ...}``
   fetch        ``{"op": "fetch", "fragments": [...]}``  ->  ``{"items": [{"fragment",
@@ -17,21 +18,29 @@ minimal protocol:
   error        ``{"error": "E_SHAPE: ...", "grpc": "INVALID_ARGUMENT"}``; after an error the
                server closes the connection if the request's payload was not consumed.
 
-Limits are checked before anything is allocated: a header over ``MAX_HEADER_BYTES``, or a
-payload over the server's limit, closes the connection. Client errors are ``BulkError``, a
+Limits are checked before anything is allocated: a hello over ``hello_max_bytes``, a header
+over ``MAX_HEADER_BYTES``, or a payload over the server's limit, closes the connection. No
+thread waits on a handshake or an idle connection (a selector does); connections are
+bounded in total and per peer address (``BulkLimits``). Client errors are ``BulkError``, a
 ``grpc.RpcError`` with ``code()`` / ``details()``, so callers handle both transports alike
 (connection failures are ``UNAVAILABLE``: retryable).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import selectors
 import socket
 import ssl
 import struct
 import threading
+import time
+from collections import Counter
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import grpc
 import numpy as np
@@ -40,7 +49,8 @@ from ddiloco.runtime.transport import wire
 from ddiloco.runtime.transport.auth import check_token
 from ddiloco.runtime.transport.schema import Hello, SchemaError, loads, parse
 
-__all__ = ["BulkClient", "BulkError", "BulkServer", "BulkReject", "empty_buffer", "split_host"]
+__all__ = ["BulkClient", "BulkError", "BulkLimits", "BulkServer", "BulkReject", "empty_buffer",
+           "split_host"]
 
 log = logging.getLogger("ddiloco.bulk")
 
@@ -112,7 +122,9 @@ def empty_buffer(n: int) -> memoryview:
     return memoryview(np.empty(n, dtype=np.uint8))
 
 
-def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+def _recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+    """Fill ``view`` from ``sock``; with a ``deadline`` (monotonic seconds) a sender that
+    trickles bytes is cut off there (``TimeoutError``)."""
     n, total = 0, len(view)
     # MSG_WAITALL on a blocking socket: the kernel fills the whole view in one call (one
     # GIL release and one wake-up, not one per socket-buffer's worth); TLS takes no flags
@@ -123,6 +135,8 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
         if k == 0:
             raise ConnectionError("connection closed mid-message")
         n += k
+        if deadline is not None and n < total and time.monotonic() > deadline:
+            raise TimeoutError("message not received within its deadline")
 
 
 def _send(sock: socket.socket, header: dict, payload: Sequence[bytes | memoryview] = ()) -> None:
@@ -146,14 +160,14 @@ def _send(sock: socket.socket, header: dict, payload: Sequence[bytes | memoryvie
             views[0] = views[0][sent:]
 
 
-def _recv_header(sock: socket.socket) -> tuple[dict, int]:
+def _recv_header(sock: socket.socket, deadline: float | None = None) -> tuple[dict, int]:
     pre = bytearray(_PREFIX.size)
-    _recv_exact(sock, memoryview(pre))
+    _recv_exact(sock, memoryview(pre), deadline)
     hlen, plen = _PREFIX.unpack(pre)
     if hlen > wire.MAX_HEADER_BYTES:
         raise ValueError(f"header of {hlen} bytes exceeds {wire.MAX_HEADER_BYTES}")
     raw = bytearray(hlen)
-    _recv_exact(sock, memoryview(raw))
+    _recv_exact(sock, memoryview(raw), deadline)
     header = loads(raw)
     if not isinstance(header, dict):
         raise ValueError("header must be a JSON object")
@@ -166,23 +180,85 @@ pieces)``; it calls ``read_payload()`` once it has validated the header (and the
 length); raises ``BulkReject``."""
 
 
+@dataclass(kw_only=True, slots=True, frozen=True)
+class BulkLimits:
+    """What the data port grants a connection, before and after authentication."""
+
+    hello_max_bytes: int = 4096
+    """Largest first message (the hello with the token) read before authentication."""
+    handshake_timeout_s: float = 5.0
+    """Time a new connection has to complete TLS and send a valid hello."""
+    max_connections: int = 256
+    """Open connections in total; more are closed at once."""
+    max_connections_per_peer: int = 32
+    """Open connections from one IP address; more are closed at once."""
+    workers: int = 16
+    """Threads serving requests; idle connections hold none (they wait in a selector)."""
+    request_timeout_s: float = 120.0
+    """Time an authenticated client has to send one whole request (header and payload)."""
+
+    def __post_init__(self) -> None:
+        for name in ("hello_max_bytes", "max_connections", "max_connections_per_peer",
+                     "workers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        for name in ("handshake_timeout_s", "request_timeout_s"):
+            if not 0 < getattr(self, name) < float("inf"):
+                raise ValueError(f"{name} must be a positive number of seconds")
+
+
+class _Pending:
+    """A connection in its handshake: TLS (if any), then the hello, read without blocking."""
+
+    __slots__ = ("sock", "peer", "deadline", "buf", "tls_done")
+
+    def __init__(self, sock: socket.socket, peer: str, deadline: float, tls: bool) -> None:
+        self.sock, self.peer, self.deadline = sock, peer, deadline
+        self.buf = bytearray()
+        self.tls_done = not tls
+
+
 class BulkServer:
-    """Accepts bulk connections; one thread per connection (a syncer has few learners)."""
+    """Serves the data port. One selector thread accepts connections, runs every handshake
+    without blocking (under a deadline and a small hello limit) and watches idle
+    authenticated connections; a bounded pool of ``limits.workers`` threads serves the
+    requests. Connections are bounded in total and per peer address."""
 
     def __init__(self, host: str, port: int, token: str, handler: Handler, *,
                  max_payload: int, ssl_context: ssl.SSLContext | None = None,
-                 on_auth_failure: Callable[[str], None] | None = None) -> None:
+                 on_auth_failure: Callable[[str], None] | None = None,
+                 on_refused: Callable[[str, str, str], None] | None = None,
+                 limits: BulkLimits | None = None) -> None:
         self.token, self.handler, self.max_payload = token, handler, max_payload
         self.ssl_context = ssl_context
         self.on_auth_failure = on_auth_failure
+        self.on_refused = on_refused
+        """Called with (peer, code, reason) when a connection is dropped before
+        authentication (``E_BUSY``: a connection limit; ``E_HANDSHAKE``: no valid hello in
+        time, or one too large)."""
+        self.limits = limits or BulkLimits()
         self._sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host
                                           else socket.AF_INET, backlog=128)
+        self._sock.setblocking(False)
         self.port = self._sock.getsockname()[1]
-        self._conns: set[socket.socket] = set()
+        self._sel = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._pending: dict[socket.socket, _Pending] = {}
+        self._peer_of: dict[socket.socket, str] = {}
+        self._per_peer: Counter[str] = Counter()
+        self._ready: list[socket.socket] = []  # served: back to the selector
         self._lock = threading.Lock()
         self._closed = False
-        self._thread = threading.Thread(target=self._accept_loop, name="bulk-accept",
-                                        daemon=True)
+        self._pool = ThreadPoolExecutor(max_workers=self.limits.workers,
+                                        thread_name_prefix="bulk-worker")
+        self._thread = threading.Thread(target=self._loop, name="bulk-loop", daemon=True)
+
+    @property
+    def connections(self) -> int:
+        """Open connections (handshaking, idle or being served)."""
+        with self._lock:
+            return len(self._peer_of)
 
     def start(self) -> None:
         self._thread.start()
@@ -190,69 +266,230 @@ class BulkServer:
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            conns = list(self._conns)
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._sock.close()
-        for c in conns:
-            try:
-                c.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            conns = list(self._peer_of)
+        self._wake()
         self._thread.join(timeout=2.0)
+        for c in conns:
+            with contextlib.suppress(OSError):
+                c.shutdown(socket.SHUT_RDWR)
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        for c in conns:
+            with contextlib.suppress(OSError):
+                c.close()
+        for s in (self._sock, self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                s.close()
+        with contextlib.suppress(OSError, ValueError):
+            self._sel.close()
 
-    def _accept_loop(self) -> None:
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+
+    # -- the selector thread ----------------------------------------------------------------
+    def _loop(self) -> None:
+        self._sel.register(self._sock, selectors.EVENT_READ, "accept")
+        self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         while True:
-            try:
-                conn, peer = self._sock.accept()
-            except OSError:
-                return
             with self._lock:
                 if self._closed:
-                    conn.close()
                     return
-                self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn, peer), name="bulk-conn",
-                             daemon=True).start()
+                ready, self._ready = self._ready, []
+            for conn in ready:
+                self._watch_idle(conn)
+            for key, ev in self._sel.select(timeout=0.25):
+                if key.data == "accept":
+                    self._accept()
+                elif key.data == "wake":
+                    with contextlib.suppress(OSError):
+                        self._wake_r.recv(4096)
+                elif key.data == "idle":
+                    self._sel.unregister(key.fileobj)
+                    self._dispatch(key.fileobj)
+                else:
+                    self._handshake(key.data)
+            now = time.monotonic()
+            for pend in [p for p in self._pending.values() if p.deadline <= now]:
+                self._refuse(pend, f"no valid hello within {self.limits.handshake_timeout_s} s")
 
-    def _serve(self, conn: socket.socket, peer) -> None:
-        try:
-            _tune(conn)
-            if self.ssl_context is not None:
-                conn.settimeout(30.0)
-                conn = self.ssl_context.wrap_socket(conn, server_side=True)
-                conn.settimeout(None)
-            h, plen = _recv_header(conn)
+    def _accept(self) -> None:
+        for _ in range(64):
             try:
-                hello = parse(Hello, h, "hello") if not plen else None
-            except SchemaError:
-                hello = None
-            if hello is None or not check_token(self.token, hello.token):
-                if self.on_auth_failure:
-                    self.on_auth_failure(str(peer))
+                conn, addr = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return
+            peer = str(addr[0])
+            lim = self.limits
+            with self._lock:
+                full = len(self._peer_of) >= lim.max_connections
+                busy = self._per_peer[peer] >= lim.max_connections_per_peer
+                if not (full or busy):
+                    self._peer_of[conn] = peer
+                    self._per_peer[peer] += 1
+            if full or busy:
+                with contextlib.suppress(OSError):
+                    conn.close()
+                self._note_refused(peer, wire.ErrorCode.BUSY,
+                                   f"connection limit ({lim.max_connections} in total)" if full
+                                   else f"connection limit ({lim.max_connections_per_peer} "
+                                   f"per peer)")
+                continue
+            conn.setblocking(False)
+            _tune(conn)
+            tls = self.ssl_context is not None
+            if tls:
+                try:
+                    conn = self._swap(conn, self.ssl_context.wrap_socket(
+                        conn, server_side=True, do_handshake_on_connect=False))
+                except (OSError, ValueError) as e:
+                    self._drop(conn)
+                    self._note_refused(peer, wire.ErrorCode.HANDSHAKE, f"TLS setup failed: {e}")
+                    continue
+            pend = _Pending(conn, peer, time.monotonic() + lim.handshake_timeout_s, tls)
+            self._pending[conn] = pend
+            self._sel.register(conn, selectors.EVENT_READ, pend)
+
+    def _swap(self, old: socket.socket, new: socket.socket) -> socket.socket:
+        with self._lock:
+            self._peer_of[new] = self._peer_of.pop(old)
+        return new
+
+    def _handshake(self, pend: _Pending) -> None:
+        conn = pend.sock
+        try:
+            if not pend.tls_done:
+                try:
+                    conn.do_handshake()
+                except ssl.SSLWantReadError:
+                    return
+                except ssl.SSLWantWriteError:
+                    self._sel.modify(conn, selectors.EVENT_READ | selectors.EVENT_WRITE, pend)
+                    return
+                pend.tls_done = True
+                self._sel.modify(conn, selectors.EVENT_READ, pend)
+            want = _PREFIX.size
+            if len(pend.buf) >= _PREFIX.size:
+                want += _PREFIX.unpack_from(pend.buf)[0]
+            while len(pend.buf) < want:
+                try:
+                    chunk = conn.recv(want - len(pend.buf))
+                except (BlockingIOError, ssl.SSLWantReadError):
+                    return
+                if not chunk:
+                    self._refuse(pend, "closed during the handshake", reply=False)
+                    return
+                pend.buf += chunk
+                if len(pend.buf) == _PREFIX.size:
+                    hlen, plen = _PREFIX.unpack_from(pend.buf)
+                    if hlen > self.limits.hello_max_bytes or plen:
+                        self._refuse(pend, f"hello of {hlen} bytes (+{plen}) exceeds "
+                                           f"{self.limits.hello_max_bytes}", reply=False)
+                        return
+                    want += hlen
+        except (OSError, ValueError) as e:
+            self._refuse(pend, f"handshake failed: {type(e).__name__}: {e}", reply=False)
+            return
+        try:
+            raw = loads(pend.buf[_PREFIX.size:])
+        except SchemaError as e:  # not JSON (or too deep): closed without a reply
+            self._refuse(pend, str(e), reply=False)
+            return
+        try:
+            hello = parse(Hello, raw, "hello")
+        except SchemaError:
+            hello = None
+        if hello is None or not check_token(self.token, hello.token):
+            if self.on_auth_failure:
+                self.on_auth_failure(pend.peer)
+            self._refuse(pend, "bad hello", reply=True, counted=False)
+            return
+        del self._pending[conn]
+        self._sel.unregister(conn)
+        try:
+            conn.setblocking(True)
+            _set_deadline(conn, self.limits.request_timeout_s)
+            _send(conn, {"ok": True})
+        except OSError:
+            self._drop(conn)
+            return
+        self._watch_idle(conn)
+
+    def _refuse(self, pend: _Pending, reason: str, reply: bool = False,
+                counted: bool = True) -> None:
+        conn = pend.sock
+        self._pending.pop(conn, None)
+        with contextlib.suppress(KeyError, ValueError):
+            self._sel.unregister(conn)
+        if reply:
+            with contextlib.suppress(OSError, ValueError):
+                conn.setblocking(True)
+                conn.settimeout(1.0)
                 _send(conn, {"error": f"{wire.ErrorCode.AUTH}: missing or wrong token (set "
                                       f"$DDILOCO_TOKEN or --token-file to the syncer's secret)",
                              "grpc": "UNAUTHENTICATED"})
-                return
-            _send(conn, {"ok": True})
-            while self._request(conn):
-                pass
-        except (OSError, ValueError, ConnectionError, ssl.SSLError) as e:
-            log.debug("bulk connection from %s closed: %s", peer, e)
-        finally:
+        if counted:
+            self._note_refused(pend.peer, wire.ErrorCode.HANDSHAKE, reason)
+        self._drop(conn)
+
+    def _note_refused(self, peer: str, code: str, reason: str) -> None:
+        log.debug("data connection from %s dropped: %s: %s", peer, code, reason)
+        if self.on_refused:
+            self.on_refused(peer, code, reason)
+
+    def _watch_idle(self, conn: socket.socket) -> None:
+        """An authenticated connection between requests: no thread, the selector waits."""
+        if isinstance(conn, ssl.SSLSocket) and conn.pending():
+            self._dispatch(conn)  # bytes already decrypted: the selector would not see them
+            return
+        try:
+            self._sel.register(conn, selectors.EVENT_READ, "idle")
+        except (OSError, ValueError, KeyError):
+            self._drop(conn)
+
+    def _dispatch(self, conn: socket.socket) -> None:
+        try:
+            self._pool.submit(self._serve_one, conn)
+        except RuntimeError:  # shut down
+            self._drop(conn)
+
+    def _drop(self, conn: socket.socket) -> None:
+        with self._lock:
+            peer = self._peer_of.pop(conn, None)
+            if peer is not None:
+                self._per_peer[peer] -= 1
+                if self._per_peer[peer] <= 0:
+                    del self._per_peer[peer]
+        with contextlib.suppress(OSError):
+            conn.close()
+
+    # -- the workers ------------------------------------------------------------------------
+    def _serve_one(self, conn: socket.socket) -> None:
+        keep = False
+        try:
+            keep = self._request(conn)
+        except (OSError, ValueError, ConnectionError) as e:
+            log.debug("bulk connection closed: %s", e)
+        except Exception:  # noqa: BLE001 - a handler bug ends this connection, not the port
+            log.exception("bulk request failed")
+        if keep:
             with self._lock:
-                self._conns.discard(conn)
-            try:
-                conn.close()
-            except OSError:
-                pass
+                if not self._closed:
+                    self._ready.append(conn)
+                    keep = True
+                else:
+                    keep = False
+        if keep:
+            self._wake()
+        else:
+            self._drop(conn)
 
     def _request(self, conn: socket.socket) -> bool:
         """Serve one request; False ends the connection."""
+        deadline = time.monotonic() + self.limits.request_timeout_s
         try:
-            h, plen = _recv_header(conn)
+            h, plen = _recv_header(conn, deadline)
         except ConnectionError:
             return False
         if plen > self.max_payload:
@@ -266,7 +503,7 @@ class BulkServer:
         def read_payload() -> memoryview:
             nonlocal consumed
             buf = empty_buffer(plen)
-            _recv_exact(conn, buf)
+            _recv_exact(conn, buf, deadline)
             consumed = True
             return buf
 

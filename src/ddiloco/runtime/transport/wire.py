@@ -69,6 +69,10 @@ class ErrorCode:
     SPEC = "E_SPEC"
     NOT_READY = "E_NOT_READY"
     INVALID = "E_INVALID"
+    BUSY = "E_BUSY"
+    """A connection or stream limit was reached; retry later."""
+    HANDSHAKE = "E_HANDSHAKE"
+    """A data-port connection sent no valid hello in time, or one too large."""
     INTERNAL = "E_INTERNAL"
     """A handler failed on a bug; the call changed nothing it had not committed."""
 
