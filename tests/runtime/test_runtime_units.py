@@ -126,3 +126,29 @@ def test_ctrl_c_stops_everything_with_no_orphans(tmp_path):
     assert _procs_mentioning(str(run)) == []
     summary = json.loads((run / "summary.json").read_text())
     assert summary["interrupted"] is True and summary["ok"] is False
+
+
+def test_learner_state_file_roundtrip_and_damage(tmp_path):
+    """The inner optimizer's state survives a restart; a damaged file costs only the moments."""
+    from ddiloco.runtime.learner.main import load_learner_state, save_learner_state
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(3):
+        model(torch.randn(8, 4)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    path = tmp_path / "learner_state.pt"
+    save_learner_state(path, 30, opt)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["learner_state.pt"]  # no temp left
+    st = load_learner_state(path)
+    assert st["step"] == 30
+    fresh = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    fresh.load_state_dict(st["optimizer"])
+    for p in model.parameters():
+        for k in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(fresh.state[p][k], opt.state[p][k]), k
+    path.write_bytes(b"truncated")
+    assert load_learner_state(path) is None
+    assert load_learner_state(tmp_path / "none.pt") is None

@@ -57,6 +57,7 @@ def test_sigkill_a_learner_the_others_never_pause_and_it_rejoins(tmp_path):
     rows = read_jsonl(run / "learner_1" / "metrics.jsonl")
     starts = [i for i, r in enumerate(rows) if r["kind"] == "learner_start"]
     assert len(starts) == 2 and rows[starts[1]]["step"] >= 50
+    assert rows[starts[1]]["resumed_optimizer"]  # its AdamW moments, saved with its progress
     first_loss_after = next(r["loss"] for r in rows[starts[1]:] if r["kind"] == "step")
     assert first_loss_after < s["initial_eval_loss"] - 0.5
     joins = [r for r in read_jsonl(run / "syncer.metrics.jsonl")

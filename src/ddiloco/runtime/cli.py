@@ -162,6 +162,9 @@ def add_learner_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--bandwidth", type=float, default=0.0, help="emulated link bytes/s (0: none)")
     p.add_argument("--latency", type=float, default=0.0, help="emulated one-way latency, s")
     p.add_argument("--connect-timeout", type=float, default=300.0)
+    p.add_argument("--fresh-optimizer", action="store_true",
+                   help="on a restart, start the inner optimizer afresh instead of resuming "
+                        "its saved state (learner_state.pt in --run-dir)")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=cmd_learner)
     return p
@@ -192,7 +195,8 @@ def cmd_learner(args) -> int:
         run_learner(cfg, syncer=args.syncer, learner=args.learner, run_dir=args.run_dir,
                     token_file=args.token_file, tls_ca=args.tls_ca, slowdown=args.slowdown,
                     link=LinkLimits(bandwidth_bytes_per_s=args.bandwidth, latency_s=args.latency),
-                    connect_timeout_s=args.connect_timeout)
+                    connect_timeout_s=args.connect_timeout,
+                    resume_optimizer=not args.fresh_optimizer)
     except (ValueError, SyncerError) as e:
         print(f"ddiloco learner: {e}", file=sys.stderr)
         return 2

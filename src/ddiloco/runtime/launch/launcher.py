@@ -56,6 +56,8 @@ class LaunchOptions:
     does): learners run until it is spent, so one that lost time to a failure is made up
     for by the others and nobody idles at the end. False: each learner runs ``steps``."""
     extra_syncer_args: list[str] = field(default_factory=list)
+    extra_learner_args: list[str] = field(default_factory=list)
+    """Flags added to every ``ddiloco learner`` command (e.g. ``--fresh-optimizer``)."""
 
     def __post_init__(self) -> None:
         if self.island_size < 1:
@@ -154,7 +156,7 @@ class Launcher:
                       "--run-dir", str(self.out / f"learner_{m}"),
                       "--slowdown", str(self.chaos.slowdown.get(m, 1.0)),
                       "--bandwidth", str(self.chaos.link_bandwidth_Bps),
-                      "--latency", str(self.chaos.link_latency_s)]
+                      "--latency", str(self.chaos.link_latency_s), *self.opts.extra_learner_args]
         return cmd
 
     def _spawn(self, p: _Proc) -> None:

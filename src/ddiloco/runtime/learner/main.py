@@ -40,12 +40,42 @@ def _write_json_atomic(path: Path, obj: dict) -> None:
     os.replace(tmp, path)
 
 
+STATE_NAME = "learner_state.pt"
+"""The learner's resumable state in its run directory: step and inner-optimizer state."""
+
+
+def save_learner_state(path: Path, step: int, opt: torch.optim.Optimizer) -> None:
+    """Write ``{"step", "optimizer"}`` atomically (temp file, rename): a SIGKILL leaves the
+    previous state or the new one, never a torn file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    torch.save({"step": step, "optimizer": opt.state_dict()}, tmp)
+    os.replace(tmp, path)
+
+
+def load_learner_state(path: Path) -> dict | None:
+    """The saved state, or None (none saved, or unreadable: the learner starts its optimizer
+    afresh, with a warning)."""
+    if not path.is_file():
+        return None
+    try:
+        st = torch.load(path, map_location="cpu", weights_only=True)
+        return st if isinstance(st, dict) and isinstance(st.get("step"), int) else None
+    except Exception as e:  # noqa: BLE001 - a damaged file costs the moments, not the run
+        log.warning("could not read %s (%s): the inner optimizer starts afresh", path, e)
+        return None
+
+
 def run_learner(cfg: TrainConfig, *, syncer: str, learner: int, run_dir: str | None = None,
                 token_file: str | None = None, tls_ca: str | None = None,
                 slowdown: float = 1.0, link: LinkLimits | None = None,
-                connect_timeout_s: float = 300.0, heartbeat_s: float = 0.25) -> dict:
+                connect_timeout_s: float = 300.0, heartbeat_s: float = 0.25,
+                resume_optimizer: bool = True) -> dict:
     """Train ``cfg.steps`` inner steps (in total over restarts), or, when the syncer holds a
-    global step budget, until the syncer says it is spent; returns the final report."""
+    global step budget, until the syncer says it is spent; returns the final report.
+
+    With ``run_dir``, every 10 steps the learner saves its step and inner-optimizer state
+    (``learner_state.pt``) and its progress; a restarted learner resumes its step count, data
+    position and (unless ``resume_optimizer`` is False) its optimizer state (AdamW moments)."""
     world, rank, group = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0")), None
     backend = os.environ.get("DDILOCO_ISLAND_BACKEND") or (
         "nccl" if cfg.device != "cpu" and torch.cuda.is_available() else "gloo")
@@ -62,9 +92,13 @@ def run_learner(cfg: TrainConfig, *, syncer: str, learner: int, run_dir: str | N
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
     progress_path = out / "progress.json" if out is not None else None
+    state_path = out / STATE_NAME if out is not None else None
     start_step = 0
     if progress_path is not None and progress_path.is_file():
         start_step = int(json.loads(progress_path.read_text())["step"])
+    saved = load_learner_state(state_path) if state_path is not None else None
+    if saved is not None:  # written just before progress.json: it may be 10 steps ahead
+        start_step = max(start_step, saved["step"])
     data = data_config(cfg)
     model = new_model(cfg).to(device)
     train_model = model
@@ -72,6 +106,10 @@ def run_learner(cfg: TrainConfig, *, syncer: str, learner: int, run_dir: str | N
         from torch.nn.parallel import DistributedDataParallel as DDP
         train_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     opt = new_optimizer(cfg, model)
+    resumed_optimizer = False
+    if saved is not None and resume_optimizer and saved["step"] == start_step:
+        opt.load_state_dict(saved["optimizer"])  # moved to the parameters' device
+        resumed_optimizer = True
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.autocast == "bf16")
     stream = build_stream(data, learner=learner * world + rank, n_learners=cfg.learners * world,
                           batch_size=cfg.batch_size, block_size=cfg.block_size, seed=cfg.seed)
@@ -90,6 +128,7 @@ def run_learner(cfg: TrainConfig, *, syncer: str, learner: int, run_dir: str | N
         if metrics:
             metrics.write(json.dumps({"kind": "learner_start", "learner": learner, "wall": time.time(),
                                       "step": start_step, "incarnation": dl.incarnation,
+                                      "resumed_optimizer": resumed_optimizer,
                                       "startup_s": round(time.time() - t_start, 3),
                                       "pid": os.getpid()}) + "\n")
         # with a global step budget at the syncer, learners run until it is spent (one that
@@ -125,6 +164,7 @@ def run_learner(cfg: TrainConfig, *, syncer: str, learner: int, run_dir: str | N
                                                         for p in installed}}) + "\n")
                 if step % 10 == 0 or step == limit or dl.should_stop:
                     metrics.flush()
+                    save_learner_state(state_path, step, opt)
                     _write_json_atomic(progress_path, {"step": step})
     report = dl.report()
     if group is not None:  # every rank of the island must hold the same parameters
