@@ -165,6 +165,9 @@ def add_learner_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--fresh-optimizer", action="store_true",
                    help="on a restart, start the inner optimizer afresh instead of resuming "
                         "its saved state (learner_state.pt in --run-dir)")
+    p.add_argument("--wait-for-merge", action="store_true",
+                   help="after each push wait until its merge is installed (synchronous "
+                        "DiLoCo: with --set fragments=1 --set tau=0 and a syncer --quorum M)")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=cmd_learner)
     return p
@@ -196,7 +199,8 @@ def cmd_learner(args) -> int:
                     token_file=args.token_file, tls_ca=args.tls_ca, slowdown=args.slowdown,
                     link=LinkLimits(bandwidth_bytes_per_s=args.bandwidth, latency_s=args.latency),
                     connect_timeout_s=args.connect_timeout,
-                    resume_optimizer=not args.fresh_optimizer)
+                    resume_optimizer=not args.fresh_optimizer,
+                    wait_for_merge=args.wait_for_merge)
     except (ValueError, SyncerError) as e:
         print(f"ddiloco learner: {e}", file=sys.stderr)
         return 2

@@ -428,6 +428,35 @@ class DecoupledLearner:
         self._stop_seen = self._stop_seen or stop
         return installed
 
+    def wait_installs(self, timeout: timedelta = timedelta(minutes=5)) -> list[int]:
+        """Block until every fragment whose install step has come is installed: call after
+        ``step`` for synchronous DiLoCo (tau = 0, P = 1, quorum K = M, every learner waits
+        for the merge of its push). Returns when the syncer says stop, too; raises
+        ``SyncerError`` after ``timeout``. Not for islands (``process_group``)."""
+        if self.group is not None:
+            raise ValueError("wait_installs does not support islands (process_group)")
+        deadline = time.monotonic() + timeout.total_seconds()
+        installed: list[int] = []
+        while not self._stop.is_set():
+            due = [p for p, fr in enumerate(self.sync.frags)
+                   if fr.waiting and self.sync.step >= fr.due_step]
+            if not due:
+                break
+            if self._thread_error is not None or time.monotonic() > deadline:
+                raise SyncerError(f"[learner {self.learner} step {self.sync.step}] no merge of "
+                                  f"fragments {due} within {timeout}")
+            time.sleep(0.002)
+            self._drain()
+            got = self.sync.install_due()
+            with self._lock:
+                for p in got:
+                    self._base_versions[p] = self.sync.frags[p].base_version
+                self._wanted = set(self.sync.waiting_fragments)
+            self.stats["installs"] += len(got)
+            installed += got
+        self._last_step_t = time.monotonic()  # the wait is not compute time
+        return installed
+
     def _broadcast_installs(self, installed: list[int], stop: bool) -> tuple[list[int], bool]:
         import torch.distributed as dist
         src = dist.get_global_rank(self.group, 0)

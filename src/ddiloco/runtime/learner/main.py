@@ -69,13 +69,15 @@ def run_learner(cfg: TrainConfig, *, syncer: str, learner: int, run_dir: str | N
                 token_file: str | None = None, tls_ca: str | None = None,
                 slowdown: float = 1.0, link: LinkLimits | None = None,
                 connect_timeout_s: float = 300.0, heartbeat_s: float = 0.25,
-                resume_optimizer: bool = True) -> dict:
+                resume_optimizer: bool = True, wait_for_merge: bool = False) -> dict:
     """Train ``cfg.steps`` inner steps (in total over restarts), or, when the syncer holds a
     global step budget, until the syncer says it is spent; returns the final report.
 
     With ``run_dir``, every 10 steps the learner saves its step and inner-optimizer state
     (``learner_state.pt``) and its progress; a restarted learner resumes its step count, data
-    position and (unless ``resume_optimizer`` is False) its optimizer state (AdamW moments)."""
+    position and (unless ``resume_optimizer`` is False) its optimizer state (AdamW moments).
+    ``wait_for_merge``: after each push, wait until its merge is installed (synchronous
+    DiLoCo with ``fragments=1, tau=0`` and a syncer quorum of M)."""
     world, rank, group = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0")), None
     backend = os.environ.get("DDILOCO_ISLAND_BACKEND") or (
         "nccl" if cfg.device != "cpu" and torch.cuda.is_available() else "gloo")
@@ -154,6 +156,8 @@ def run_learner(cfg: TrainConfig, *, syncer: str, learner: int, run_dir: str | N
                 compute_ema = dt if compute_ema is None else 0.9 * compute_ema + 0.1 * dt
                 time.sleep((slowdown - 1.0) * compute_ema)
             installed = dl.step(tokens)
+            if wait_for_merge:
+                installed += dl.wait_installs()
             lv = loss.item()
             step += 1
             dl.extra_report.update(loss=lv, global_step=step, total_steps=cfg.steps)
