@@ -20,10 +20,18 @@ Per method (N parameters, D datacenters, ring factor r = 2(D-1)/D for an all-red
   k = H, overlap 0, bits = r * b_up * N.
 * ``streaming``: P fragments, one all-reduced every H/P steps, overlapped for tau steps:
   k = H/P, overlap tau, bits = r * b_up * N/P.
-* ``decoupled``: each step a learner pushes one fragment (b_up bits per parameter) to the
-  syncer and pulls the merged one (b_down); the syncer is sharded over the D datacenters,
-  so (D-1)/D of that traffic crosses the link: k = 1, overlap tau,
-  bits = (D-1)/D * (b_up + b_down) * N/P.
+* ``decoupled``: every H/P steps a learner pushes one fragment (b_up bits per parameter) to
+  the syncer and pulls the merged one (b_down): k = H/P, overlap tau,
+  bits = s * (b_up + b_down) * N/P.
+
+The syncer's placement sets s. ``sharded`` (default): the syncer is split over the D
+datacenters, so (D-1)/D of a learner's traffic crosses its link (s = (D-1)/D). ``hub``: the
+syncer runs in a datacenter of its own, every push and pull crosses the learner's link
+(s = 1), and DiLoCo goes through it too (each learner pushes b_up * N and pulls b_down * N
+every H steps, instead of an all-reduce).
+
+Bits per parameter may be fractional: a quantised codec's per-block scales count (int4 with
+one fp32 scale per 64 elements: 4.5 bits; int8: 8.5).
 
 Not modelled: compute/communication contention inside a step, stragglers, failures (see
 ``ddiloco.sim``), protocol overheads beyond ``latency_s``.
@@ -34,10 +42,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-__all__ = ["METHODS", "BandwidthConfig", "period", "utilisation", "min_bandwidth",
+__all__ = ["METHODS", "SYNCER_PLACEMENTS", "BandwidthConfig", "period", "utilisation", "min_bandwidth",
            "time_to_train", "step_time_from_flops", "with_method"]
 
 METHODS = ("dp", "diloco", "streaming", "decoupled")
+SYNCER_PLACEMENTS = ("sharded", "hub")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -52,12 +61,13 @@ class BandwidthConfig:
     """T: compute time of one inner step (same for every method)."""
     datacenters: int = 8
     """D: datacenters, one replica or learner each, >= 2."""
-    grad_bits: int = 16
+    grad_bits: float = 16
     """DP: bits per gradient element on the wire (bf16: 16)."""
-    up_bits: int = 16
-    """DiLoCo family: bits per parameter sent by a learner (bf16 16, int4 4)."""
-    down_bits: int = 16
-    """Decoupled: bits per parameter of the merged fragment sent back."""
+    up_bits: float = 16
+    """DiLoCo family: bits per parameter sent by a learner (bf16 16, int4 4.5 with scales)."""
+    down_bits: float = 16
+    """Decoupled (and DiLoCo through a hub syncer): bits per parameter of the merged
+    parameters sent back."""
     fragments: int = 24
     """P: fragments (streaming, decoupled)."""
     inner_steps: int = 24
@@ -66,6 +76,8 @@ class BandwidthConfig:
     """Overlap in inner steps (streaming, decoupled)."""
     latency_s: float = 0.0
     """Fixed cost added to each transfer (round trips, protocol)."""
+    syncer: str = "sharded"
+    """Syncer placement: ``sharded`` over the D datacenters, or ``hub`` (its own datacenter)."""
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -77,8 +89,11 @@ class BandwidthConfig:
         if self.datacenters < 2:
             raise ValueError(f"datacenters must be >= 2 (one has no WAN), got {self.datacenters}")
         for name in ("grad_bits", "up_bits", "down_bits", "fragments", "inner_steps"):
-            if getattr(self, name) < 1:
+            if not getattr(self, name) >= 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.syncer not in SYNCER_PLACEMENTS:
+            raise ValueError(f"syncer must be one of {', '.join(SYNCER_PLACEMENTS)}; "
+                             f"got {self.syncer!r}")
         if self.tau < 0 or self.latency_s < 0:
             raise ValueError("tau and latency_s must be >= 0")
         if self.method == "streaming" and self.inner_steps % self.fragments:
@@ -92,12 +107,16 @@ def period(cfg: BandwidthConfig) -> tuple[float, float, float]:
     ring = 2 * (d - 1) / d
     if cfg.method == "dp":
         return 1.0, ring * cfg.grad_bits * n, 0.0
+    hub = cfg.syncer == "hub"
     if cfg.method == "diloco":
-        return float(cfg.inner_steps), ring * cfg.up_bits * n, 0.0
+        bits = (cfg.up_bits + cfg.down_bits) * n if hub else ring * cfg.up_bits * n
+        return float(cfg.inner_steps), bits, 0.0
     if cfg.method == "streaming":
         return (cfg.inner_steps / cfg.fragments, ring * cfg.up_bits * n / cfg.fragments,
                 float(cfg.tau))
-    return 1.0, (d - 1) / d * (cfg.up_bits + cfg.down_bits) * n / cfg.fragments, float(cfg.tau)
+    share = 1.0 if hub else (d - 1) / d
+    return (cfg.inner_steps / cfg.fragments,
+            share * (cfg.up_bits + cfg.down_bits) * n / cfg.fragments, float(cfg.tau))
 
 
 def utilisation(cfg: BandwidthConfig, bandwidth_bps: float) -> float:

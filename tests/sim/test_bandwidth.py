@@ -2,8 +2,8 @@ import math
 
 import pytest
 
-from ddiloco.bandwidth import (METHODS, BandwidthConfig, min_bandwidth, step_time_from_flops,
-                               time_to_train, utilisation, with_method)
+from ddiloco.bandwidth import (METHODS, BandwidthConfig, min_bandwidth, period,
+                               step_time_from_flops, time_to_train, utilisation, with_method)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -66,3 +66,27 @@ def test_step_time_from_flops():
 def test_bandwidth_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         BandwidthConfig(**kwargs)
+
+
+def test_decoupled_sends_one_fragment_every_h_over_p_steps():
+    # P = H: one fragment per step; P = H/3: one every 3 steps, the same bits per step
+    a = BandwidthConfig(method="decoupled", params=1e6, fragments=24, inner_steps=24)
+    b = BandwidthConfig(method="decoupled", params=1e6, fragments=8, inner_steps=24)
+    (ka, bits_a, _), (kb, bits_b, _) = period(a), period(b)
+    assert (ka, kb) == (1.0, 3.0)
+    assert bits_a / ka == pytest.approx(bits_b / kb)
+
+
+def test_hub_syncer_carries_every_byte_and_fractional_codec_bits():
+    n, d = 1e6, 4
+    sharded = BandwidthConfig(method="decoupled", params=n, datacenters=d, up_bits=4.5,
+                              down_bits=8.5, fragments=8, inner_steps=24)
+    hub = BandwidthConfig(method="decoupled", params=n, datacenters=d, up_bits=4.5,
+                          down_bits=8.5, fragments=8, inner_steps=24, syncer="hub")
+    assert period(hub)[1] == pytest.approx(13 * n / 8)
+    assert period(sharded)[1] == pytest.approx(period(hub)[1] * (d - 1) / d)
+    dl = BandwidthConfig(method="diloco", params=n, datacenters=d, up_bits=4.5, down_bits=8.5,
+                         inner_steps=24, syncer="hub")
+    assert period(dl) == (24.0, pytest.approx(13 * n), 0.0)
+    with pytest.raises(ValueError, match="syncer"):
+        BandwidthConfig(syncer="edge")

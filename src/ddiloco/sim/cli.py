@@ -173,10 +173,15 @@ def add_bandwidth_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--params", type=positive_float, default=5e9, help="N parameters")
     p.add_argument("--step-time", type=positive_float, default=1.0, help="T seconds")
     p.add_argument("--datacenters", type=positive_int, default=8, help="D >= 2")
-    p.add_argument("--up-bits", type=positive_int, default=16,
-                   help="bits/param a learner sends (16 bf16, 4 int4)")
-    p.add_argument("--down-bits", type=positive_int, default=16)
-    p.add_argument("--grad-bits", type=positive_int, default=16)
+    p.add_argument("--up-bits", type=positive_float, default=16,
+                   help="bits/param a learner sends, per-block scales included (16 bf16, "
+                        "4.5 int4 with 64-element blocks)")
+    p.add_argument("--down-bits", type=positive_float, default=16,
+                   help="bits/param of merged parameters sent back (8.5: int8)")
+    p.add_argument("--grad-bits", type=positive_float, default=16,
+                   help="DP: bits per gradient element (32: fp32, as Gloo sends them)")
+    p.add_argument("--syncer", choices=("sharded", "hub"), default="sharded",
+                   help="syncer split over the datacenters (default) or in its own (hub)")
     p.add_argument("--fragments", type=positive_int, default=24, help="P")
     p.add_argument("--inner-steps", type=positive_int, default=24, help="H")
     p.add_argument("--tau", type=int, default=2)
@@ -206,7 +211,7 @@ def _run_bandwidth(args) -> int:
                                   datacenters=args.datacenters, grad_bits=args.grad_bits,
                                   up_bits=args.up_bits, down_bits=args.down_bits,
                                   fragments=args.fragments, inner_steps=args.inner_steps,
-                                  tau=args.tau, latency_s=args.latency)
+                                  tau=args.tau, latency_s=args.latency, syncer=args.syncer)
         except ValueError as e:
             parser.error(str(e))
         row = {"method": method, "target_cu": args.target_cu,
@@ -226,7 +231,7 @@ def _run_bandwidth(args) -> int:
     setting = {"params": args.params, "step_time_s": args.step_time,
                "datacenters": args.datacenters, "up_bits": args.up_bits,
                "down_bits": args.down_bits, "fragments": args.fragments,
-               "inner_steps": args.inner_steps, "tau": args.tau}
+               "inner_steps": args.inner_steps, "tau": args.tau, "syncer": args.syncer}
     if args.json:
         print(json.dumps({"setting": setting, "methods": rows}))
         return 0
