@@ -90,3 +90,16 @@ def test_hub_syncer_carries_every_byte_and_fractional_codec_bits():
     assert period(dl) == (24.0, pytest.approx(13 * n), 0.0)
     with pytest.raises(ValueError, match="syncer"):
         BandwidthConfig(syncer="edge")
+
+
+def test_pulls_and_control_traffic_add_to_decoupled_bits():
+    base = BandwidthConfig(method="decoupled", params=1e6, fragments=8, inner_steps=24,
+                           up_bits=4.5, down_bits=8.5, syncer="hub", step_time_s=0.2)
+    more = BandwidthConfig(method="decoupled", params=1e6, fragments=8, inner_steps=24,
+                           up_bits=4.5, down_bits=8.5, syncer="hub", step_time_s=0.2,
+                           pulls_per_push=1.5, control_bps=1e5)
+    k, bits, _ = period(more)
+    assert bits - period(base)[1] == pytest.approx(0.5 * 8.5 * 1e6 / 8 + 1e5 * k * 0.2)
+    assert utilisation(more, 1e6) < utilisation(base, 1e6)
+    with pytest.raises(ValueError, match="pulls_per_push"):
+        BandwidthConfig(pulls_per_push=0.5)

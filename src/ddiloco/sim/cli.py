@@ -182,6 +182,11 @@ def add_bandwidth_parser(subparsers) -> argparse.ArgumentParser:
                    help="DP: bits per gradient element (32: fp32, as Gloo sends them)")
     p.add_argument("--syncer", choices=("sharded", "hub"), default="sharded",
                    help="syncer split over the datacenters (default) or in its own (hub)")
+    p.add_argument("--pulls-per-push", type=positive_float, default=1.0,
+                   help="Decoupled: merged versions downloaded per push (measured: see "
+                        "docs/results/wan.md)")
+    p.add_argument("--control-bps", type=float, default=0.0,
+                   help="control-plane and header traffic per learner link, bits/s")
     p.add_argument("--fragments", type=positive_int, default=24, help="P")
     p.add_argument("--inner-steps", type=positive_int, default=24, help="H")
     p.add_argument("--tau", type=int, default=2)
@@ -211,7 +216,9 @@ def _run_bandwidth(args) -> int:
                                   datacenters=args.datacenters, grad_bits=args.grad_bits,
                                   up_bits=args.up_bits, down_bits=args.down_bits,
                                   fragments=args.fragments, inner_steps=args.inner_steps,
-                                  tau=args.tau, latency_s=args.latency, syncer=args.syncer)
+                                  tau=args.tau, latency_s=args.latency, syncer=args.syncer,
+                                  pulls_per_push=args.pulls_per_push,
+                                  control_bps=args.control_bps)
         except ValueError as e:
             parser.error(str(e))
         row = {"method": method, "target_cu": args.target_cu,

@@ -1,0 +1,249 @@
+"""Tables and the loss-against-wall-clock plot of the WAN measurements (``bench/wan/suite.py``).
+
+    python bench/wan/report.py --out runs/wan [--target 2.0]
+
+Prints markdown tables, writes ``docs/results/wan.json`` (every figure quoted in
+``docs/results/wan.md``) and ``docs/results/wan_loss.png``.
+
+Definitions:
+* time to target: the first saved global model whose eval loss is at or below the target,
+  seconds from the first training step (an upper bound by at most one save interval);
+* DP's projected time to target, when its shaped run stops first: the steps the unshaped DP
+  run needed (the same seeded, synchronous computation: DP's loss per step does not depend
+  on the link) times the shaped run's measured seconds per step;
+* bytes per inner step: bytes both ways on a region's link in the training window, over
+  that region's inner steps;
+* planner: ``ddiloco.bandwidth.period`` for the run's N, D, codecs, P, H and the syncer in
+  its own hub region.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "src"))
+
+from ddiloco.bandwidth import BandwidthConfig, period  # noqa: E402
+
+CODEC_BITS = {"fp32": 32.0, "bf16": 16.0, "int8": 8.5, "int4": 4.5, "int2": 2.5}
+"""Bits per parameter on the wire, per-block fp32 scales included (64-element blocks)."""
+
+
+def load(out: Path) -> dict[str, dict]:
+    res = {}
+    for d in sorted(out.iterdir()):
+        f = d / "result.json"
+        if f.is_file():
+            res[d.name] = json.loads(f.read_text())
+    return res
+
+
+def time_to(curve: list[dict], target: float) -> float | None:
+    for c in curve:
+        if c["eval_loss"] <= target:
+            return max(0.0, c["t_s"])
+    return None
+
+
+def steps_to(curve: list[dict], target: float) -> float | None:
+    prev = None
+    for c in curve:
+        if c["eval_loss"] <= target:
+            if prev is None:
+                return float(c["step"])
+            # linear between the two saves around the crossing
+            f = (prev["eval_loss"] - target) / (prev["eval_loss"] - c["eval_loss"])
+            return prev["step"] + f * (c["step"] - prev["step"])
+        prev = c
+    return None
+
+
+def bytes_per_step(r: dict) -> dict:
+    """Mean over the learner regions of (up, down) bytes per inner step of that region."""
+    ups, downs = [], []
+    for k, reg in r["regions"].items():
+        w = r["link_bytes_window"][k]
+        ups.append(w["up_bytes"] / reg["steps"])
+        downs.append(w["down_bytes"] / reg["steps"])
+    return {"up": sum(ups) / len(ups), "down": sum(downs) / len(downs),
+            "total": (sum(ups) + sum(downs)) / len(ups)}
+
+
+def planner_bytes_per_step(r: dict) -> float:
+    """Bytes both ways per inner step on one region's link, per the planner."""
+    c = r["config"]
+    n, d = r["n_params"], c["learners"]
+    if r["method"] == "dp":
+        cfg = BandwidthConfig(method="dp", params=n, step_time_s=1.0, datacenters=d, grad_bits=32)
+        k, bits, _ = period(cfg)
+        return 2 * bits / 8 / k  # a ring all-reduce sends and receives the same amount
+    cfg = BandwidthConfig(method=r["method"], params=n, step_time_s=1.0, datacenters=d,
+                          up_bits=CODEC_BITS[c["codec"]], down_bits=CODEC_BITS[c["down_codec"]],
+                          fragments=c["fragments"], inner_steps=c["H"], tau=c["tau"],
+                          syncer="hub")
+    k, bits, _ = period(cfg)
+    return bits / 8 / k
+
+
+def utilisation(r: dict) -> list[float]:
+    return [round(reg["utilisation"], 3) for reg in r["regions"].values()]
+
+
+def goodput(r: dict) -> float | None:
+    led = [reg.get("ledger") for reg in r["regions"].values()]
+    if not all(led):
+        return None
+    return sum(x["merged"] for x in led) / sum(x["computed"] for x in led)
+
+
+def final_loss(r: dict) -> float:
+    return r["curve"][-1]["eval_loss"]
+
+
+def cut_progress(out: Path, name: str, r: dict) -> dict | None:
+    ev = {e["kind"]: e for e in r.get("events", [])}
+    if "cut" not in ev or "restore" not in ev:
+        return None
+    a, b = ev["cut"]["wall"], ev["restore"]["wall"]
+    steps = {}
+    for k in r["regions"]:
+        f = (out / name / f"rank_{k}.jsonl") if r["method"] == "dp" else \
+            (out / name / f"learner_{k}" / "metrics.jsonl")
+        walls = [json.loads(x)["wall"] for x in f.read_text().splitlines()
+                 if x.strip() and json.loads(x).get("kind", "step") == "step"]
+        steps[k] = sum(1 for w in walls if a <= w <= b)
+    return {"cut_region": ev["cut"]["region"], "cut_s": round(b - a, 1),
+            "cut_at_s": ev["cut"]["t_s"], "steps_during_cut": steps}
+
+
+def plot(res: dict, target: float, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    styles = {"dp": ("DP (Gloo all-reduce)", "C3", "-"), "diloco": ("DiLoCo (sync, H=24)", "C1", "-"),
+              "decoupled": ("Decoupled (int4 up, int8 down)", "C0", "-"),
+              "dp_free": ("DP, unshaped links", "C3", ":")}
+    for name, (label, color, ls) in styles.items():
+        if name in res:
+            c = [x for x in res[name]["curve"] if x["t_s"] >= 0]
+            ax.plot([x["t_s"] for x in c], [x["eval_loss"] for x in c], ls, color=color,
+                    label=label, marker=".", markersize=3)
+    ax.axhline(target, color="grey", lw=0.8, ls="--", label=f"target {target:g}")
+    ax.set_xscale("symlog", linthresh=10)
+    ax.set_xlabel("wall-clock seconds from the first step")
+    ax.set_ylabel("eval loss")
+    ax.set_title("4 regions, links shaped to 2.5 Mbit/s each way")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="runs/wan")
+    ap.add_argument("--target", type=float, default=None,
+                   help="eval loss target (default: the worst best loss of DiLoCo and Decoupled)")
+    ap.add_argument("--docs", default=str(ROOT / "docs" / "results"))
+    a = ap.parse_args()
+    out = Path(a.out)
+    res = load(out)
+    target = a.target
+    if target is None:
+        target = max(min(c["eval_loss"] for c in res[m]["curve"])
+                     for m in ("diloco", "decoupled") if m in res)
+        target = round(target + 0.005, 2)
+    summary: dict = {"target_eval_loss": target, "runs": {}}
+    print(f"target eval loss {target}\n")
+    print("| run | train s | steps (all regions) | s per step | final eval | time to target s | "
+          "utilisation per region | goodput |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, r in res.items():
+        t = time_to(r["curve"], target)
+        sps = r["train_s"] / (r["total_steps"] / len(r["regions"]))
+        g = goodput(r)
+        row = {"method": r["method"], "train_s": r["train_s"], "total_steps": r["total_steps"],
+               "s_per_step": sps, "final_eval": final_loss(r), "time_to_target_s": t,
+               "utilisation": utilisation(r), "goodput": g,
+               "bytes_per_step": bytes_per_step(r),
+               "planner_bytes_per_step": planner_bytes_per_step(r),
+               "cut": cut_progress(out, name, r)}
+        summary["runs"][name] = row
+        print(f"| {name} | {r['train_s']:.1f} | {r['total_steps']} | {sps:.3f} | "
+              f"{final_loss(r):.4f} | {'not reached' if t is None else f'{t:.1f}'} | "
+              f"{row['utilisation']} | {'-' if g is None else f'{g:.3f}'} |")
+    if "dp" in res and "dp_free" in res:
+        s = steps_to(res["dp_free"]["curve"], target)
+        dp = summary["runs"]["dp"]
+        proj = None if s is None else s * dp["s_per_step"]
+        summary["dp_projected_time_to_target_s"] = proj
+        summary["dp_steps_to_target"] = s
+        print(f"\nDP: {s} steps to target (unshaped run) x {dp['s_per_step']:.3f} s per shaped "
+              f"step = {proj} s")
+        for m in ("diloco", "decoupled"):
+            tm = summary["runs"].get(m, {}).get("time_to_target_s")
+            dp_t = dp["time_to_target_s"] or proj
+            if tm and dp_t:
+                summary[f"speedup_{m}_vs_dp"] = dp_t / tm
+                print(f"speed-up {m} vs DP: {dp_t / tm:.1f}x")
+    if "dp" in res and "dp_free" in res:
+        print("\n| target eval loss | DP s (measured or projected) | DiLoCo s | Decoupled s | "
+              "DiLoCo speed-up | Decoupled speed-up |")
+        print("|---|---|---|---|---|---|")
+        summary["targets"] = []
+        for tgt in sorted({2.3, 2.1, 2.0, 1.9, 1.8, 1.7, target}, reverse=True):
+            dp_t = time_to(res["dp"]["curve"], tgt)
+            kind = "measured"
+            if dp_t is None:
+                s = steps_to(res["dp_free"]["curve"], tgt)
+                dp_t = None if s is None else s * summary["runs"]["dp"]["s_per_step"]
+                kind = "projected"
+            row = {"target": tgt, "dp_s": dp_t, "dp_kind": kind}
+            cells = []
+            for m in ("diloco", "decoupled"):
+                tm = time_to(res[m]["curve"], tgt) if m in res else None
+                row[f"{m}_s"] = tm
+                row[f"{m}_speedup"] = dp_t / tm if dp_t and tm else None
+                cells.append(tm)
+            summary["targets"].append(row)
+            fmt = lambda v, f="{:.1f}": "-" if v is None else f.format(v)  # noqa: E731
+            print(f"| {tgt:g} | {fmt(dp_t)} ({kind}) | {fmt(cells[0])} | {fmt(cells[1])} | "
+                  f"{fmt(row['diloco_speedup'], '{:.1f}x')} | "
+                  f"{fmt(row['decoupled_speedup'], '{:.1f}x')} |")
+    print("\n| run | up B/step | down B/step | both B/step | planner B/step | planner error |")
+    print("|---|---|---|---|---|---|")
+    for name, row in summary["runs"].items():
+        b, p = row["bytes_per_step"], row["planner_bytes_per_step"]
+        row["planner_error"] = (p - b["total"]) / b["total"]
+        print(f"| {name} | {b['up']:.0f} | {b['down']:.0f} | {b['total']:.0f} | {p:.0f} | "
+              f"{100 * row['planner_error']:+.1f}% |")
+    if "dp" in summary["runs"]:
+        dpb = summary["runs"]["dp"]["bytes_per_step"]["total"]
+        print("\n| run | DP bytes / its bytes per inner step | eval vs DP unshaped final |")
+        print("|---|---|---|")
+        for name, row in summary["runs"].items():
+            if row["method"] == "dp":
+                continue
+            row["ratio_vs_dp"] = dpb / row["bytes_per_step"]["total"]
+            ref = summary["runs"].get("dp_free", {}).get("final_eval")
+            row["eval_vs_dp"] = None if ref is None else row["final_eval"] / ref - 1
+            cost = "-" if ref is None else f"{100 * row['eval_vs_dp']:+.2f}%"
+            print(f"| {name} | {row['ratio_vs_dp']:.0f}x | {cost} |")
+    for name, row in summary["runs"].items():
+        if row["cut"]:
+            print(f"\ncut {name}: {row['cut']}")
+    docs = Path(a.docs)
+    docs.mkdir(parents=True, exist_ok=True)
+    (docs / "wan.json").write_text(json.dumps(summary, indent=1))
+    plot(res, target, docs / "wan_loss.png")
+    print(f"\nwrote {docs / 'wan.json'} and {docs / 'wan_loss.png'}")
+
+
+if __name__ == "__main__":
+    main()
