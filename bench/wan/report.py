@@ -13,8 +13,10 @@ Definitions:
   on the link) times the shaped run's measured seconds per step;
 * bytes per inner step: bytes both ways on a region's link in the training window, over
   that region's inner steps;
-* planner: ``ddiloco.bandwidth.period`` for the run's N, D, codecs, P, H and the syncer in
-  its own hub region.
+* planner: ``ddiloco.bandwidth.period`` for the run's N, D, codecs, P, H, measured seconds
+  per step and the syncer in its own hub region; "idealised" counts payload only (one pull
+  per push), "corrected" adds the protocol traffic calibrated on two runs (Decoupled H = 24
+  and DiLoCo) and the pulls per push measured in the first: the other runs check it.
 """
 
 from __future__ import annotations
@@ -73,20 +75,61 @@ def bytes_per_step(r: dict) -> dict:
             "total": (sum(ups) + sum(downs)) / len(ups)}
 
 
-def planner_bytes_per_step(r: dict) -> float:
-    """Bytes both ways per inner step on one region's link, per the planner."""
+def _bits(name: str) -> float:
+    return CODEC_BITS[name.split("/")[0]]
+
+
+def _planner(r: dict, **extra) -> BandwidthConfig:
     c = r["config"]
-    n, d = r["n_params"], c["learners"]
+    steps = r["total_steps"] / len(r["regions"])
+    common = dict(params=r["n_params"], step_time_s=r["train_s"] / steps,
+                  datacenters=c["learners"])
     if r["method"] == "dp":
-        cfg = BandwidthConfig(method="dp", params=n, step_time_s=1.0, datacenters=d, grad_bits=32)
-        k, bits, _ = period(cfg)
-        return 2 * bits / 8 / k  # a ring all-reduce sends and receives the same amount
-    cfg = BandwidthConfig(method=r["method"], params=n, step_time_s=1.0, datacenters=d,
-                          up_bits=CODEC_BITS[c["codec"]], down_bits=CODEC_BITS[c["down_codec"]],
-                          fragments=c["fragments"], inner_steps=c["H"], tau=c["tau"],
-                          syncer="hub")
-    k, bits, _ = period(cfg)
-    return bits / 8 / k
+        return BandwidthConfig(method="dp", grad_bits=32, **common)
+    return BandwidthConfig(method=r["method"], up_bits=_bits(c["codec"]),
+                           down_bits=_bits(c["down_codec"]), fragments=c["fragments"],
+                           inner_steps=c["H"], tau=c["tau"], syncer="hub", **common, **extra)
+
+
+def planner_bytes_per_step(r: dict, **extra) -> float:
+    """Bytes both ways per inner step on one region's link, per the planner."""
+    k, bits, _ = period(_planner(r, **extra))
+    return (2 if r["method"] == "dp" else 1) * bits / 8 / k  # a ring sends what it receives
+
+
+def pulls_per_push(r: dict) -> float | None:
+    """Merged fragment versions a learner downloaded per push (its payload counters, less the
+    first fetch of the whole model)."""
+    if r["method"] == "dp":
+        return None
+    c = r["config"]
+    down = _bits(c["down_codec"]) / 8
+    whole = r["n_params"] * down
+    frag = whole / c["fragments"]
+    got = sum(reg["bytes_received"] - whole for reg in r["regions"].values())
+    return max(1.0, got / sum(reg["pushes"] * frag for reg in r["regions"].values()))
+
+
+def calibrate(res: dict) -> dict | None:
+    """Protocol traffic from two runs with different push rates (Decoupled, H = 24 and
+    DiLoCo): bytes per step beyond the payload = control * s_per_step + per_push *
+    pushes_per_step, solved for (control bytes/s, bytes per push)."""
+    if not all(m in res for m in ("decoupled", "diloco")):
+        return None
+    rows = []
+    for m in ("decoupled", "diloco"):
+        r = res[m]
+        c = r["config"]
+        payload = planner_bytes_per_step(r, pulls_per_push=pulls_per_push(r))
+        over = bytes_per_step(r)["total"] - payload
+        s_step = r["train_s"] / (r["total_steps"] / len(r["regions"]))
+        rows.append((s_step, c["fragments"] / c["H"], over))
+    (a1, b1, o1), (a2, b2, o2) = rows
+    det = a1 * b2 - a2 * b1
+    control = (o1 * b2 - o2 * b1) / det
+    per_push = (a1 * o2 - a2 * o1) / det
+    return {"control_bytes_per_s": control, "bytes_per_push": per_push,
+            "pulls_per_push_k1": pulls_per_push(res["decoupled"])}
 
 
 def utilisation(r: dict) -> list[float]:
@@ -216,13 +259,33 @@ def main() -> None:
             print(f"| {tgt:g} | {fmt(dp_t)} ({kind}) | {fmt(cells[0])} | {fmt(cells[1])} | "
                   f"{fmt(row['diloco_speedup'], '{:.1f}x')} | "
                   f"{fmt(row['decoupled_speedup'], '{:.1f}x')} |")
-    print("\n| run | up B/step | down B/step | both B/step | planner B/step | planner error |")
-    print("|---|---|---|---|---|---|")
+    cal = calibrate(res)
+    summary["planner_calibration"] = cal
+    if cal:
+        print(f"\nprotocol traffic (from decoupled + diloco): {cal['control_bytes_per_s']:.0f} B/s "
+              f"+ {cal['bytes_per_push']:.0f} B per push; pulls per push with K < M: "
+              f"{cal['pulls_per_push_k1']:.2f}")
+    print("\n| run | up B/step | down B/step | both B/step | pulls/push | planner, idealised | "
+          "error | planner, corrected | error |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, row in summary["runs"].items():
+        r = res[name]
         b, p = row["bytes_per_step"], row["planner_bytes_per_step"]
         row["planner_error"] = (p - b["total"]) / b["total"]
-        print(f"| {name} | {b['up']:.0f} | {b['down']:.0f} | {b['total']:.0f} | {p:.0f} | "
-              f"{100 * row['planner_error']:+.1f}% |")
+        row["pulls_per_push"] = pulls_per_push(r)
+        pc = p
+        if cal and r["method"] != "dp":
+            k_lt_m = r["config"]["quorum"] < r["config"]["learners"] and r["method"] == "decoupled"
+            pc = planner_bytes_per_step(
+                r, pulls_per_push=cal["pulls_per_push_k1"] if k_lt_m else 1.0,
+                control_bps=8 * cal["control_bytes_per_s"],
+                push_overhead_bits=8 * cal["bytes_per_push"])
+        row["planner_corrected_bytes_per_step"] = pc
+        row["planner_corrected_error"] = (pc - b["total"]) / b["total"]
+        pulls = "-" if row["pulls_per_push"] is None else f"{row['pulls_per_push']:.2f}"
+        print(f"| {name} | {b['up']:.0f} | {b['down']:.0f} | {b['total']:.0f} | {pulls} | "
+              f"{p:.0f} | {100 * row['planner_error']:+.1f}% | {pc:.0f} | "
+              f"{100 * row['planner_corrected_error']:+.1f}% |")
     if "dp" in summary["runs"]:
         dpb = summary["runs"]["dp"]["bytes_per_step"]["total"]
         print("\n| run | DP bytes / its bytes per inner step | eval vs DP unshaped final |")

@@ -31,9 +31,9 @@ syncer runs in a datacenter of its own, every push and pull crosses the learner'
 every H steps, instead of an all-reduce).
 
 Measured on real links (``docs/results/wan.md``) two more terms matter for small models:
-``pulls_per_push`` (a learner may download intermediate merges of a fragment) and
-``control_bps`` (the control plane and packet headers, per second rather than per byte of
-model). Both default to the idealised 1 and 0.
+``pulls_per_push`` (a learner may download intermediate merges of a fragment), and the
+protocol's own traffic: ``push_overhead_bits`` per push and ``control_bps`` per second
+(heartbeats, long polls). They default to the idealised 1, 0 and 0.
 
 Bits per parameter may be fractional: a quantised codec's per-block scales count (int4 with
 one fp32 scale per 64 elements: 4.5 bits; int8: 8.5).
@@ -88,8 +88,12 @@ class BandwidthConfig:
     merges of the fragment that do not yet hold the learner's push are published while it
     waits (quorum K < M) and it fetches them too."""
     control_bps: float = 0.0
-    """Syncer methods: traffic on a learner's link, both ways together, that does not scale
-    with the model (heartbeats, long polls, push replies, TCP/IP headers), bits/s."""
+    """Syncer methods: traffic per second on a learner's link, both ways together, that does
+    not scale with the model or the pushes (heartbeats, idle long polls), bits/s."""
+    push_overhead_bits: float = 0.0
+    """Syncer methods: bits per push beyond the payload, both ways together (request and
+    reply headers, the long poll's notice, the fetch request, TCP/IP headers and
+    acknowledgements)."""
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -108,8 +112,9 @@ class BandwidthConfig:
                              f"got {self.syncer!r}")
         if self.tau < 0 or self.latency_s < 0:
             raise ValueError("tau and latency_s must be >= 0")
-        if not self.pulls_per_push >= 1 or self.control_bps < 0:
-            raise ValueError("pulls_per_push must be >= 1 and control_bps >= 0")
+        if not self.pulls_per_push >= 1 or self.control_bps < 0 or self.push_overhead_bits < 0:
+            raise ValueError("pulls_per_push must be >= 1; control_bps and push_overhead_bits "
+                             ">= 0")
         if self.method == "streaming" and self.inner_steps % self.fragments:
             raise ValueError(f"streaming needs H divisible by P (H = {self.inner_steps}, "
                              f"P = {self.fragments})")
@@ -126,14 +131,16 @@ def period(cfg: BandwidthConfig) -> tuple[float, float, float]:
         k = float(cfg.inner_steps)
         if not hub:
             return k, ring * cfg.up_bits * n, 0.0
-        return k, (cfg.up_bits + cfg.down_bits) * n + cfg.control_bps * k * cfg.step_time_s, 0.0
+        return k, ((cfg.up_bits + cfg.down_bits) * n + cfg.push_overhead_bits
+                   + cfg.control_bps * k * cfg.step_time_s), 0.0
     if cfg.method == "streaming":
         return (cfg.inner_steps / cfg.fragments, ring * cfg.up_bits * n / cfg.fragments,
                 float(cfg.tau))
     share = 1.0 if hub else (d - 1) / d
     k = cfg.inner_steps / cfg.fragments
     payload = share * (cfg.up_bits + cfg.pulls_per_push * cfg.down_bits) * n / cfg.fragments
-    return k, payload + cfg.control_bps * k * cfg.step_time_s, float(cfg.tau)
+    return (k, payload + cfg.push_overhead_bits + cfg.control_bps * k * cfg.step_time_s,
+            float(cfg.tau))
 
 
 def utilisation(cfg: BandwidthConfig, bandwidth_bps: float) -> float:

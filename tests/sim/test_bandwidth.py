@@ -103,3 +103,6 @@ def test_pulls_and_control_traffic_add_to_decoupled_bits():
     assert utilisation(more, 1e6) < utilisation(base, 1e6)
     with pytest.raises(ValueError, match="pulls_per_push"):
         BandwidthConfig(pulls_per_push=0.5)
+    more = BandwidthConfig(method="diloco", params=1e6, syncer="hub", up_bits=4.5,
+                           down_bits=8.5, push_overhead_bits=800.0)
+    assert period(more)[1] == pytest.approx(13 * 1e6 + 800.0)

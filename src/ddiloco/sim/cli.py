@@ -186,7 +186,9 @@ def add_bandwidth_parser(subparsers) -> argparse.ArgumentParser:
                    help="Decoupled: merged versions downloaded per push (measured: see "
                         "docs/results/wan.md)")
     p.add_argument("--control-bps", type=float, default=0.0,
-                   help="control-plane and header traffic per learner link, bits/s")
+                   help="per-second protocol traffic per learner link (heartbeats), bits/s")
+    p.add_argument("--push-overhead-bits", type=float, default=0.0,
+                   help="protocol bits per push beyond the payload (headers, replies)")
     p.add_argument("--fragments", type=positive_int, default=24, help="P")
     p.add_argument("--inner-steps", type=positive_int, default=24, help="H")
     p.add_argument("--tau", type=int, default=2)
@@ -218,7 +220,8 @@ def _run_bandwidth(args) -> int:
                                   fragments=args.fragments, inner_steps=args.inner_steps,
                                   tau=args.tau, latency_s=args.latency, syncer=args.syncer,
                                   pulls_per_push=args.pulls_per_push,
-                                  control_bps=args.control_bps)
+                                  control_bps=args.control_bps,
+                                  push_overhead_bits=args.push_overhead_bits)
         except ValueError as e:
             parser.error(str(e))
         row = {"method": method, "target_cu": args.target_cu,
