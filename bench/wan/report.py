@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 
-from ddiloco.bandwidth import BandwidthConfig, period  # noqa: E402
+from ddiloco.bandwidth import BandwidthConfig, period
 
 CODEC_BITS = {"fp32": 32.0, "bf16": 16.0, "int8": 8.5, "int4": 4.5, "int2": 2.5}
 """Bits per parameter on the wire, per-block fp32 scales included (64-element blocks)."""
@@ -179,6 +179,7 @@ def plot(res: dict, target: float, path: Path) -> None:
                     label=label, marker=".", markersize=3)
     ax.axhline(target, color="grey", lw=0.8, ls="--", label=f"target {target:g}")
     ax.set_xscale("symlog", linthresh=10)
+    ax.set_xlim(left=0)
     ax.set_xlabel("wall-clock seconds from the first step")
     ax.set_ylabel("eval loss")
     ax.set_title("4 regions, links shaped to 2.5 Mbit/s each way")
@@ -255,7 +256,7 @@ def main() -> None:
                 row[f"{m}_speedup"] = dp_t / tm if dp_t and tm else None
                 cells.append(tm)
             summary["targets"].append(row)
-            fmt = lambda v, f="{:.1f}": "-" if v is None else f.format(v)  # noqa: E731
+            fmt = lambda v, f="{:.1f}": "-" if v is None else f.format(v)
             print(f"| {tgt:g} | {fmt(dp_t)} ({kind}) | {fmt(cells[0])} | {fmt(cells[1])} | "
                   f"{fmt(row['diloco_speedup'], '{:.1f}x')} | "
                   f"{fmt(row['decoupled_speedup'], '{:.1f}x')} |")

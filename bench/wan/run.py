@@ -129,8 +129,8 @@ def _jsonl(path: Path) -> list[dict]:
     return rows
 
 
-def run_dp(a, cfg: TrainConfig, topo: Topology, out: Path, sampler: Sampler, events: list
-           ) -> tuple[list, dict, list[tuple[float, dict]]]:
+def run_dp(a, cfg: TrainConfig, topo: Topology, out: Path, events: list) -> tuple[list, dict]:
+    """DP ranks, one per region; returns (snapshots, per-region stats)."""
     cfg_path = out / "config.json"
     cfg_path.write_text(json.dumps(asdict(cfg)))
     master = f"{topo.ip(0)}:{DP_PORT}"
@@ -155,7 +155,7 @@ def run_dp(a, cfg: TrainConfig, topo: Topology, out: Path, sampler: Sampler, eve
                            "comm_s": rs[-1]["comm_s"]}
     snaps = [(s["wall"], s["step"], torch.load(out / s["path"], weights_only=True))
              for s in _jsonl(out / "snapshots.jsonl")]
-    return snaps, regions, None
+    return snaps, regions
 
 
 def _wait_start_and_cut(a, topo: Topology, first_rows, procs, events: list) -> float:
@@ -174,8 +174,10 @@ def _wait_start_and_cut(a, topo: Topology, first_rows, procs, events: list) -> f
     return t0
 
 
-def run_syncer_method(a, cfg: TrainConfig, topo: Topology, out: Path, sampler: Sampler,
-                      events: list):
+def run_syncer_method(a, cfg: TrainConfig, topo: Topology, out: Path, events: list
+                      ) -> tuple[list, dict]:
+    """Syncer and model saver in the hub region, one learner per region; returns
+    (snapshots, per-region stats)."""
     cfg_path = out / "config.json"
     cfg_path.write_text(json.dumps(asdict(cfg)))
     env = {**_env(), "DDILOCO_TOKEN": secrets.token_hex(16)}
@@ -233,7 +235,7 @@ def run_syncer_method(a, cfg: TrainConfig, topo: Topology, out: Path, sampler: S
             for n, t in zip(f.names, fr[p]):
                 named[n] = t.view(shapes[n])
         snaps.append((s["wall"], None, named))
-    return snaps, regions, None
+    return snaps, regions
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -284,7 +286,7 @@ def main(argv: list[str] | None = None) -> dict:
         sampler.start()
         t_launch = time.time()
         run = run_dp if a.method == "dp" else run_syncer_method
-        snaps, regions, _ = run(a, cfg, topo, out, sampler, events)
+        snaps, regions = run(a, cfg, topo, out, events)
         sampler.stop.set()
         sampler.join()
         end_counters = topo.counters()

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(REASON is not None, reason=f"no network namespac
 
 
 def _netns() -> set[str]:
-    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
     return {line.split()[0] for line in out.splitlines() if line.strip()}
 
 
@@ -51,13 +51,13 @@ def test_rebuild_removes_leftovers_and_cut_link_blocks():
                  "import socket,sys; socket.create_connection((sys.argv[1], 9), timeout=1)",
                  topo.ip("s")]
         # reachable: refused (nothing listens on port 9), not timed out
-        p = subprocess.run(probe, capture_output=True, text=True, timeout=30)
+        p = subprocess.run(probe, capture_output=True, text=True, timeout=30, check=False)
         assert "ConnectionRefused" in p.stderr
         topo.set_link("s", up=False)
-        p = subprocess.run(probe, capture_output=True, text=True, timeout=30)
+        p = subprocess.run(probe, capture_output=True, text=True, timeout=30, check=False)
         assert "ConnectionRefused" not in p.stderr and p.returncode != 0
         topo.set_link("s", up=True)
-        p = subprocess.run(probe, capture_output=True, text=True, timeout=30)
+        p = subprocess.run(probe, capture_output=True, text=True, timeout=30, check=False)
         assert "ConnectionRefused" in p.stderr
     assert cleanup(prefix) == []
 

@@ -54,7 +54,7 @@ def bulk_transfer(topo: Topology, src: str | int, dst: str | int, seconds: float
         subprocess.run([*topo.exec_prefix(src), sys.executable, "-c", _SENDER, topo.ip(dst),
                         str(port), str(seconds)], check=True, capture_output=True,
                        timeout=seconds + 60)
-        out, err = recv.communicate(timeout=60)
+        out, _ = recv.communicate(timeout=60)
         wall = time.monotonic() - t0
         after = topo.counters()[str(src)]["up_bytes"]
     finally:

@@ -42,7 +42,7 @@ class TopologyError(RuntimeError):
 
 
 def _run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    p = subprocess.run(list(args), capture_output=True, text=True)
+    p = subprocess.run(list(args), capture_output=True, text=True, check=False)
     if check and p.returncode != 0:
         raise TopologyError(f"{' '.join(args)!r} failed ({p.returncode}): {p.stderr.strip()}")
     return p
