@@ -171,7 +171,9 @@ def plot(res: dict, target: float, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.2))
     styles = {"dp": ("DP (Gloo all-reduce)", "C3", "-"), "diloco": ("DiLoCo (sync, H=24)", "C1", "-"),
               "decoupled": ("Decoupled (int4 up, int8 down)", "C0", "-"),
-              "dp_free": ("DP, unshaped links", "C3", ":")}
+              "dp_free": ("DP, unshaped links", "C3", ":"),
+              "decoupled_1m": ("Decoupled, 1 Mbit/s links", "C0", "--"),
+              "dp_1m": ("DP, 1 Mbit/s links", "C3", "--")}
     for name, (label, color, ls) in styles.items():
         if name in res:
             c = [x for x in res[name]["curve"] if x["t_s"] >= 0]
@@ -182,7 +184,7 @@ def plot(res: dict, target: float, path: Path) -> None:
     ax.set_xlim(left=0)
     ax.set_xlabel("wall-clock seconds from the first step")
     ax.set_ylabel("eval loss")
-    ax.set_title("4 regions, links shaped to 2.5 Mbit/s each way")
+    ax.set_title("4 regions, links shaped to 2.5 Mbit/s each way (dashed: 1 Mbit/s)")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -260,6 +262,16 @@ def main() -> None:
             print(f"| {tgt:g} | {fmt(dp_t)} ({kind}) | {fmt(cells[0])} | {fmt(cells[1])} | "
                   f"{fmt(row['diloco_speedup'], '{:.1f}x')} | "
                   f"{fmt(row['decoupled_speedup'], '{:.1f}x')} |")
+    if all(n in res for n in ("dp_1m", "decoupled_1m", "dp_free")):
+        s = steps_to(res["dp_free"]["curve"], target)
+        dp_sps = summary["runs"]["dp_1m"]["s_per_step"]
+        tm = time_to(res["decoupled_1m"]["curve"], target)
+        proj = None if s is None else s * dp_sps
+        summary["at_1mbit"] = {"dp_s_per_step": dp_sps, "dp_projected_s": proj,
+                               "decoupled_s": tm,
+                               "speedup": proj / tm if proj and tm else None}
+        print(f"\n1 Mbit/s links: DP {dp_sps:.2f} s per step, projected {proj} s to target; "
+              f"Decoupled {tm} s; speed-up {summary['at_1mbit']['speedup']}")
     cal = calibrate(res)
     summary["planner_calibration"] = cal
     if cal:
@@ -299,6 +311,22 @@ def main() -> None:
             row["eval_vs_dp"] = None if ref is None else row["final_eval"] / ref - 1
             cost = "-" if ref is None else f"{100 * row['eval_vs_dp']:+.2f}%"
             print(f"| {name} | {row['ratio_vs_dp']:.0f}x | {cost} |")
+    hetero = [n for n in ("hetero_kM", "hetero_k1", "hetero_k1g") if n in res]
+    if hetero:
+        print("\n| run | quorum | steps per region | goodput | learners per merge | "
+              "final eval |")
+        print("|---|---|---|---|---|---|")
+        for name in hetero:
+            merges = [json.loads(x) for x in (out / name / "syncer.jsonl").read_text().splitlines()
+                      if '"merge"' in x]
+            per = sum(len(m["learners"]) for m in merges) / max(1, len(merges))
+            row = summary["runs"][name]
+            row["learners_per_merge"] = per
+            row["steps_per_region"] = [reg["steps"] for reg in res[name]["regions"].values()]
+            k = res[name]["args"]
+            label = f"K={k['quorum']}" + ("" if k["no_grace"] else "+grace")
+            print(f"| {name} | {label} | {row['steps_per_region']} | {row['goodput']:.3f} | "
+                  f"{per:.2f} | {row['final_eval']:.4f} |")
     for name, row in summary["runs"].items():
         if row["cut"]:
             print(f"\ncut {name}: {row['cut']}")
