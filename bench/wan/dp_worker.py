@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ddiloco.config import TrainConfig
 from ddiloco.data import build_stream
-from ddiloco.engine.common import data_config, new_model, new_optimizer, set_lr
+from ddiloco.recipe import data_config, new_model, new_optimizer, set_lr
 
 
 def main() -> None:

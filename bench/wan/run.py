@@ -34,8 +34,8 @@ from pathlib import Path
 import torch
 
 from ddiloco.config import TrainConfig
-from ddiloco.engine.common import eval_setup, evaluate, new_model
-from ddiloco.runtime.spec import fragmentation_from_spec, model_spec
+from ddiloco.recipe import eval_setup, evaluate, new_model
+from ddiloco.runtime.transport.spec import fragmentation_from_spec, model_spec
 from ddiloco.wan import LinkSpec, Topology
 
 HERE = Path(__file__).resolve().parent

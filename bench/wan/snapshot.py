@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from ddiloco.runtime.learner_client import SyncerClient
+from ddiloco.runtime.learner.client import SyncerClient
 
 
 def main() -> None:
