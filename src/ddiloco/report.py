@@ -376,7 +376,7 @@ def _merge_handle():
 
 
 _LEDGER = (("merged", "#59a14f"), ("dropped", "#f28e2b"), ("lost", "#e15759"),
-           ("pending", "#bab0ac"), ("unpushed", "#d4d4d4"))
+           ("overwritten", "#edc948"), ("pending", "#bab0ac"), ("unpushed", "#d4d4d4"))
 
 
 def _ledger_bars(ax, run: RunData) -> None:
@@ -400,7 +400,8 @@ def _ledger_bars(ax, run: RunData) -> None:
     ax.set_yticks(ms, [f"L{m}" for m in ms])
     ax.set_ylim(max(ms) + 0.5, -0.5)
     ax.set_xlabel("inner steps (fragment-weighted)")
-    if any(_num(ledgers[m].get(k), 0.0) > 0 for m in ms for k in ("pending", "unpushed")):
+    if any(_num(ledgers[m].get(k), 0.0) > 0 for m in ms
+           for k in ("overwritten", "pending", "unpushed")):
         ax.legend(handles=ax.containers[3:], fontsize=7, loc="lower right", framealpha=0.8)
     ax.grid(axis="x", alpha=0.3)
 

@@ -38,6 +38,9 @@ def test_install_at_t_plus_tau_resets_counters_and_never_waits():
     assert ls.frags[0].c_steps == 0 and ls.frags[0].base_version == 1
     ls.mark_merged(0, out.seq)
     assert ls.ledger.merged == pytest.approx(2 * 0.5)
+    # step 3, the tau overlap, changed fragment 0 after its snapshot: the install replaced it
+    assert ls.ledger.overwritten == pytest.approx(1 * 0.5)
+    assert ls.frags[0].unpushed_steps == 0
     assert ls.ledger.balance_error() < 1e-12
 
 
@@ -52,6 +55,7 @@ def test_late_install_loses_overwritten_progress_and_alpha_mixing():
     ls.receive(0, 1, [torch.full((3,), 5.0)])
     assert ls.install_due() == [0]
     assert ls.ledger.lost == pytest.approx(2 * 0.5)  # steps 4 and 5 were past the install step
+    assert ls.ledger.overwritten == pytest.approx(1 * 0.5)  # step 3: the overlap
     assert ls.ledger.balance_error() < 1e-12
     mix, p2, fr2 = make(tau=0, alpha=0.25)
     mix.after_step(10)

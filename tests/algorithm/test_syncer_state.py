@@ -61,7 +61,9 @@ def test_token_weighted_merge():
     assert m.weights == (w0, w1)
     assert torch.allclose(m.params[0], torch.full((4,), (w0 * 1 + w1 * 4) / (w0 + w1)))
     led = s.ledger
-    assert led[0].tokens_merged == 100 and led[1].tokens_merged == 200
+    # a push counts its tokens once per fragment share: "w" holds 16 of the model's 24 bytes
+    assert led[0].tokens_merged == pytest.approx(100 * 2 / 3)
+    assert led[1].tokens_merged == pytest.approx(200 * 2 / 3)
     assert led[0].tokens_pending == 0
 
 
@@ -95,7 +97,7 @@ def test_duplicate_push_merged_once_and_staleness():
     assert s.version(p) == 2
     r = s.submit(push(1, p, 1.0, base=0, seq=0), 0.3)  # 2 versions behind, max 1
     assert r.status is Status.STALE and s.version(p) == 2
-    assert s.ledger[1].tokens_dropped == 100
+    assert s.ledger[1].tokens_dropped == pytest.approx(100 * 2 / 3)
 
 
 def test_base_anchor_uses_published_history():
@@ -158,7 +160,8 @@ def test_overflowing_merge_is_never_published():
     assert r.status is Status.ACCEPTED and r.merged is None
     assert s.version(p) == 0 and s.nonfinite_merges == 1
     assert torch.equal(s.global_params()["w"], before)
-    assert s.ledger[0].tokens_dropped == 100 and s.ledger[0].tokens_pending == 0
+    assert s.ledger[0].tokens_dropped == pytest.approx(100 * 2 / 3)
+    assert s.ledger[0].tokens_pending == 0
 
 
 def test_pushes_during_an_unlocked_merge_wait_for_it_and_follow_up():

@@ -64,21 +64,27 @@ class StepLedger:
     """Per-learner accounting of inner steps, in fragment-weighted step units.
 
     Each inner step is split over fragments by their byte share; a step's share of fragment p
-    ends up merged, dropped (stale push), lost (the learner died before pushing it, or a
-    merged value installed after its install step overwrote it) or outstanding (not yet
-    pushed/merged when the run ended). ``computed == merged + dropped + lost + pending
-    + unpushed`` always holds."""
+    ends up merged (in a published version of the global model), dropped (stale push),
+    overwritten (made during the tau overlap, between sending p and installing its merged
+    value, which replaces it: the method's designed cost), lost (the learner died before
+    pushing it, or a merged value installed after its install step overwrote it) or
+    outstanding (not yet pushed/merged when the run ended). ``computed == merged + dropped
+    + overwritten + lost + pending + unpushed`` always holds. Only merged steps end up in
+    the model: goodput counts them alone, so with installs on time it is at most 1 - tau/H.
+    (With alpha mixing a share alpha of the overlap survives an install; it is counted
+    overwritten all the same.)"""
 
     computed: float = 0.0
     merged: float = 0.0
     dropped: float = 0.0
+    overwritten: float = 0.0
     lost: float = 0.0
     pending: float = 0.0  # pushed, waiting for a merge
     unpushed: float = 0.0
 
     def balance_error(self) -> float:
-        return abs(self.computed - (self.merged + self.dropped + self.lost + self.pending
-                                    + self.unpushed))
+        return abs(self.computed - (self.merged + self.dropped + self.overwritten + self.lost
+                                    + self.pending + self.unpushed))
 
 
 @dataclass(slots=True)
@@ -182,13 +188,6 @@ class LearnerSync:
         for p, fr in enumerate(self.frags):
             if fr.unpushed_steps == 0 or fr.base_version < 0:
                 continue
-            if fr.c_steps == 0:
-                # only overlap steps since an install: they were overwritten by design (the
-                # tau window) and count with the push before them
-                self.ledger.unpushed -= fr.unpushed_steps * self.share[p]
-                self.ledger.merged += fr.unpushed_steps * self.share[p]
-                fr.unpushed_steps = 0
-                continue
             out.append(self._send(p))
         return out
 
@@ -272,13 +271,14 @@ class LearnerSync:
             with torch.no_grad():
                 for t, g in zip(self._tensors(p), params):
                     alpha_mix(t, g.to(t.device, t.dtype), self.alpha)
-            # Progress made on p after its install step was overwritten: lost. (The tau
-            # overlap steps themselves are the method's designed cost and count as useful.)
-            late = min(self.step - fr.due_step, fr.unpushed_steps)
-            if late > 0:
-                fr.unpushed_steps -= late
-                self.ledger.unpushed -= late * self.share[p]
-                self.ledger.lost += late * self.share[p]
+            # Progress made on p since its push is replaced: up to the install step it is
+            # the tau overlap (overwritten by design), after it a late install (lost).
+            late = min(max(0, self.step - fr.due_step), fr.unpushed_steps)
+            overlap = fr.unpushed_steps - late
+            self.ledger.unpushed -= fr.unpushed_steps * self.share[p]
+            self.ledger.lost += late * self.share[p]
+            self.ledger.overwritten += overlap * self.share[p]
+            fr.unpushed_steps = 0
             fr.base_version = version
             fr.c_steps = fr.c_tokens = 0
             fr.waiting = False

@@ -6,6 +6,13 @@ and the P fragments are spread evenly over the period. With P = H exactly one fr
 leaves each learner per step; with P = 1 the whole model leaves every H steps (DiLoCo).
 The merged value of a fragment sent at step t is installed after step ``t + tau``
 (tau = 0: installed before the next step).
+
+With the time-driven schedule the slots lie on a clock shared by every learner instead of
+each learner's own step count: ``SlotClock`` maps a wall-clock time to nominal steps
+(elapsed time in units of the slot length), and ``fragments_due`` sends the fragments whose
+slots passed. The syncer announces the clock (``next_clock``: its epoch and the slot length
+measured from the learners' step times); ``ClockTrack`` holds the announcements a learner
+has heard. Pure code: every time is passed in.
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-__all__ = ["FragmentSchedule"]
+__all__ = ["FragmentSchedule", "SlotClock", "ClockTrack", "next_clock", "measured_slot_s"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,3 +86,103 @@ class FragmentSchedule:
         o = self.offset(p)
         first = o if o >= 1 else self.H
         return list(range(first, n_steps + 1, self.H))
+
+
+@dataclass(frozen=True, slots=True)
+class SlotClock:
+    """Wall-clock time to nominal steps: ``x(t) = x0 + (t - t0_s) / slot_s`` from ``t0_s`` on.
+
+    Times are seconds on a clock every party reads alike (the runtime uses Unix time, so
+    hosts must keep their clocks synchronised, e.g. by NTP, to well within one slot).
+    ``epoch_s`` names the run's clock: a clock with another epoch is a different run or a
+    syncer that started afresh, not a re-timing of this one."""
+
+    epoch_s: float
+    """When the syncer started the run's clock (x = 0 there at the first slot length)."""
+    t0_s: float
+    """From when this slot length holds."""
+    x0: float
+    """Nominal steps at ``t0_s``."""
+    slot_s: float
+    """Slot length: the nominal step time, seconds."""
+
+    def __post_init__(self) -> None:
+        if not self.slot_s > 0:
+            raise ValueError(f"slot_s must be > 0, got {self.slot_s}")
+
+    def nominal(self, t_s: float) -> float:
+        """Nominal steps elapsed at ``t_s``."""
+        return self.x0 + (t_s - self.t0_s) / self.slot_s
+
+    def to_dict(self) -> dict:
+        return {"epoch_s": self.epoch_s, "t0_s": self.t0_s, "x0": self.x0, "slot_s": self.slot_s}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> SlotClock:
+        try:
+            return cls(epoch_s=float(d["epoch_s"]), t0_s=float(d["t0_s"]), x0=float(d["x0"]),
+                       slot_s=float(d["slot_s"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"malformed slot clock {d!r}: {e}") from None
+
+
+def measured_slot_s(step_times_s: list[float]) -> float | None:
+    """The slot length from the live learners' measured step times: their mean (a slower
+    learner then sends each fragment with fewer steps, a faster one with more). None when
+    nothing is measured yet."""
+    xs = [x for x in step_times_s if x > 0 and x == x]
+    return sum(xs) / len(xs) if xs else None
+
+
+def next_clock(current: SlotClock | None, *, epoch_s: float, slot_s: float | None,
+               now_s: float, lead_s: float, tolerance: float = 0.1,
+               min_interval_s: float = 0.0) -> SlotClock | None:
+    """The clock the syncer announces next, or None to keep ``current``.
+
+    The first clock starts once a slot length is measured, as if that length had held since
+    the epoch. A later re-timing, when the measured length differs from the current one by
+    more than ``tolerance`` (relative) and at least ``min_interval_s`` after the current
+    one took effect, continues the nominal steps without a jump. Either takes effect
+    ``lead_s`` from now, so every learner hears it before it applies."""
+    if slot_s is None or not slot_s > 0:
+        return None
+    at = now_s + lead_s
+    if current is None:
+        return SlotClock(epoch_s=epoch_s, t0_s=at, x0=(at - epoch_s) / slot_s, slot_s=slot_s)
+    if abs(slot_s - current.slot_s) <= tolerance * current.slot_s \
+            or at < current.t0_s + min_interval_s or at <= current.t0_s:
+        return None
+    return SlotClock(epoch_s=current.epoch_s, t0_s=at, x0=current.nominal(at), slot_s=slot_s)
+
+
+class ClockTrack:
+    """The clocks a learner has heard, newest last: ``nominal(t)`` uses the newest one in
+    effect at t (a re-timing is announced ahead of when it applies)."""
+
+    def __init__(self) -> None:
+        self._clocks: list[SlotClock] = []
+
+    @property
+    def epoch_s(self) -> float | None:
+        return self._clocks[-1].epoch_s if self._clocks else None
+
+    def hear(self, clock: SlotClock) -> bool:
+        """Record an announcement; True when it starts a new run clock (another epoch), whose
+        nominal steps do not continue the old ones."""
+        new_run = not self._clocks or clock.epoch_s != self._clocks[-1].epoch_s
+        if new_run:
+            self._clocks = [clock]
+        elif clock != self._clocks[-1]:
+            self._clocks = [c for c in self._clocks if c.t0_s < clock.t0_s] + [clock]
+            del self._clocks[:-3]
+        return new_run
+
+    def nominal(self, t_s: float) -> float | None:
+        """Nominal steps at ``t_s``; None before any clock is heard. Before the first
+        clock's ``t0_s`` the first clock is extended backwards."""
+        if not self._clocks:
+            return None
+        for c in reversed(self._clocks):
+            if c.t0_s <= t_s:
+                return c.nominal(t_s)
+        return self._clocks[0].nominal(t_s)

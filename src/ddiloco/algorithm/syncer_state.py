@@ -134,11 +134,13 @@ class SubmitResult:
 
 @dataclass(slots=True)
 class LedgerEntry:
-    """Per-learner token ledger on the syncer."""
+    """Per-learner token ledger on the syncer. A push of fragment p counts its ``c_tokens``
+    times p's byte share (the learners' step ledger splits steps the same way), so a
+    learner's tokens summed over the fragments are the tokens it computed, not P times."""
 
-    tokens_merged: int = 0
-    tokens_dropped: int = 0
-    tokens_pending: int = 0
+    tokens_merged: float = 0.0
+    tokens_dropped: float = 0.0
+    tokens_pending: float = 0.0
     pushes_merged: int = 0
     pushes_dropped: int = 0
     pushes_rejected: int = 0
@@ -185,6 +187,8 @@ class SyncerState:
         self.merges = 0
         self.nonfinite_merges = 0
         self.quorum_sizes: list[int] = []
+        total = fragmentation.total_bytes
+        self._share = [f.nbytes / total for f in fragmentation.fragments]
         self.unlocked: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
         """Context the merge arithmetic runs in (see the module docstring)."""
         self._followups: list[tuple[int, Merged | WaitUntil]] = []
@@ -234,6 +238,10 @@ class SyncerState:
                 return ts
         return None
 
+    def _tokens(self, c: Contribution) -> float:
+        """A push's tokens in the ledger: its counter times the fragment's byte share."""
+        return c.c_tokens * self._share[c.fragment]
+
     # -- timing -------------------------------------------------------------------------
     def observe_step_s(self, step_s: float) -> None:
         self.policy.xi_step.update(step_s)
@@ -269,21 +277,21 @@ class SyncerState:
         self._seen_seq[key] = c.seq
         if s.version - c.base_version > self.config.max_staleness:
             led.pushes_dropped += 1
-            led.tokens_dropped += c.c_tokens
+            led.tokens_dropped += self._tokens(c)
             return SubmitResult(Status.STALE, f"base version {c.base_version} is "
                                 f"{s.version - c.base_version} behind (max {self.config.max_staleness})")
         if self.config.anchor == "base" and self.published(c.fragment, c.base_version) is None:
             led.pushes_dropped += 1
-            led.tokens_dropped += c.c_tokens
+            led.tokens_dropped += self._tokens(c)
             return SubmitResult(Status.STALE, f"base version {c.base_version} no longer held")
         r = s.round
         if r.opened_s is None:
             r.opened_s = now_s
         old = r.pending.get(c.learner)
         if old is not None:  # counters are cumulative since the last receipt: the newer push supersedes
-            led.tokens_pending -= old.c_tokens
+            led.tokens_pending -= self._tokens(old)
         r.pending[c.learner] = c
-        led.tokens_pending += c.c_tokens
+        led.tokens_pending += self._tokens(c)
         target = s.version + 1 + int(s.merging)
         out = self._evaluate(c.fragment, now_s)
         if isinstance(out, Merged):
@@ -390,12 +398,12 @@ class SyncerState:
         """A round closed: its pushes' tokens move from pending to merged/dropped."""
         for c in contribs:
             led = self.ledger[c.learner]
-            led.tokens_pending -= c.c_tokens
+            led.tokens_pending -= self._tokens(c)
             if merged:
-                led.tokens_merged += c.c_tokens
+                led.tokens_merged += self._tokens(c)
                 led.pushes_merged += 1
             else:
-                led.tokens_dropped += c.c_tokens
+                led.tokens_dropped += self._tokens(c)
                 led.pushes_dropped += 1
 
     def _validate(self, c: Contribution, finite_checked: bool = False) -> str:

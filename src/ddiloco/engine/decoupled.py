@@ -257,13 +257,14 @@ def run_decoupled(cfg: TrainConfig, ctx) -> dict:
         per_learner.append({
             "learner": m, "steps": L[m].steps, "failures": L[m].failures,
             "ledger_steps": {k: round(getattr(led, k), 4) for k in
-                             ("computed", "merged", "dropped", "lost", "pending", "unpushed")},
+                             ("computed", "merged", "dropped", "overwritten", "lost", "pending",
+                              "unpushed")},
             "ledger_balance_error": led.balance_error(),
-            "syncer_tokens": {k: getattr(syncer.ledger[m], k) for k in
+            "syncer_tokens": {k: round(getattr(syncer.ledger[m], k), 3) for k in
                               ("tokens_merged", "tokens_dropped", "tokens_pending")},
             "time": times[m].as_dict(),
         })
-    tokens_merged = sum(syncer.ledger[m].tokens_merged for m in range(M))
+    tokens_merged = round(sum(syncer.ledger[m].tokens_merged for m in range(M)))
     return {
         "end_s": end_s,
         "goodput": useful_s / (M * end_s) if end_s > 0 else 0.0,
@@ -274,6 +275,7 @@ def run_decoupled(cfg: TrainConfig, ctx) -> dict:
         "merges": syncer.merges,
         "mean_quorum": (sum(syncer.quorum_sizes) / len(syncer.quorum_sizes)
                         if syncer.quorum_sizes else 0.0),
+        "learners_per_merge": _ratio(sum(syncer.quorum_sizes), len(syncer.quorum_sizes)),
         "pushes": stats["pushes"],
         "rejected": stats["rejected"],
         "mean_staleness": (sum(stats["staleness"]) / len(stats["staleness"])

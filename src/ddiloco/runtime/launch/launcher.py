@@ -483,51 +483,40 @@ class Launcher:
         starts = [r["t_s"] for r in rows["rows"] if r["kind"] == "learner_start"]
         t_first = max(self.t_learners, min(starts)) if starts else self.t_learners
         T = max(1e-9, self.t_end - t_first)
-        per_learner, useful_total = [], 0.0
+        # goodput and the step ledger are the syncer's (``syncer.accounting``): every
+        # learner process's last report, restarts folded in; the same as `ddiloco status`
+        from ddiloco.runtime.syncer.accounting import learner_totals
+        from ddiloco.runtime.launch.status import goodput_so_far
+
+        per_learner = []
         st = self._status or {}
+        run_s = st.get("run_s") or T
         bytes_up = bytes_down = 0
         for m in range(c.learners):
-            ledger = {k: 0.0 for k in ("computed", "merged", "dropped", "lost", "pending", "unpushed")}
-            useful = compute = 0.0
             final_path = self.out / f"learner_{m}" / "final.json"
             final = json.loads(final_path.read_text()) if final_path.is_file() else None
             if final is not None:
                 self._reports[(m, final["incarnation"])] = final
-            incs = sorted({inc for (mm, inc) in self._reports if mm == m})
-            steps_by_inc = rows["steps_by_inc"].get(m, {})
-            for inc in incs:
-                rep = self._reports[(m, inc)]
-                if final is not None and inc == incs[-1] and self.procs[f"learner_{m}"].state == "finished":
-                    rep = final
-                    led = dict(rep["ledger"])
-                else:  # a killed incarnation: what it had not got merged is lost
-                    led = dict(rep["ledger"])
-                    extra = max(0, steps_by_inc.get(inc, 0) - led["computed"])
-                    led["lost"] += led["unpushed"] + led["pending"] + extra
-                    led["computed"] += extra
-                    led["unpushed"] = led["pending"] = 0.0
-                for k in ledger:
-                    ledger[k] += led[k]
-                frac = rep["ledger"]["merged"] / rep["ledger"]["computed"] if rep["ledger"]["computed"] else 0.0
-                useful += rep.get("compute_s", 0.0) * frac
-                compute += rep.get("compute_s", 0.0)
-                bytes_up += rep.get("bytes_sent", 0)
-                bytes_down += rep.get("bytes_received", 0)
-            useful_total += useful
+            for (mm, _), rep in self._reports.items():
+                if mm == m:
+                    bytes_up += rep.get("bytes_sent", 0)
+                    bytes_down += rep.get("bytes_received", 0)
             info = st.get("learners", {}).get(str(m), {})
+            tot = learner_totals(info)
+            ledger, useful, compute = tot["ledger"], tot["useful_s"], tot["compute_s"]
             proc = self.procs.get(f"learner_{m}")
             bal = abs(ledger["computed"] - sum(ledger[k] for k in ledger if k != "computed"))
             per_learner.append({
                 "learner": m, "steps": (final or {}).get("global_step", info.get("report", {}).get("global_step")),
                 "failures": proc.kills if proc else 0, "starts": proc.starts if proc else 0,
                 "stops": proc.stops if proc else 0,
-                "ledger_steps": {k: round(v, 4) for k, v in ledger.items()},
+                "ledger_steps": {k: round(v, 4) + 0.0 for k, v in ledger.items()},
                 "ledger_tokens": {k: round(v * per_step * self.opts.island_size)
                                   for k, v in ledger.items()},
-                "ledger_balance_error": bal,
+                "ledger_balance_error": bal, "tokens_computed": tot["tokens"],
                 "syncer_tokens": info.get("syncer_ledger", {}),
                 "time": {"useful_s": round(useful, 3), "stepping_s": round(compute, 3),
-                         "other_s": round(T - compute, 3)},
+                         "other_s": round(run_s - compute, 3)},
             })
         model_bytes = 4 * n_params
         total_steps = sum(pl["ledger_steps"]["computed"] for pl in per_learner)
@@ -541,12 +530,13 @@ class Launcher:
             "gap_to_floor": None if final_loss is None or floor is None else final_loss - floor,
             "entropy_rate": lang.entropy_rate if lang is not None else None,
             "initial_eval_loss": init_loss, "data": c.data, "model": c.model,
-            "goodput": useful_total / (c.learners * T), "uptime": rows["uptime"](T),
+            "goodput": goodput_so_far(st) or 0.0, "run_s": run_s, "uptime": rows["uptime"](T),
             "bytes_up": bytes_up, "bytes_down": bytes_down,
             "dp_bytes_same_steps": int(total_steps * 2 * model_bytes),
             "merges": st.get("merges"), "wall_s": round(self._now(), 3),
             "train_wall_s": round(T, 3), "startup_s": round(t_first - self.t_learners, 3), "versions": st.get("versions"),
-            "mean_quorum": st.get("mean_quorum"), "rejections": st.get("rejections", {}),
+            "mean_quorum": st.get("mean_quorum"), "learners_per_merge": st.get("mean_quorum"),
+            "rejections": st.get("rejections", {}),
             "syncer_counters": st.get("counters", {}),
             "chaos_events": rows["n_chaos"], "interrupted": interrupted,
             "per_learner": per_learner, "n_params": n_params,
@@ -578,23 +568,18 @@ class Launcher:
     def _collect_rows(self) -> dict:
         """Merge learner step rows, syncer events and chaos events into one time-ordered
         list (t_s relative to the launch), and compute the uptime."""
-        rows, walls, steps_by_inc = [], [], {}
+        rows, walls = [], []
         for m in range(self.cfg.learners):
             path = self.out / f"learner_{m}" / "metrics.jsonl"
             if not path.is_file():
                 continue
-            inc = 0
             for line in path.read_text().splitlines():
                 try:
                     r = json.loads(line)
                 except json.JSONDecodeError:
                     continue  # a line torn by SIGKILL
-                if r.get("kind") == "learner_start":
-                    inc = r.get("incarnation", inc)
                 if r.get("kind") == "step":
                     walls.append(r["wall"])
-                    steps_by_inc.setdefault(m, {}).setdefault(inc, 0)
-                    steps_by_inc[m][inc] += 1
                 r["t_s"] = round(r.pop("wall") - self.wall0, 4)
                 r.pop("report", None) if r.get("kind") == "learner_end" else None
                 rows.append(r)
@@ -623,4 +608,4 @@ class Launcher:
             idle = sum(g for g in gaps if g > max(1.0, 10 * med))
             return max(0.0, 1.0 - idle / T)
 
-        return {"rows": rows, "uptime": uptime, "n_chaos": n_chaos, "steps_by_inc": steps_by_inc}
+        return {"rows": rows, "uptime": uptime, "n_chaos": n_chaos}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ddiloco.runtime.syncer.accounting import goodput_of, learner_totals
 from ddiloco.runtime.transport.auth import load_token
 
 __all__ = ["fetch_status", "format_status", "goodput_so_far"]
@@ -19,18 +20,10 @@ def fetch_status(address: str, *, token_file: str | None = None, tls_ca: str | N
 
 
 def goodput_so_far(st: dict) -> float | None:
-    """Share of the learners' reported step time whose work is merged into the model,
-    over the learners' slot time (syncer uptime x learners seen)."""
-    useful, n = 0.0, 0
-    for info in st.get("learners", {}).values():
-        rep = info.get("report") or {}
-        led = rep.get("ledger") or {}
-        if led.get("computed"):
-            useful += rep.get("compute_s", 0.0) * led.get("merged", 0.0) / led["computed"]
-        n += 1
-    if n == 0 or not st.get("uptime_s"):
-        return None
-    return useful / (n * st["uptime_s"])
+    """Goodput of the run so far, as the syncer computes it (``syncer.accounting``): the
+    chip-time of merged steps, over every learner's processes, over M x the time since the
+    first Join. The same number as ``summary.json`` and the launcher's live line."""
+    return st["goodput"] if "goodput" in st else goodput_of(st)
 
 
 def format_status(st: dict) -> str:
@@ -42,18 +35,20 @@ def format_status(st: dict) -> str:
     xi = st.get("xi_step_s")
     lines.append(f"xi_step {xi if xi is None else round(xi, 4)} s  grace "
                  f"{st.get('grace_s') if st.get('grace_s') is None else round(st['grace_s'], 4)} s  "
-                 f"mean quorum {st.get('mean_quorum')}")
+                 f"learners per merge "
+                 f"{'-' if st.get('mean_quorum') is None else round(st['mean_quorum'], 2)}")
     if st.get("rejections"):
         lines.append(f"rejections {st['rejections']}")
     lines.append(f"{'learner':>7} {'state':>6} {'inc':>4} {'step':>7} {'loss':>8} {'step_s':>8} "
                  f"{'merged':>8} {'hb_age':>7}")
     for m, info in st.get("learners", {}).items():
         rep = info.get("report") or {}
-        led = rep.get("ledger") or {}
+        led = learner_totals(info)["ledger"]
+        steps = rep.get("global_step", learner_totals(info)["steps"])
         loss = rep.get("loss")
         step_s = rep.get("step_s")
         lines.append(f"{m:>7} {info['state']:>6} {info['incarnation']:>4} "
-                     f"{rep.get('global_step', rep.get('step', 0)):>7} "
+                     f"{steps:>7} "
                      f"{'-' if loss is None else f'{loss:.4f}':>8} "
                      f"{'-' if step_s is None else f'{step_s:.4f}':>8} "
                      f"{led.get('merged', 0.0):>8.1f} {info['last_heartbeat_age_s']:>7.2f}")

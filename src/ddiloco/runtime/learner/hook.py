@@ -29,6 +29,7 @@ import queue
 import socket
 import threading
 import time
+import uuid
 from dataclasses import asdict
 from datetime import timedelta
 
@@ -37,7 +38,7 @@ import torch
 
 from ddiloco.algorithm.codecs import get_codec
 from ddiloco.algorithm.learner_state import LearnerSync, Outgoing
-from ddiloco.algorithm.schedule import FragmentSchedule
+from ddiloco.algorithm.schedule import ClockTrack, FragmentSchedule, SlotClock
 from ddiloco.runtime.learner.client import (RETRYABLE, LinkLimits, SyncerClient, SyncerError,
                                             rpc_code, rpc_details)
 from ddiloco.runtime.learner.device import DeviceCopier
@@ -56,7 +57,12 @@ class DecoupledLearner:
     Parameters name the paper's symbols: P fragments, each synchronised every H inner
     steps, merged value installed tau steps after sending, alpha mixing on install.
     ``codec`` compresses pushes (quantised codecs send the delta against the installed
-    base version). Thread-safety: call ``step`` from the training thread only.
+    base version). ``schedule="time"`` sends fragment p in the slots of the syncer's clock
+    (learners of different speeds send together, so the syncer's grace window merges them
+    together; until the syncer has measured a slot length, the learner's own step count
+    stands in); ``"steps"`` sends every H of the learner's own steps. The clock is Unix
+    time: the hosts' clocks must agree to well within one step (NTP does).
+    Thread-safety: call ``step`` from the training thread only.
 
     The global model: ``global_state_dict()`` returns it at any time, ``load_global()``
     installs it into ``model`` and trains on from it, ``load_global_on_exit=True`` copies it
@@ -67,7 +73,8 @@ class DecoupledLearner:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  *, syncer: str, learner: int, P: int | None = None, H: int = 24,  # noqa: N803
                  tau: int = 2, strategy: str = "balanced", codec: str = "bf16",
-                 alpha: float = 0.0, tokens_per_step: int | None = None,
+                 alpha: float = 0.0, schedule: str = "time",
+                 tokens_per_step: int | None = None,
                  token: str | None = None, token_file: str | None = None,
                  tls_ca: str | None = None, tls: bool = False,
                  connect_timeout: timedelta = timedelta(minutes=5),
@@ -77,6 +84,8 @@ class DecoupledLearner:
                  load_global_on_exit: bool = False) -> None:
         if learner < 0:
             raise ValueError(f"learner must be >= 0, got {learner}")
+        if schedule not in ("time", "steps"):
+            raise ValueError(f"schedule must be 'time' or 'steps', got {schedule!r}")
         self.model, self.optimizer = model, optimizer
         self.learner = learner
         self.codec = get_codec(codec)
@@ -112,8 +121,15 @@ class DecoupledLearner:
         self.schedule = FragmentSchedule(P, H, tau)
         self.params = dict(model.named_parameters())
         self.copier = DeviceCopier.for_params(list(self.params.values()))
+        self.time_driven = schedule == "time"
+        # time-driven: ``after_step`` gets the time in nominal steps of the syncer's clock
         self.sync = LearnerSync(self.params, self.fragmentation, self.schedule, alpha=alpha,
-                                snapshot=self.copier.snapshot)
+                                snapshot=self.copier.snapshot,
+                                slot_s=1.0 if self.time_driven else None)
+        self.clock = ClockTrack()
+        self._x = 0.0  # nominal steps at the last step boundary
+        self._joined_clock: dict | None = None
+        self._heard_clock: dict | None = None  # the heartbeat thread's last announcement
         self._is_root = self.rank == 0
         self._token = None
         if self._is_root:
@@ -138,6 +154,10 @@ class DecoupledLearner:
         self._last_step_t: float | None = None
         self.step_s_ema: float | None = None
         self.compute_s = 0.0
+        self.tokens = 0
+        """Tokens this process stepped (the syncer carries earlier processes' totals)."""
+        self.process_id = uuid.uuid4().hex[:12]
+        """This learner process: the syncer carries a restarted learner's earlier totals."""
         self.extra_report: dict = {}
         self.stats = {"bytes_sent": 0, "bytes_received": 0, "pushes": 0, "pushes_accepted": 0,
                       "pushes_rejected": 0, "installs": 0, "reconnects": 0, "fetch_s": None,
@@ -168,6 +188,8 @@ class DecoupledLearner:
         if self._is_root:
             versions, params = self._join_and_fetch(initial=True)
             self.sync.load_global(params, versions)
+            if self._joined_clock:
+                self._hear_clock(self._joined_clock)
             self._base_versions = list(versions)
             self._stop_seen = self._stop.is_set()  # later, only `step` changes it
         if self.group is not None:
@@ -190,6 +212,7 @@ class DecoupledLearner:
             self._hook = self.optimizer.register_step_post_hook(
                 lambda *_: self.step(self.tokens_per_step))
         self._started = True
+        self._last_step_t = time.monotonic()  # the first step's time counts as compute
 
     def _guarded(self, target) -> None:
         """Run a background thread; an unexpected error stops training at the next ``step``
@@ -204,7 +227,7 @@ class DecoupledLearner:
     def _join(self) -> dict:
         h = {"learner": self.learner, "incarnation": self.incarnation,
              "fingerprint": self.fingerprint, "spec": self.spec,  # a mismatch names the field
-             "host": socket.gethostname(), "pid": os.getpid()}
+             "host": socket.gethostname(), "pid": os.getpid(), "process": self.process_id}
         return self.client.unary("Join", h, timeout_s=10.0, control=True)
 
     def _join_and_fetch(self, initial: bool) -> tuple[list[int], dict[str, torch.Tensor]]:
@@ -223,6 +246,7 @@ class DecoupledLearner:
                 self.boot_id = r["boot_id"]
                 self._merged_seq = {int(k): v for k, v in r.get("merged_seq", {}).items()}
                 self._note_budget(r)
+                self._joined_clock = r.get("clock")
                 versions, params = self._fetch_all()
                 self._joined.set()
                 log.info("[learner %d] joined syncer %s (incarnation %d), versions %s",
@@ -406,10 +430,11 @@ class DecoupledLearner:
             self.compute_s += dt
             self.step_s_ema = dt if self.step_s_ema is None else 0.8 * self.step_s_ema + 0.2 * dt
         self._last_step_t = now
+        self.tokens += tokens
         installed: list[int] = []
         if self._is_root:
             self._drain()
-            outs = self.sync.after_step(tokens)
+            outs = self.sync.after_step(tokens, self._nominal_now())
             with self._lock:
                 for o in outs:
                     self._wanted.add(o.fragment)
@@ -472,6 +497,27 @@ class DecoupledLearner:
                     dist.broadcast(self.params[n].data, src=src, group=self.group)
         return out, bool(mask[P])
 
+    def _nominal_now(self) -> float | None:
+        """The time-driven schedule's clock at this step boundary, in nominal steps: the
+        syncer's slot clock, or one step per step until the syncer has announced one."""
+        if not self.time_driven:
+            return None
+        x = self.clock.nominal(time.time())
+        self._x = self._x + 1.0 if x is None else x
+        return self._x
+
+    def _hear_clock(self, d: dict) -> None:
+        """An announced slot clock (training thread). A new run clock restarts the slot
+        count at its current value: no burst of sends for slots this learner never had."""
+        try:
+            c = SlotClock.from_dict(d)
+        except ValueError as e:
+            log.warning("[learner %d] ignoring the syncer's clock: %s", self.learner, e)
+            return
+        if self.clock.hear(c) and self.time_driven:
+            self._x = self.clock.nominal(time.time())
+            self.sync.last_s = self._x
+
     def _drain(self) -> None:
         """Apply what the background threads delivered, in a safe order: push verdicts,
         received fragments, then merged-seq notices (only for pushes whose verdict is known)."""
@@ -481,6 +527,9 @@ class DecoupledLearner:
                 ev = self._inbox.get_nowait()
             except queue.Empty:
                 break
+            if ev[0] == "clock":
+                self._hear_clock(ev[1])
+                continue
             {"result": results, "recv": recvs, "restart": restarts}[ev[0]].append(ev[1:])
         for (merged_seq, old_boot) in restarts:
             # pushes the old syncer accepted but never published are gone with it
@@ -508,6 +557,7 @@ class DecoupledLearner:
     def report(self) -> dict:
         """What the heartbeat carries: progress, timing, ledger, traffic."""
         return {"step": self.sync.step, "incarnation": self.incarnation,
+                "process": self.process_id, "tokens": self.tokens,
                 "step_s": self.step_s_ema, "compute_s": self.compute_s,
                 "ledger": asdict(self.sync.ledger), "tokens_per_step": self.tokens_per_step,
                 "fetch_s": self.stats["fetch_s"], "global_step": self.global_step,
@@ -659,6 +709,9 @@ class DecoupledLearner:
                                       timeout_s=max(2.0, 4 * self.heartbeat_s), control=True)
                 if r.get("stop"):
                     self._stop.set()
+                if r.get("clock") and r["clock"] != self._heard_clock:
+                    self._heard_clock = r["clock"]
+                    self._inbox.put(("clock", r["clock"]))
                 if not self._connected:
                     log.info("[learner %d step %d] syncer reachable again", self.learner,
                              self.sync.step)
@@ -685,6 +738,8 @@ class DecoupledLearner:
         with self._lock:
             self._merged_seq = {int(k): v for k, v in r.get("merged_seq", {}).items()}
         self._note_budget(r)
+        if r.get("clock"):
+            self._inbox.put(("clock", r["clock"]))
         self.incarnation = r["incarnation"]
         if r["boot_id"] != old_boot:
             log.warning("[learner %d step %d] syncer restarted (boot %s -> %s), versions %s",

@@ -121,7 +121,7 @@ def run_learner(cfg: TrainConfig, *, syncer: str, learner: int, run_dir: str | N
     metrics = open(out / "metrics.jsonl", "a") if out is not None and rank == 0 else None
     dl = DecoupledLearner(model, syncer=syncer, learner=learner, P=cfg.fragments, H=cfg.H,
                           tau=cfg.tau, strategy=cfg.fragmentation, codec=cfg.codec,
-                          alpha=cfg.alpha, token_file=token_file, tls_ca=tls_ca, link=link,
+                          alpha=cfg.alpha, schedule=cfg.schedule, token_file=token_file, tls_ca=tls_ca, link=link,
                           connect_timeout=timedelta(seconds=connect_timeout_s),
                           heartbeat_interval=timedelta(seconds=heartbeat_s),
                           process_group=group)

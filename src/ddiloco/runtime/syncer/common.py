@@ -34,6 +34,10 @@ class LearnerInfo:
     state: str = "live"
     report: dict = field(default_factory=dict)
     joins: int = 0
+    process: str = ""
+    """Id of the learner process behind ``report`` (a restart is a new process)."""
+    carried: dict | None = None
+    """Totals of the learner's earlier processes (``accounting.fold``)."""
 
 
 def handler(what: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:

@@ -10,7 +10,9 @@ import grpc
 import torch
 
 from ddiloco.algorithm.merge import all_finite
+from ddiloco.algorithm.schedule import measured_slot_s, next_clock
 from ddiloco.algorithm.syncer_state import SyncerState, vars_of
+from ddiloco.runtime.syncer.accounting import fold, goodput_of
 from ddiloco.runtime.syncer.common import LearnerInfo, Reject, handler
 from ddiloco.runtime.transport import wire
 from ddiloco.runtime.transport.schema import (HeartbeatRequest, InitHeader, JoinRequest,
@@ -21,6 +23,11 @@ from ddiloco.runtime.transport.wire import ErrorCode as E
 __all__ = ["ControlHandlers"]
 
 log = logging.getLogger("ddiloco.syncer")
+
+CLOCK_LEAD_S = 1.0
+"""A new slot length applies this long after the syncer announces it (several heartbeats)."""
+CLOCK_MIN_INTERVAL_S = 2.0
+"""Re-timings of the slot clock are at least this far apart."""
 
 
 class ControlHandlers:
@@ -51,6 +58,10 @@ class ControlHandlers:
             info = self._learners.setdefault(m, LearnerInfo())
             info.incarnation, info.last_hb_s, info.state = inc, time.monotonic(), "live"
             info.joins += 1
+            self._note_process(info, h.process)
+            if self.run_started_wall is None:
+                self.run_started_wall = time.time()
+            self.run_ended_wall = None
             self.state.join(m)
             self._event("join", learner=m, incarnation=inc, host=h.host, pid=h.pid)
             log.info("[learner %d] joined (incarnation %d)", m, inc)
@@ -64,6 +75,7 @@ class ControlHandlers:
                 "bulk_port": self.bulk_port,
                 # this learner's steps over its earlier processes (its latest report)
                 "steps_done": self._steps_done.get(m, 0),
+                "clock": self.clock.to_dict() if self.clock else None,
             })
 
     @handler("init")
@@ -152,13 +164,15 @@ class ControlHandlers:
                 return wire.pack({"rejoin": True, "boot_id": self.boot_id})
             info.last_hb_s = time.monotonic()
             if h.report is not None:
-                info.report = h.report.model_dump()
+                self._take_report(info, h.report.model_dump())
                 if h.report.step_s:
                     st.observe_step_s(h.report.step_s)
                 self._count_steps(m, h.report)
+            self._retime()
             return wire.pack({"rejoin": False, "boot_id": self.boot_id,
                               "versions": [v for v, _ in self._pub], "live": len(st.live),
-                              "stop": self.budget_spent})
+                              "stop": self.budget_spent,
+                              "clock": self.clock.to_dict() if self.clock else None})
 
     @handler("leave")
     def _leave(self, req: bytes, ctx: grpc.ServicerContext) -> bytes:
@@ -170,12 +184,46 @@ class ControlHandlers:
             if info is not None and info.incarnation == inc:
                 info.state = "left"
                 if h.report is not None:
-                    info.report = h.report.model_dump()
+                    self._take_report(info, h.report.model_dump())
                     self._count_steps(m, h.report)
+                if all(i.state != "live" for i in self._learners.values()):
+                    self.run_ended_wall = time.time()
                 self._event("leave", learner=m)
                 t0 = time.monotonic()
                 self._handle_merges(st.leave(m, t0), t0)
             return wire.pack({"ok": True})
+
+    @staticmethod
+    def _note_process(info: LearnerInfo, process: str | None) -> None:
+        """A learner id heard from a process: another process than the one behind its last
+        report is a restart, and the ended process's totals are carried (caller holds the
+        lock). Reports without a process id count as the same process."""
+        if not process:
+            return
+        if info.process and process != info.process:
+            info.carried = fold(info.carried, info.report)
+            info.report = {}
+        info.process = process
+
+    def _take_report(self, info: LearnerInfo, rep: dict) -> None:
+        p = rep.get("process")
+        self._note_process(info, p if isinstance(p, str) else None)
+        info.report = rep
+
+    def _retime(self) -> None:
+        """Start or re-time the slot clock from the live learners' measured step times
+        (caller holds the lock). A change applies ``CLOCK_LEAD_S`` ahead, so that every
+        learner hears it first."""
+        if self.epoch_s is None or self.state is None:
+            return
+        steps = [info.report.get("step_s") for m, info in self._learners.items()
+                 if m in self.state.live and info.state == "live"]
+        slot = measured_slot_s([float(x) for x in steps if isinstance(x, (int, float))])
+        nxt = next_clock(self.clock, epoch_s=self.epoch_s, slot_s=slot, now_s=time.time(),
+                         lead_s=CLOCK_LEAD_S, min_interval_s=CLOCK_MIN_INTERVAL_S)
+        if nxt is not None:
+            self.clock = nxt
+            self._event("clock", slot_s=nxt.slot_s, t0_s=nxt.t0_s, x0=nxt.x0)
 
     def _count_steps(self, m: int, rep: Report) -> None:
         """Track the global step budget from a learner's report (caller holds the lock).
@@ -203,10 +251,13 @@ class ControlHandlers:
                     "state": info.state, "incarnation": info.incarnation, "joins": info.joins,
                     "last_heartbeat_age_s": round(now - info.last_hb_s, 3),
                     "report": info.report,
-                    "syncer_ledger": vars_of(led) if led else {},
+                    "carried": info.carried,
+                    "syncer_ledger": {k: round(v, 3) if isinstance(v, float) else v
+                                      for k, v in vars_of(led).items()} if led else {},
                 }
             pol = st.policy if st else None
-            return {
+            t_end = self.run_ended_wall or time.time()
+            out = {
                 "boot_id": self.boot_id, "uptime_s": round(now - self.started_s, 3),
                 "initialised": st is not None,
                 "versions": [v for v, _ in self._pub],
@@ -226,7 +277,12 @@ class ControlHandlers:
                 "step_budget": self.config.step_budget,
                 "steps_done": sum(self._steps_done.values()),
                 "budget_spent": self.budget_spent,
+                "run_s": (round(t_end - self.run_started_wall, 3)
+                          if self.run_started_wall is not None else None),
             }
+            out["goodput"] = goodput_of(out)
+            out["learners_per_merge"] = out["mean_quorum"]
+            return out
 
     @handler("status")
     def _status(self, req: bytes, ctx: grpc.ServicerContext) -> bytes:

@@ -14,8 +14,10 @@ from pathlib import Path
 import torch
 
 from ddiloco.algorithm.codecs import get_codec
+from ddiloco.algorithm.schedule import SlotClock
 from ddiloco.algorithm.syncer_state import Merged, SyncerState
 from ddiloco.runtime.syncer.checkpoint import CHECKPOINT_NAME, load_newest_valid, save_atomic
+from ddiloco.runtime.syncer.common import LearnerInfo
 from ddiloco.runtime.transport.spec import check_spec, fragmentation_from_spec, spec_fingerprint
 
 __all__ = ["Durability"]
@@ -137,6 +139,13 @@ class Durability:
             "counters": dict(self.counters),
             "syncer_config": asdict(self.config.syncer),
             "saved_wall": time.time(),
+            "epoch_s": self.epoch_s,
+            "clock": self.clock.to_dict() if self.clock else None,
+            "accounting": {  # goodput's ledger survives a restart of the syncer
+                "run_started_wall": self.run_started_wall,
+                "learners": {m: {"process": i.process, "carried": i.carried,
+                                 "report": dict(i.report)} for m, i in self._learners.items()},
+            },
         }
 
     def _write(self, snap: dict) -> None:
@@ -187,6 +196,18 @@ class Durability:
         self._incarnations = {int(m): int(v) for m, v in ck["incarnations"].items()}
         self._steps_done = {int(m): int(v) for m, v in ck.get("steps_done", {}).items()}
         self.counters.update(ck.get("counters", {}))
+        self.epoch_s = ck.get("epoch_s") or self.epoch_s
+        if ck.get("clock"):  # the learners' slots continue where they were
+            self.clock = SlotClock.from_dict(ck["clock"])
+        acc = ck.get("accounting") or {}
+        self.run_started_wall = acc.get("run_started_wall")
+        for m, d in (acc.get("learners") or {}).items():
+            # known learners, not live until they join again (the same process continues
+            # its ledger; a restarted one is folded into the carried totals)
+            self._learners[int(m)] = LearnerInfo(
+                incarnation=self._incarnations.get(int(m), 0), state="dead",
+                report=d.get("report") or {}, process=d.get("process") or "",
+                carried=d.get("carried"))
         self.counters["resumes"] += 1
         self._event("resume", versions=self.state.versions(), merges=self.state.merges)
         log.info("resumed from %s: versions %s, %d merges", path, self.state.versions(),
@@ -200,6 +221,7 @@ class Durability:
         self.state.unlocked = self._unlocked
         self.spec = spec
         self._fp = spec_fingerprint(spec)
+        self.epoch_s = time.time()
         self._pub = [(0, []) for _ in range(frag.P)]
         shape = dict(zip(spec["names"], (tuple(s) for s in spec["shapes"])))
         self._shapes = [[shape[n] for n in f.names] for f in frag.fragments]  # per fragment

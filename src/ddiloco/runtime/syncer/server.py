@@ -16,6 +16,12 @@ The server is assembled from its parts: ``control`` (Join, Init, Watch, Heartbea
 Status), ``data`` (pushes and fetches on gRPC and on the data port), ``liveness`` (the timer
 thread: grace deadlines, heartbeat timeouts) and ``durability`` (publication, checkpoints,
 resume).
+
+Slot clock: the syncer starts the run's clock (its epoch, Unix time) when it receives the
+initial model, and once the learners report step times it announces the slot length (their
+mean measured step time) on Join and Heartbeat, re-timed when it drifts by more than 10%.
+Learners with the time-driven schedule send fragment p in the same slots, so the grace
+window gathers them into one merge. The clock is checkpointed with the state.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from typing import TypeVar
 import grpc
 from pydantic import BaseModel
 
+from ddiloco.algorithm.schedule import SlotClock
 from ddiloco.algorithm.syncer_state import Merged, SyncerConfig, SyncerState
 from ddiloco.runtime.syncer.checkpoint import CHECKPOINT_NAME, DEFAULT_KEEP, remove_stale_temps
 from ddiloco.runtime.syncer.common import LearnerInfo, Reject
@@ -193,6 +200,14 @@ class SyncerServer(ControlHandlers, DataHandlers, Durability, Liveness):
         self._timers: list[tuple[float, int]] = []
         self._dirty_merges = 0
         self._steps_done: dict[int, int] = {}  # learner -> its latest reported total steps
+        self.run_started_wall: float | None = None
+        """Unix time of the first Join: the run's chip-time counts from there."""
+        self.run_ended_wall: float | None = None
+        """Unix time the last live learner left (None while one is live)."""
+        self.clock: SlotClock | None = None
+        """The run's slot clock (time-driven schedule), announced on Join and Heartbeat."""
+        self.epoch_s: float | None = None
+        """Unix time the run's clock started (the model's initialisation)."""
         self.budget_spent = False
         self._ckpt_requested = False
         self._closed = False

@@ -96,6 +96,9 @@ class JoinRequest(BaseModel):
     """The learner's model spec: a mismatch is answered naming the fields that differ."""
     host: ShortStr | None = None
     pid: Annotated[int, Field(ge=0, le=1 << 40)] | None = None
+    process: ShortStr | None = None
+    """Id of the learner process: another one than before is a restart (its ledger starts
+    from zero; the syncer carries the earlier process's totals)."""
     session: ShortStr | None = None
 
 
