@@ -188,6 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
                            ("ddiloco.runtime.cli", ("add_syncer_parser", "add_learner_parser",
                                                     "add_status_parser")),
                            ("ddiloco.runtime.export", ("add_export_parser",)),
+                           ("ddiloco.runtime.observe.cli", ("add_dashboard_parser",)),
                            ("ddiloco.report", ("add_report_parser",))):
         try:
             mod = __import__(module, fromlist=list(adders))

@@ -47,6 +47,10 @@ def add_syncer_parser(subparsers) -> argparse.ArgumentParser:
                    help="open data-port connections from one IP address")
     p.add_argument("--data-workers", type=int, default=16,
                    help="threads serving data-port requests (idle connections hold none)")
+    p.add_argument("--http-port", type=int, default=None,
+                   help="observability HTTP port on --host: Prometheus /metrics, /healthz, "
+                        "/readyz and the live dashboard at / (token needed except for the "
+                        "probes). 0: a free port; off unless given")
     p.add_argument("--token-file", help="file holding the shared secret")
     p.add_argument("--tls-cert", help="server certificate (PEM) to enable TLS")
     p.add_argument("--tls-key", help="server private key (PEM)")
@@ -100,6 +104,7 @@ def syncer_server_config(args):
                               checkpoint_every=args.checkpoint_every, resume=args.resume,
                               tls_cert=args.tls_cert, tls_key=args.tls_key,
                               metrics_path=args.metrics_file, step_budget=args.step_budget,
+                              http_port=args.http_port,
                               bulk_port=None if args.bulk_port == -1 else args.bulk_port,
                               data_limits=BulkLimits(
                                   handshake_timeout_s=args.handshake_timeout,
@@ -137,6 +142,9 @@ def cmd_syncer(args) -> int:
         tmp.write_text(str(port))
         os.replace(tmp, args.port_file)
     data = f"data port {server.bulk_port}" if server.bulk_port is not None else "data port off"
+    if server.http_port is not None:
+        data += (f", dashboard and /metrics on http{'s' if cfg.tls_cert else ''}://{cfg.host}:"
+                 f"{server.http_port}/")
     print(f"ddiloco syncer listening on {cfg.host}:{port} ({data})", flush=True)
     while not stop.wait(1.0):
         pass

@@ -111,6 +111,10 @@ class SyncerServerConfig:
     """gRPC handler threads (each live learner holds up to three calls)."""
     metrics_path: str | None = None
     """Append one JSON line per merge / rejection / membership event here."""
+    http_port: int | None = None
+    """Observability HTTP port on ``host`` (Prometheus ``/metrics``, ``/healthz``,
+    ``/readyz``, the live dashboard; ``ddiloco.runtime.observe``). 0 picks a free one;
+    None (the default) keeps it closed."""
     step_budget: int = 0
     """Total inner steps of all learners together (a global budget: a learner that lost
     time to a failure is made up for by the others). Once the learners' reported steps
@@ -134,6 +138,9 @@ class SyncerServerConfig:
             raise ValueError("heartbeat_timeout_s must be > 0")
         if self.step_budget < 0:
             raise ValueError("step_budget must be >= 0 (0: no budget)")
+        if self.http_port is not None and not 0 <= self.http_port <= 65535:
+            raise ValueError(f"HTTP port must be in [0, 65535] (0: any free port; off: "
+                             f"leave --http-port out), got {self.http_port}")
         if self.bulk_port is not None and not 0 <= self.bulk_port <= 65535:
             raise ValueError(f"data port must be in [0, 65535] (0: any free port; off: "
                              f"--bulk-port -1 / bulk_port=None), got {self.bulk_port}")
@@ -217,6 +224,8 @@ class SyncerServer(ControlHandlers, DataHandlers, Durability, Liveness):
         self._server: grpc.Server | None = None
         self._bulk_server: BulkServer | None = None
         self.bulk_port: int | None = None
+        self._observer = None
+        self.http_port: int | None = None
         self._threads: list[threading.Thread] = []
         self.port = -1
         if config.checkpoint_dir:
@@ -255,6 +264,15 @@ class SyncerServer(ControlHandlers, DataHandlers, Durability, Liveness):
             t.start()
             self._threads.append(t)
         self._server.start()
+        if self.config.http_port is not None:
+            from ddiloco.runtime.observe import serve_syncer
+            try:
+                self._observer = serve_syncer(self, self.config.http_port)
+            except OSError as e:
+                self.close()
+                raise RuntimeError(f"could not bind the HTTP port {self.config.host}:"
+                                   f"{self.config.http_port}: {e}") from None
+            self.http_port = self._observer.port
         log.info("syncer %s listening on %s:%d (data port %s)", self.boot_id, self.config.host,
                  self.port, self.bulk_port if self.bulk_port is not None else "off")
         return self.port
@@ -300,6 +318,8 @@ class SyncerServer(ControlHandlers, DataHandlers, Durability, Liveness):
             self._timer_cv.notify_all()
             self._ckpt_cv.notify_all()
             self._published_cv.notify_all()
+        if self._observer is not None:
+            self._observer.close()
         if self._bulk_server is not None:
             self._bulk_server.close()
         if self._server is not None:
