@@ -46,6 +46,8 @@ class LaunchOptions:
     startup_timeout_s: float = 120.0
     """How long the syncer may take to bind."""
     progress_interval_s: float = 2.0
+    """Seconds between progress lines when the output is not a terminal (a terminal gets a
+    live table, redrawn with every status poll)."""
     fork_server: bool = True
     """Fork the syncer and single-process learners from a warm server that has imported
     torch once (``ddiloco.runtime.launch.forkserver``): a restart after a kill costs a fraction of
@@ -120,6 +122,7 @@ class Launcher:
         self.env.setdefault("OMP_NUM_THREADS", "1")
         self._client = None
         self._forkserver = None
+        self._progress = None
 
     # -- processes ------------------------------------------------------------------------
     def _now(self) -> float:
@@ -259,6 +262,9 @@ class Launcher:
                 self._stop_requested = True
             signal.signal(signal.SIGTERM, _stop)
             signal.signal(signal.SIGINT, _stop)
+        if c.progress:
+            from ddiloco.runtime.launch.progress import LiveProgress
+            self._progress = LiveProgress(c.learners, interval_s=self.opts.progress_interval_s)
         try:
             if self.opts.fork_server:
                 from ddiloco.runtime.launch.forkserver import ForkServer
@@ -278,6 +284,11 @@ class Launcher:
             self._supervise(events)
         except KeyboardInterrupt:
             interrupted = True
+        finally:
+            if self._progress is not None:
+                self._show_progress()
+                self._progress.close()
+        if interrupted:
             print("\nddiloco: interrupted, stopping all processes", file=sys.stderr)
         self.t_end = self._now()
         final_params = None
@@ -297,8 +308,6 @@ class Launcher:
         return [p for n, p in self.procs.items() if n != "syncer"]
 
     def _supervise(self, events) -> None:
-        c = self.cfg
-        next_progress = 0.0
         next_status = 0.0
         ev_i = 0
         rng_pick = lambda draw, pool: pool[min(int(draw * len(pool)), len(pool) - 1)]  # noqa: E731
@@ -346,9 +355,7 @@ class Launcher:
                 next_status = now + 0.5
                 self._poll_status()
                 self._step_triggers()
-            if c.progress and now >= next_progress:
-                next_progress = now + self.opts.progress_interval_s
-                self._print_progress()
+                self._show_progress()
             time.sleep(0.05)
 
     def _step_triggers(self) -> None:
@@ -414,24 +421,11 @@ class Launcher:
             if info.get("report"):
                 self._reports[(int(m), info["incarnation"])] = info["report"]
 
-    def _print_progress(self) -> None:
-        st = self._status or {}
-        steps, losses = [], []
-        for m in range(self.cfg.learners):
-            info = st.get("learners", {}).get(str(m), {})
-            rep = info.get("report") or {}
-            p = self.procs.get(f"learner_{m}")
-            tag = {"running": "", "down": "x", "stopped": "z", "finished": "", "failed": "!"}.get(
-                p.state if p else "", "")
-            steps.append(f"{rep.get('global_step', 0)}{tag}")
-            if rep.get("loss") is not None:
-                losses.append(rep["loss"])
-        from ddiloco.runtime.launch.status import goodput_so_far
-        g = goodput_so_far(st) if st else None
-        budget = f" ({st.get('steps_done', 0)}/{st['step_budget']})" if st.get("step_budget") else ""
-        print(f"[{self._now():6.1f}s] steps {' '.join(steps)}{budget}  merges {st.get('merges', 0)}  "
-              f"loss {sum(losses) / len(losses) if losses else float('nan'):.3f}  "
-              f"goodput~{g if g is None else round(g, 3)}", file=sys.stderr, flush=True)
+    def _show_progress(self) -> None:
+        if self._progress is not None:
+            self._progress.update(self._now(), self._status, {
+                m: p.state for m in range(self.cfg.learners)
+                if (p := self.procs.get(f"learner_{m}")) is not None})
 
     def _fetch_global(self):
         try:
