@@ -54,6 +54,9 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--island-size", type=positive_int, default=None,
                    help="ranks per learner (a torchrun island running DDP inside)")
     g.add_argument("--port", type=int, default=None, help="syncer port (default: ephemeral)")
+    g.add_argument("--http-port", type=int, default=None,
+                   help="open the syncer's live dashboard and Prometheus /metrics on this "
+                        "port (0: a free one); its address, with the run's token, is printed")
     g = p.add_argument_group("model and inner optimizer")
     g.add_argument("--model", default="gpt_tiny",
                    help="model preset: gpt_tiny, gpt_small, moe_tiny, vit_digits, ...")

@@ -61,16 +61,16 @@ class BackgroundRun:
         from ddiloco.runtime.launch.launcher import Launcher, LaunchOptions
 
         self.out = out
-        self.http_port = free_port()
         chaos_arg = "none"
         if chaos:
             out.mkdir(parents=True, exist_ok=True)
             (out.parent / "chaos.json").write_text(json.dumps(chaos))
             chaos_arg = str(out.parent / "chaos.json")
         self.launcher = Launcher(tiny_config(out, learners=learners, steps=steps, **cfg),
-                                 LaunchOptions(chaos=chaos_arg, extra_syncer_args=[
-                                     "--http-port", str(self.http_port)]))
+                                 LaunchOptions(chaos=chaos_arg, http_port=0))
         self.token = self.launcher.env["DDILOCO_TOKEN"]
+        self.http_port = self.launcher.http_port
+        assert self.launcher.dashboard_url.endswith(f":{self.http_port}/?token={self.token}")
         self.url = f"http://127.0.0.1:{self.http_port}"
         self.summary: dict | None = None
         self.error: BaseException | None = None

@@ -64,7 +64,7 @@ def _train_cmd(tmp_path, name: str) -> list[str]:
     cfg = {**TINY, "progress": True, "learners": 2, "steps": 60, "out": str(tmp_path / name)}
     (tmp_path / f"{name}.json").write_text(json.dumps(cfg))
     return [sys.executable, "-m", "ddiloco.runtime.cli", "train", "--config",
-            str(tmp_path / f"{name}.json")]
+            str(tmp_path / f"{name}.json"), "--http-port", "0"]
 
 
 @pytest.mark.slow
@@ -98,6 +98,7 @@ def test_a_real_run_on_a_pseudo_terminal_and_on_a_pipe(tmp_path):
     assert "merged steps" in tty and "goodput" in tty          # the table's header
     assert "\x1b[" in tty                                        # drawn with terminal codes
     assert tty.count("merges") >= 2 and "finished" in tty and "ddiloco: done" in tty
+    assert "live dashboard on http://127.0.0.1:" in tty and "/?token=" in tty
     _, err = piped.communicate(timeout=120)
     assert piped.returncode == 0, err[-2000:]
     lines = [ln for ln in err.splitlines() if ln.startswith("[")]

@@ -243,12 +243,13 @@ def run_processes(config, args=None) -> int:
     """Run ``config`` (a TrainConfig) with a real syncer and learner processes on loopback.
 
     ``args`` may carry ``chaos`` (preset name or JSON path), ``island_size`` (ranks per
-    learner) and ``port``; missing attributes take their defaults."""
+    learner), ``port`` and ``http_port``; missing attributes take their defaults."""
     from ddiloco.runtime.launch.launcher import Launcher, LaunchOptions
 
     opts = LaunchOptions(chaos=getattr(args, "chaos", None) or "none",
                          island_size=getattr(args, "island_size", None) or 1,
-                         port=getattr(args, "port", None) or 0)
+                         port=getattr(args, "port", None) or 0,
+                         http_port=getattr(args, "http_port", None))
     with Launcher(config, opts) as launcher:
         summary = launcher.run()
     return 0 if summary.get("ok") else 1
@@ -264,6 +265,8 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--chaos", default="none", help="chaos preset or JSON file")
     p.add_argument("--island-size", type=int, default=1, help="ranks per learner (torchrun)")
     p.add_argument("--port", type=int, default=0)
+    p.add_argument("--http-port", type=int, default=None,
+                   help="the syncer's dashboard and /metrics port (0: a free one)")
     p.set_defaults(func=lambda a: run_processes(
         train_config_from(a.config, a.set + ["engine=\"processes\""]), a))
     return p

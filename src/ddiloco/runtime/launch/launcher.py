@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -35,6 +36,10 @@ class LaunchOptions:
     """Ranks per learner; > 1 runs each learner as a torchrun island."""
     port: int = 0
     """Syncer port (0: a free one)."""
+    http_port: int | None = None
+    """The syncer's observability HTTP port (live dashboard, Prometheus ``/metrics``); 0: a
+    free one, chosen once so that a restarted syncer serves the same address; None: closed.
+    The launcher prints the dashboard's address with the run's token."""
     heartbeat_timeout_s: float = 3.0
     """Syncer declares a silent learner dead after this long."""
     checkpoint_every: int = 1
@@ -64,6 +69,9 @@ class LaunchOptions:
     def __post_init__(self) -> None:
         if self.island_size < 1:
             raise ValueError("island_size must be >= 1")
+        if self.http_port is not None and not 0 <= self.http_port <= 65535:
+            raise ValueError(f"http_port must be in [0, 65535] (0: a free one), got "
+                             f"{self.http_port}")
 
 
 @dataclass(slots=True)
@@ -79,6 +87,12 @@ class _Proc:
     stops: int = 0
     cont_at: float | None = None
     exit_codes: list = field(default_factory=list)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class Launcher:
@@ -109,6 +123,9 @@ class Launcher:
         self.chaos = ChaosConfig(**d)
         self.procs: dict[str, _Proc] = {}
         self.port = self.opts.port
+        self.http_port = self.opts.http_port
+        if self.http_port == 0:
+            self.http_port = _free_port()
         self.t0 = time.monotonic()
         self.wall0 = time.time()
         self._reports: dict[tuple[int, int], dict] = {}
@@ -143,6 +160,8 @@ class Launcher:
                "--heartbeat-timeout", str(self.opts.heartbeat_timeout_s),
                "--step-budget", str(c.learners * c.steps if self.opts.global_budget else 0),
                *self.opts.extra_syncer_args]
+        if self.http_port is not None:
+            cmd += ["--http-port", str(self.http_port)]
         if not c.grace:
             cmd.append("--no-grace")
         if resume:
@@ -274,6 +293,9 @@ class Launcher:
                                          self.out / "logs" / "syncer.log")
             self._spawn(self.procs["syncer"])
             self._wait_port()
+            if self.http_port is not None:
+                print(f"ddiloco: live dashboard on {self.dashboard_url}", file=sys.stderr,
+                      flush=True)
             self.procs["syncer"].cmd = self._syncer_cmd(True)
             self._client = self._make_client()
             self.t_learners = self._now()
@@ -298,6 +320,15 @@ class Launcher:
         self.close()
         self.chaos_log.close()
         return self._summarise(self._final_model(final_params), interrupted)
+
+    @property
+    def dashboard_url(self) -> str | None:
+        """The syncer's dashboard, with the run's token (once; the page then keeps a
+        session cookie)."""
+        from ddiloco.runtime.transport.auth import TOKEN_ENV
+        if self.http_port is None:
+            return None
+        return f"http://127.0.0.1:{self.http_port}/?token={self.env[TOKEN_ENV]}"
 
     def _make_client(self):
         from ddiloco.runtime.learner.client import SyncerClient
