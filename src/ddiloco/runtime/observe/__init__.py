@@ -33,7 +33,7 @@ class SyncerObserver:
                 return False, "shutting down"
             if server.state is None:
                 return False, "no model yet (waiting for the first learner's Init)"
-            return True, f"serving {len(server.state.live)} live learners"
+            return True, "holds a global model"
 
         self.http = ObserveServer(host=cfg.host, port=port, token=cfg.token,
                                   view_fn=self.history.view, status_fn=server.status,

@@ -66,7 +66,7 @@ def open_dashboard(target: str, *, host: str = "127.0.0.1", port: int = 8050,
             return False, f"syncer {target} unreachable: {str(e).splitlines()[0][:200]}"
         if not st.get("initialised"):
             return False, "no model yet (waiting for the first learner's Init)"
-        return True, f"syncer {target} serving {len(st.get('live') or [])} live learners"
+        return True, f"syncer {target} holds a global model"
 
     server = ObserveServer(host=host, port=port, token=token, view_fn=history.view,
                            status_fn=status, ready_fn=ready)
