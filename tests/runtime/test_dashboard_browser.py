@@ -1,8 +1,9 @@
 """The live dashboard in a real headless browser (Debian's chromium + chromedriver, driven by
 selenium) during a real run: a syncer and learner processes, one learner SIGKILLed by chaos.
 
-The screenshot goes to a temporary directory; with ``DDILOCO_DASHBOARD_SCREENSHOT=1`` to
-``docs/dashboard.png`` (regenerate it that way)."""
+The screenshots (the syncer's page late in the run, the run directory's page at its end) go
+to a temporary directory; with ``DDILOCO_DASHBOARD_SCREENSHOT=1`` to ``docs/dashboard.png``
+and ``docs/dashboard_run_dir.png`` (regenerate them that way)."""
 
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ return {
   versions: document.querySelectorAll('#versions .frag').length,
   loss_lines: document.querySelectorAll('#chart-loss polyline.series').length,
   polls: parseInt(document.body.dataset.polls || '0', 10),
+  steps_done: num(document.getElementById('steps').textContent),
   done: document.getElementById('done').textContent,
 };"""
 
@@ -85,6 +87,11 @@ def test_dashboard_in_headless_chromium_follows_a_run_with_a_kill(browser, tmp_p
         assert later["versions"] == 4 and later["loss_lines"] >= 1
         assert later["polls"] > first["polls"]
         assert set(later["states"].values()) <= {"live", "dead", "left"}
+        budget = 3 * 220
+        wait_for(lambda: _dom(browser)["steps_done"] >= 0.7 * budget or not run.running(), 90,
+                 "the run to get near its end")
+        shots = DOCS if os.environ.get("DDILOCO_DASHBOARD_SCREENSHOT") else tmp_path
+        assert browser.save_screenshot(str(shots / "dashboard.png"))
         # the run directory's dashboard (``ddiloco dashboard RUN_DIR``) shows the kill
         browser.get(from_dir.base + from_dir.query)
         seen = wait_for(lambda: (d := _dom(browser))["merges"] > 0 and "kill-learner" in
@@ -95,9 +102,9 @@ def test_dashboard_in_headless_chromium_follows_a_run_with_a_kill(browser, tmp_p
                         "the page to see the finished run")
         assert done["merges"] >= seen["merges"] and done["merges"] == summary["merges"]
         assert "restart-learner" in done["events"] and done["loss_lines"] == 3
-        shot = (DOCS if os.environ.get("DDILOCO_DASHBOARD_SCREENSHOT") else tmp_path) \
-            / "dashboard.png"
-        assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 20_000
+        assert browser.save_screenshot(str(shots / "dashboard_run_dir.png"))
+        for name in ("dashboard.png", "dashboard_run_dir.png"):
+            assert (shots / name).stat().st_size > 20_000  # a rendered page, not a blank one
 
 
 def _reachable(url: str) -> bool:

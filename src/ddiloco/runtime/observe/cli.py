@@ -47,8 +47,7 @@ def open_dashboard(target: str, *, host: str = "127.0.0.1", port: int = 8050,
     if Path(target).is_dir():
         reader = RunDirReader(target)
         return ObserveServer(host=host, port=port, token=token, view_fn=reader.view), []
-    name, sep, p = target.rpartition(":")
-    if not sep or not name or not p.isdigit():
+    if not _is_address(target):
         raise ValueError(f"{target!r} is neither a run directory nor HOST:PORT of a syncer")
     from ddiloco.runtime.learner.client import SyncerClient
 
@@ -74,10 +73,19 @@ def open_dashboard(target: str, *, host: str = "127.0.0.1", port: int = 8050,
     return server, [history.close, client.close]
 
 
+def _is_address(target: str) -> bool:
+    host, sep, port = target.rpartition(":")
+    return bool(sep and host and port.isdigit())
+
+
 def cmd_dashboard(args) -> int:
     from ddiloco.runtime.transport.auth import load_token, new_token
 
     is_dir = Path(args.target).is_dir()
+    if not is_dir and not _is_address(args.target):
+        print(f"ddiloco dashboard: {args.target!r} is neither a run directory nor HOST:PORT of "
+              f"a syncer", file=sys.stderr)
+        return 2
     generated = False
     try:
         token = load_token(args.token_file)
