@@ -24,8 +24,9 @@ def free_port() -> int:
 
 
 def get(url: str, token: str | None = None, headers: dict | None = None,
-        timeout_s: float = 5.0) -> tuple[int, dict, bytes]:
-    """(status, headers, body) of a GET, without following redirects."""
+        timeout_s: float = 5.0, context=None) -> tuple[int, dict, bytes]:
+    """(status, headers, body) of a GET, without following redirects (``context``: the
+    ``ssl.SSLContext`` of an https URL)."""
     h = dict(headers or {})
     if token is not None:
         h["Authorization"] = f"Bearer {token}"
@@ -34,7 +35,7 @@ def get(url: str, token: str | None = None, headers: dict | None = None,
         def redirect_request(self, *a, **k):
             return None
 
-    opener = urllib.request.build_opener(NoRedirect)
+    opener = urllib.request.build_opener(NoRedirect, urllib.request.HTTPSHandler(context=context))
     try:
         with opener.open(urllib.request.Request(url, headers=h), timeout=timeout_s) as r:
             return r.status, dict(r.headers), r.read()

@@ -3,6 +3,7 @@ JSON) and ``ddiloco dashboard``: real syncer and learner processes on loopback."
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 
@@ -67,6 +68,28 @@ def test_probes_auth_and_readiness_of_a_syncer_process(syncer_factory):
                     ["summary"]["initialised"] and v, 10, "the dashboard to see the model")
     assert view["versions"] == [0, 0] and view["learners"][0]["state"] == "live"
     assert [e["kind"] for e in view["events"]][:1] == ["syncer"]
+
+
+@pytest.mark.timeout(60)
+def test_with_a_certificate_the_port_speaks_https(syncer_factory, tmp_path):
+    import ssl
+    import subprocess
+
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    r = subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                        "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1",
+                        "-keyout", str(key), "-out", str(cert)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"openssl cannot make a test certificate: {r.stderr[-200:]!r}")
+    port = free_port()
+    s = syncer_factory("--http-port", str(port), "--tls-cert", str(cert), "--tls-key", str(key))
+    ctx = ssl.create_default_context(cafile=str(cert))
+    code, _, body = get(f"https://127.0.0.1:{port}/metrics", s.token, context=ctx)
+    assert code == 200 and b"ddiloco_syncer_initialised 0.0" in body
+    code, headers, _ = get(f"https://127.0.0.1:{port}/?token={s.token}", context=ctx)
+    assert code == 303 and "; Secure" in headers["Set-Cookie"]
+    with pytest.raises((OSError, http.client.HTTPException)):  # plain HTTP is not answered
+        get(f"http://127.0.0.1:{port}/healthz", timeout_s=3)
 
 
 @pytest.mark.timeout(150)

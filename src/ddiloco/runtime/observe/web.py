@@ -3,7 +3,7 @@ live dashboard (``/`` and its JSON document ``/api/state``).
 
 Authentication: the dashboard, ``/api/state`` and ``/metrics`` need the run's shared secret,
 given as ``Authorization: Bearer TOKEN`` (what Prometheus sends with ``authorization:
-credentials_file``), or once as ``/?token=TOKEN``: the answer sets an HttpOnly, SameSite=Strict
+credentials_file``), or once as ``/?token=TOKEN``: the answer sets an HttpOnly, SameSite=Lax
 session cookie (a keyed hash of the token, never the token itself) and redirects to ``/`` so
 the secret leaves the address bar. Every comparison is constant-time. ``/healthz`` and
 ``/readyz`` answer without the token: orchestrators' probes carry no secrets, and the two
@@ -74,8 +74,7 @@ class ObserveServer:
             from ddiloco.runtime.observe.prom import syncer_registry
             self._registry = syncer_registry(status_fn)
         self.tls = ssl_context is not None
-        self._httpd = ThreadingHTTPServer((host, port), self._handler_class())
-        self._httpd.daemon_threads = True
+        self._httpd = _HTTPServer((host, port), self._handler_class())
         if ssl_context is not None:
             self._httpd.socket = ssl_context.wrap_socket(
                 self._httpd.socket, server_side=True, do_handshake_on_connect=False)
@@ -137,7 +136,7 @@ class ObserveServer:
             h.send_response(HTTPStatus.SEE_OTHER)
             h.send_header("Location", "/")
             h.send_header("Set-Cookie", f"{COOKIE}={self._cookie}; Path=/; HttpOnly; "
-                          f"SameSite=Strict{'; Secure' if self.tls else ''}")
+                          f"SameSite=Lax{'; Secure' if self.tls else ''}")
             h.send_header("Content-Length", "0")
             h.end_headers()
             return None
@@ -164,6 +163,7 @@ class ObserveServer:
         class Handler(BaseHTTPRequestHandler):
             server_version = "ddiloco"
             sys_version = ""
+            timeout = 30.0  # a client that sends nothing for this long is dropped
 
             def do_GET(self) -> None:  # noqa: N802 - the http.server protocol
                 self._run(False)
@@ -188,6 +188,14 @@ class ObserveServer:
                 log.debug("%s " + fmt, self.address_string(), *args)
 
         return Handler
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address) -> None:
+        # a client that broke off, or spoke plain HTTP to the TLS port: not worth a traceback
+        log.debug("observability connection from %s failed", client_address, exc_info=True)
 
 
 def _send(h: BaseHTTPRequestHandler, code: HTTPStatus, body: bytes, ctype: str,
