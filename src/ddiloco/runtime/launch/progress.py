@@ -8,10 +8,9 @@ terminal (a pipe, a log file, CI) it degrades to one plain line every ``interval
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 
-from rich.console import Console
+from rich.console import Console, JustifyMethod
 from rich.live import Live
 from rich.table import Table
 
@@ -38,7 +37,7 @@ class LearnerRow:
     loss: float | None
 
 
-def learner_rows(status: Mapping, proc_states: Mapping[int, str], learners: int) -> list[LearnerRow]:
+def learner_rows(status: dict, proc_states: dict[int, str], learners: int) -> list[LearnerRow]:
     """One row per learner from a syncer status snapshot and the launcher's process states."""
     rows = []
     up = status.get("uptime_s") or 0.0
@@ -55,14 +54,14 @@ def learner_rows(status: Mapping, proc_states: Mapping[int, str], learners: int)
     return rows
 
 
-def _totals(t_s: float, status: Mapping) -> str:
+def _totals(t_s: float, status: dict) -> str:
     g = goodput_so_far(status) if status else None
     budget = (f" / {status['step_budget']}" if status.get("step_budget") else "")
     return (f"t {t_s:.1f} s  steps {status.get('steps_done', 0)}{budget}  merges "
             f"{status.get('merges', 0)}  goodput {'-' if g is None else f'{g:.3f}'}")
 
 
-def plain_line(t_s: float, status: Mapping, rows: list[LearnerRow]) -> str:
+def plain_line(t_s: float, status: dict, rows: list[LearnerRow]) -> str:
     """The non-terminal form: ``[  12.0s] steps 40 38x 41 (119/300)  merges 17  loss 3.412
     goodput~0.91``."""
     losses = [r.loss for r in rows if r.loss is not None]
@@ -75,12 +74,13 @@ def plain_line(t_s: float, status: Mapping, rows: list[LearnerRow]) -> str:
             f"loss {loss:.3f}  goodput~{'-' if g is None else round(g, 3)}")
 
 
-def progress_table(t_s: float, status: Mapping, rows: list[LearnerRow]) -> Table:
+def progress_table(t_s: float, status: dict, rows: list[LearnerRow]) -> Table:
     """The terminal form: a rich table with the run's totals as its title."""
     table = Table(title=_totals(t_s, status), title_justify="left", expand=False)
-    for name, justify in (("learner", "right"), ("process", "left"), ("syncer", "left"),
-                          ("step", "right"), ("merged steps", "right"), ("goodput", "right"),
-                          ("loss", "right")):
+    columns: tuple[tuple[str, JustifyMethod], ...] = (
+        ("learner", "right"), ("process", "left"), ("syncer", "left"), ("step", "right"),
+        ("merged steps", "right"), ("goodput", "right"), ("loss", "right"))
+    for name, justify in columns:
         table.add_column(name, justify=justify)
     style = {"down": "red", "failed": "bold red", "stopped": "yellow", "finished": "dim"}
     for r in rows:
@@ -113,7 +113,7 @@ class LiveProgress:
     def terminal(self) -> bool:
         return self._live is not None
 
-    def update(self, t_s: float, status: Mapping | None, proc_states: Mapping[int, str]) -> None:
+    def update(self, t_s: float, status: dict | None, proc_states: dict[int, str]) -> None:
         status = status or {}
         rows = learner_rows(status, proc_states, self.learners)
         if self._live is not None:

@@ -26,7 +26,8 @@ class SyncerObserver:
 
         cfg = server.config
         self.history = StatusHistory(server.status, f"syncer {cfg.host}:{server.port}")
-        ctx = server_ssl_context(cfg.tls_cert, cfg.tls_key) if cfg.tls_cert else None
+        ctx = (server_ssl_context(cfg.tls_cert, cfg.tls_key)
+               if cfg.tls_cert and cfg.tls_key else None)
 
         def ready() -> tuple[bool, str]:
             if getattr(server, "_closed", False):

@@ -28,7 +28,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from urllib.parse import parse_qs, urlsplit
 
+from typing import TYPE_CHECKING
+
 from ddiloco.runtime.transport.auth import check_token
+
+if TYPE_CHECKING:
+    from prometheus_client.registry import CollectorRegistry
 
 __all__ = ["ObserveServer", "COOKIE", "session_cookie_value", "dashboard_html"]
 
@@ -69,7 +74,7 @@ class ObserveServer:
             raise ValueError(f"HTTP port must be in [0, 65535] (0: any free port), got {port}")
         self.token, self.view_fn, self.ready_fn = token, view_fn, ready_fn
         self._cookie = session_cookie_value(token)
-        self._registry = None
+        self._registry: CollectorRegistry | None = None
         if status_fn is not None:
             from ddiloco.runtime.observe.prom import syncer_registry
             self._registry = syncer_registry(status_fn)
