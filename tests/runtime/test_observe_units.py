@@ -20,7 +20,7 @@ def _status(merges: int, steps: tuple[int, int], *, boot: str = "b1", inc1: int 
                             "report": {"global_step": step, "loss": 3.0 - step / 100,
                                        "step_s": 0.01, "compute_s": step * 0.01,
                                        "ledger": {"computed": step, "merged": step / 2}}}
-    return {"boot_id": boot, "uptime_s": 10.0, "initialised": True, "versions": [merges, merges],
+    return {"boot_id": boot, "uptime_s": 10.0, "run_s": 10.0, "initialised": True, "versions": [merges, merges],
             "merges": merges, "live": [int(m) for m, i in learners.items() if i["state"] == "live"],
             "learners": learners, "counters": {"bytes_in": 1000, "bytes_out": 2000,
                                                "push_accepted": 7, "push_apply_s": 0.5},

@@ -19,7 +19,7 @@ from runtime_helpers import TINY
 
 
 def _status(steps: list[int], merges: int) -> dict:
-    return {"uptime_s": 10.0, "merges": merges, "steps_done": sum(steps), "step_budget": 300,
+    return {"uptime_s": 10.0, "run_s": 10.0, "merges": merges, "steps_done": sum(steps), "step_budget": 300,
             "learners": {str(m): {"state": "live", "report": {
                 "global_step": s, "loss": 4.0 - s / 100, "compute_s": s * 0.05,
                 "ledger": {"computed": s, "merged": s / 2}}} for m, s in enumerate(steps)}}

@@ -15,6 +15,7 @@ from rich.live import Live
 from rich.table import Table
 
 from ddiloco.runtime.launch.status import goodput_so_far
+from ddiloco.runtime.syncer.accounting import learner_totals
 
 __all__ = ["LearnerRow", "LiveProgress", "learner_rows", "plain_line", "progress_table"]
 
@@ -33,24 +34,24 @@ class LearnerRow:
     step: int
     merged_steps: float | None
     goodput: float | None
-    """Share of this learner's slot time (syncer uptime) whose work is merged."""
+    """This learner's chip-time of merged steps, over all its processes, divided by the
+    run's time so far (``syncer.accounting``; the run's goodput is their mean)."""
     loss: float | None
 
 
 def learner_rows(status: dict, proc_states: dict[int, str], learners: int) -> list[LearnerRow]:
     """One row per learner from a syncer status snapshot and the launcher's process states."""
     rows = []
-    up = status.get("uptime_s") or 0.0
+    run_s = status.get("run_s") or 0.0
     for m in range(learners):
         info = (status.get("learners") or {}).get(str(m)) or {}
         rep = info.get("report") or {}
-        led = rep.get("ledger") or {}
-        g = None
-        if led.get("computed") and up:
-            g = rep.get("compute_s", 0.0) * led.get("merged", 0.0) / led["computed"] / up
-        rows.append(LearnerRow(m, proc_states.get(m, "-"), info.get("state", "-"),
-                               int(rep.get("global_step", rep.get("step", 0)) or 0),
-                               led.get("merged"), g, rep.get("loss")))
+        tot = learner_totals(info) if info else None
+        rows.append(LearnerRow(
+            m, proc_states.get(m, "-"), info.get("state", "-"),
+            int(rep.get("global_step", tot["steps"] if tot else 0) or 0),
+            tot["ledger"]["merged"] if tot else None,
+            tot["useful_s"] / run_s if tot and run_s > 0 else None, rep.get("loss")))
     return rows
 
 

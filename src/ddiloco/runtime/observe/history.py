@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ddiloco.runtime.launch.status import goodput_so_far
+from ddiloco.runtime.syncer.accounting import learner_totals
 
 __all__ = ["StatusHistory", "RunDirReader", "MAX_POINTS", "MAX_EVENTS"]
 
@@ -179,7 +180,7 @@ class StatusHistory:
                     "incarnation": info.get("incarnation"),
                     "step": rep.get("global_step", rep.get("step", 0)),
                     "loss": rep.get("loss"), "step_s": rep.get("step_s"),
-                    "merged": (rep.get("ledger") or {}).get("merged"),
+                    "merged": learner_totals(info)["ledger"]["merged"],
                     "heartbeat_age_s": info.get("last_heartbeat_age_s")})
             return v
 

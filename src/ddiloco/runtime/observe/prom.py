@@ -14,6 +14,7 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, Metr
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from ddiloco.runtime.launch.status import goodput_so_far
+from ddiloco.runtime.syncer.accounting import learner_totals
 
 __all__ = ["SyncerCollector", "syncer_registry"]
 
@@ -91,12 +92,12 @@ def syncer_metrics(st: dict) -> list[Metric]:
         "inc": GaugeMetricFamily("ddiloco_learner_incarnation", "Learner's process "
                                  "incarnation (grows on every restart).", labels=["learner"]),
         "merged": GaugeMetricFamily("ddiloco_learner_merged_steps", "Inner steps of this "
-                                    "learner's current process merged into the model.",
+                                    "learner (all its processes) merged into the model.",
                                     labels=["learner"]),
     }
     for m, info in learners.items():
         rep = info.get("report") or {}
-        led = rep.get("ledger") or {}
+        led = learner_totals(info)["ledger"]
         for key, value in (("up", 1.0 if info.get("state") == "live" else 0.0),
                            ("step", rep.get("global_step", rep.get("step"))),
                            ("loss", rep.get("loss")), ("step_s", rep.get("step_s")),
