@@ -5,9 +5,22 @@ PYTHON ?= python3
 VENV   ?= .venv
 STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
+# Debian packages some tests drive for real: headless Chromium (dashboard), network namespaces
+# and shaped links (iproute2). Installed once, as root, by `make test`; elsewhere the tests
+# that need them skip and say so.
+APT_PKGS ?= chromium chromium-driver iproute2
 
-.PHONY: setup train test bench clean
+.PHONY: setup sysdeps train test bench clean
 setup: $(STAMP)
+
+sysdeps:
+	@missing=""; for p in $(APT_PKGS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then \
+	  echo "make: not installing$$missing (needs root and apt-get); the tests that use them will skip"; exit 0; fi; \
+	echo "make: installing$$missing"; \
+	apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing \
+	  || echo "make: apt-get could not install$$missing; the tests that use them will skip"
 
 # The pinned CPU build of torch is installed first, so the package's torch>=2.2
 # requirement is already met and pip never pulls a multi-GB CUDA build.
@@ -21,7 +34,7 @@ $(STAMP): pyproject.toml setup.py src/ddiloco/_kernels.c
 train: $(STAMP)
 	$(VENV)/bin/ddiloco train $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) sysdeps
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 bench: $(STAMP)
