@@ -70,7 +70,8 @@ class StepLedger:
     pushing it, or a merged value installed after its install step overwrote it) or
     outstanding (not yet pushed/merged when the run ended). ``computed == merged + dropped
     + overwritten + lost + pending + unpushed`` always holds. Only merged steps end up in
-    the model: goodput counts them alone, so with installs on time it is at most 1 - tau/H.
+    the model: goodput counts them alone (tau of the steps between two sends of a fragment are
+    overwritten: at equal speeds, with installs on time, goodput is at most 1 - tau/H).
     (With alpha mixing a share alpha of the overlap survives an install; it is counted
     overwritten all the same.)"""
 
