@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 import torch
 
@@ -195,3 +197,31 @@ def test_pushes_during_an_unlocked_merge_wait_for_it_and_follow_up():
     assert s.take_followups() == [] and s.version(p) == 2
     led = s.ledger[1]
     assert led.tokens_pending == 0 and led.pushes_merged == 2
+
+
+def test_final_pushes_gather_every_live_learner_and_average():
+    """A finishing learner's last pushes wait for the other live learners' last pushes of
+    that fragment (not for learners that send none), then the fragment becomes their
+    token-weighted average: no outer step, momentum untouched."""
+    s, p = make(quorum=1, M=3, grace=False, lr=0.5, mom=0.9)
+    q = 1 - p
+
+    def final(m, frag, value, frags, tokens=100):
+        c = push(m, frag, value, tokens=tokens, n=4 if frag == p else 2)
+        return dataclasses.replace(c, final=True, final_fragments=frags)
+
+    r = s.submit(final(0, p, 1.0, (p,)), 0.0)
+    assert r.merged is None and s.version(p) == 0  # K = 1, but a final round waits
+    r = s.submit(final(1, p, 4.0, (p,), tokens=200), 0.1)
+    assert r.merged is None and s.take_followups() == []
+    # learner 2 finishes sending only q: p's final round has every learner that will push p
+    r = s.submit(final(2, q, 5.0, (q,)), 0.2)
+    (fp, mp), = s.take_followups()
+    w0, w1 = 100 * 10, 200 * 20  # token weights, as in test_token_weighted_merge
+    assert fp == p and mp.reason == "final" and mp.learners == (0, 1)
+    assert torch.allclose(mp.params[0], torch.full((4,), (w0 * 1.0 + w1 * 4.0) / (w0 + w1)))
+    assert all(float(t.abs().sum()) == 0 for t in s.frags[p].momentum)
+    # q: learners 0 and 1 send no final push of q, so learner 2's is the round
+    assert r.merged is not None and r.merged.reason == "final" and r.merged.learners == (2,)
+    assert torch.allclose(r.merged.params[0], torch.full_like(r.merged.params[0], 5.0))
+    # a learner that joins again (a restart) is no longer finishing: it is waited for

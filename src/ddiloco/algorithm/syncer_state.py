@@ -95,6 +95,13 @@ class Contribution:
     """Version of Theta_p the learner last installed (-1: never installed one)."""
     seq: int = 0
     """Per-learner push sequence number; a retried push (same seq) is merged at most once."""
+    final: bool = False
+    """Sent as the learner finishes (its last push of p). A round holding a final push waits
+    for every live learner that will push p; when all its pushes are final the global
+    fragment becomes their token-weighted average (the end of training: no outer step)."""
+    final_fragments: tuple[int, ...] = ()
+    """With ``final``: every fragment this learner sends a final push of (it sends nothing
+    more for the others, so final rounds of those do not wait for it)."""
 
 
 class Status(enum.Enum):
@@ -192,6 +199,7 @@ class SyncerState:
         self.unlocked: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
         """Context the merge arithmetic runs in (see the module docstring)."""
         self._followups: list[tuple[int, Merged | WaitUntil]] = []
+        self._finishing: dict[int, frozenset[int]] = {}  # learner -> fragments of its final pushes
 
     def take_followups(self) -> list[tuple[int, Merged | WaitUntil]]:
         """Decisions on rounds that filled while their fragment was being merged:
@@ -204,11 +212,13 @@ class SyncerState:
     def join(self, learner: int) -> None:
         self.live.add(learner)
         self.ledger.setdefault(learner, LedgerEntry())
+        self._finishing.pop(learner, None)
 
     def leave(self, learner: int, now_s: float) -> list[Merged]:
         """Declare a learner dead. Its already-arrived contributions stay valid; rounds that
         were only waiting for it may now merge."""
         self.live.discard(learner)
+        self._finishing.pop(learner, None)
         out = [self._evaluate(p, now_s) for p in range(len(self.frags))]
         return [m for m in out if isinstance(m, Merged)]
 
@@ -293,6 +303,15 @@ class SyncerState:
         r.pending[c.learner] = c
         led.tokens_pending += self._tokens(c)
         target = s.version + 1 + int(s.merging)
+        if c.final and c.learner not in self._finishing:
+            # a finishing learner: final rounds of the fragments it will not push stop
+            # waiting for it (decisions for the caller in ``take_followups``)
+            self._finishing[c.learner] = frozenset(c.final_fragments) | {c.fragment}
+            for q, fq in enumerate(self.frags):
+                if q != c.fragment and fq.round.pending and not fq.merging:
+                    d = self._evaluate(q, now_s)
+                    if d is not None:
+                        self._followups.append((q, d))
         out = self._evaluate(c.fragment, now_s)
         if isinstance(out, Merged):
             return SubmitResult(Status.ACCEPTED, target_version=target, merged=out)
@@ -320,6 +339,13 @@ class SyncerState:
             return None
         # learners declared dead after pushing still count as arrived
         n_live = max(1, len(self.live | set(r.pending)))
+        if any(c.final for c in r.pending.values()):
+            # the last round of a finishing learner gathers every live learner, so that the
+            # final global model holds everyone's last steps at full weight (a K = 1 merge would
+            # take 1 / n_live of one learner's last progress)
+            waiting = [m for m in self.live - set(r.pending)
+                       if p in self._finishing.get(m, (p,))]
+            return None if waiting else self._merge(p, now_s, "final")
         if r.quorum_s is None and len(r.pending) >= self.policy.effective_quorum(n_live):
             r.quorum_s = now_s
             self.policy.xi_quorum.update(now_s - (r.opened_s if r.opened_s is not None else now_s))
@@ -358,7 +384,10 @@ class SyncerState:
         try:
             with self.unlocked():
                 # new tensors: the published theta is never written again, so Merged shares it
-                if len(contribs) == 1:  # the merged outer gradient is the push's own
+                if all(c.final for c in contribs):
+                    theta, momentum = _average(contribs, weights), momentum0
+                    finite = all(bool(torch.isfinite(t).all()) for t in theta)
+                elif len(contribs) == 1:  # the merged outer gradient is the push's own
                     theta, momentum, finite = self.outer.stepped_checked(
                         theta0, momentum0, scale, anchors=anchors[0], pushes=contribs[0].params)
                 else:
@@ -454,6 +483,15 @@ class SyncerState:
             e.tokens_pending = 0
         self.merges = int(sd["merges"])
         self._seen_seq = {tuple(k): v for k, v in sd.get("seen_seq", {}).items()}
+
+
+def _average(contribs: list[Contribution], weights: list[float]) -> list[torch.Tensor]:
+    """Token-weighted average of the pushed parameters, tensor by tensor (new tensors)."""
+    total = sum(weights)
+    out = [torch.zeros_like(t, dtype=torch.float32) for t in contribs[0].params]
+    for c, w in zip(contribs, weights):
+        torch._foreach_add_(out, [x.float() for x in c.params], alpha=w / total)
+    return out
 
 
 def vars_of(e: LedgerEntry) -> dict:

@@ -90,14 +90,17 @@ def run_decoupled(cfg: TrainConfig, ctx) -> dict:
     def finish(m: int, now: float) -> None:
         nonlocal n_up, up_since
         L[m].finished = True
-        for out in syncs[m].flush():
-            send(m, out, now)
+        outs = syncs[m].flush()
+        finals = tuple(sorted(o.fragment for o in outs))
+        for out in outs:
+            send(m, out, now, finals)
         q.push(now + world.transfer_s(model_bytes_down), 2, "leave", (m, L[m].inc))
         n_up -= 1
         if n_up == 0:
             up_since = now
 
-    def send(m: int, out: Outgoing, now: float) -> None:
+    def send(m: int, out: Outgoing, now: float, finals: tuple[int, ...] | None = None) -> None:
+        """``finals``: a finishing learner's last pushes (the fragments it sends)."""
         base = syncer.published(out.fragment, out.base_version)
         if cfg.codec == "fp32" or base is None:
             params = out.params
@@ -109,7 +112,8 @@ def run_decoupled(cfg: TrainConfig, ctx) -> dict:
         q.push(now + world.transfer_s(nbytes), 1, "arrive",
                (m, Contribution(learner=m, fragment=out.fragment, params=params,
                                 c_steps=out.c_steps, c_tokens=out.c_tokens,
-                                base_version=out.base_version, seq=out.seq)))
+                                base_version=out.base_version, seq=out.seq,
+                                final=finals is not None, final_fragments=finals or ())))
 
     def broadcast(mg: Merged, now: float) -> None:
         for mm in mg.learners:
@@ -182,6 +186,11 @@ def run_decoupled(cfg: TrainConfig, ctx) -> dict:
                 broadcast(res.merged, t)
             elif res.wake_at_s is not None:
                 q.push(res.wake_at_s, 3, "timer", c.fragment)
+            for p, d in syncer.take_followups():  # rounds a finishing learner unblocked
+                if isinstance(d, Merged):
+                    broadcast(d, t)
+                else:
+                    q.push(d.at_s, 3, "timer", p)
         elif kind == "timer":
             d = syncer.on_timer(payload, t)
             if isinstance(d, Merged):

@@ -144,6 +144,8 @@ class DecoupledLearner:
         self._wanted: set[int] = set()
         self._base_versions: list[int] = [-1] * P
         self._latest_seq: dict[int, int] = {}
+        self._final_seqs: set[int] = set()  # the pushes of close(): the learner is finishing
+        self._final_fragments: list[int] = []
         self.incarnation = -1
         self.boot_id = ""
         self._results_known: dict[int, list[int]] = {p: [] for p in range(P)}
@@ -362,12 +364,18 @@ class DecoupledLearner:
             self._hook.remove()
         exit_params: dict[str, torch.Tensor] | None = None
         if self._is_root and self._started:
+            finals = []
             for o in self.sync.flush():
                 if o.c_steps < 1:  # installed since its last push: nothing left to contribute
                     self.sync.on_push_result(o.fragment, o.seq, accepted=False)
                     continue
-                with self._lock:
+                finals.append(o)
+            with self._lock:  # the syncer's final rounds wait for these pushes only
+                self._final_fragments = sorted(o.fragment for o in finals)
+                for o in finals:
                     self._latest_seq[o.fragment] = o.seq
+                    self._final_seqs.add(o.seq)
+            for o in finals:
                 self._sendq.put(o)
             deadline = time.monotonic() + self.flush_timeout_s
             while time.monotonic() < deadline and self._connected and self._thread_error is None and (
@@ -609,7 +617,10 @@ class DecoupledLearner:
                           "base_version": o.base_version, "c_steps": o.c_steps,
                           "c_tokens": o.c_tokens, "codec": self.codec.name, "delta": delta,
                           "numels": list(self.fragmentation.fragments[o.fragment].numels),
-                          "nbytes": len(data), "step": o.send_step}
+                          "nbytes": len(data), "step": o.send_step,
+                          "final": o.seq in self._final_seqs,
+                          "final_fragments": (self._final_fragments
+                                              if o.seq in self._final_seqs else [])}
                 boot = self.boot_id
                 try:
                     d = self.link.delay_s(len(data))

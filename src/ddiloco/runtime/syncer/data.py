@@ -41,6 +41,8 @@ class PushCheck:
     shapes: list[tuple[int, ...]]
     delta: bool
     who: str
+    final: bool = False
+    final_fragments: tuple[int, ...] = ()
 
 
 class DataHandlers:
@@ -83,7 +85,8 @@ class DataHandlers:
         return PushCheck(m=m, p=p, inc=inc, seq=h.seq, base=h.base_version, c_steps=h.c_steps,
                          c_tokens=h.c_tokens, nbytes=nbytes, codec=codec, names=fr.names,
                          numels=fr.numels, shapes=shapes, delta=h.delta,
-                         who=self._push_who(raw))
+                         who=self._push_who(raw), final=h.final,
+                         final_fragments=tuple(h.final_fragments))
 
     def _push_apply(self, pc: PushCheck, buf: bytearray) -> dict:
         """Decode a validated push's payload and hand it to the state machine."""
@@ -112,7 +115,8 @@ class DataHandlers:
                                   f"tensor {name} has NaN/inf values")
         m, seq = pc.m, pc.seq
         c = Contribution(learner=m, fragment=p, params=params, c_steps=pc.c_steps,
-                         c_tokens=pc.c_tokens, base_version=pc.base, seq=seq)
+                         c_tokens=pc.c_tokens, base_version=pc.base, seq=seq, final=pc.final,
+                         final_fragments=pc.final_fragments)
         with self._lock:
             st = self._require_live(m, pc.inc)
             t0 = time.monotonic()

@@ -124,6 +124,11 @@ class PushHeader(BaseModel):
                       Field(max_length=MAX_TENSORS)]
     nbytes: Count
     step: Count | None = None
+    final: bool = False
+    """The learner's last push of this fragment (it is finishing)."""
+    final_fragments: Annotated[list[Annotated[int, Field(ge=0, lt=MAX_FRAGMENTS)]],
+                               Field(max_length=MAX_FRAGMENTS)] = []
+    """With ``final``: every fragment the finishing learner sends a final push of."""
 
     @model_validator(mode="after")
     def _seq_of_this_incarnation(self) -> PushHeader:
