@@ -27,7 +27,7 @@ def _push(client, frag, p, tensors, *, inc, seq=1, codec="fp32", **override):
          "numels": list(frag.fragments[p].numels), "nbytes": len(data), "step": 4}
     payload = override.pop("payload", data)
     h.update(override)
-    return client.stream("Push", wire.chunks(h, payload, chunk_bytes=4096))
+    return client.stream("Push", wire.chunks(client.sign(h), payload, chunk_bytes=4096))
 
 
 @pytest.mark.timeout(60)

@@ -5,13 +5,16 @@ pushes and fetches, retries), ``LinkLimits`` (emulated bandwidth and latency) an
 from __future__ import annotations
 
 import logging
+import math
+import threading
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import torch
 
 from ddiloco.algorithm.codecs import get_codec
-from ddiloco.runtime.transport import wire
+from ddiloco.runtime.transport import session, wire
 from ddiloco.runtime.transport.auth import channel_credentials, client_ssl_context
 from ddiloco.runtime.transport.bulk import BulkClient, BulkError, split_host
 
@@ -22,6 +25,23 @@ log = logging.getLogger("ddiloco.learner")
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
               grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
               grpc.StatusCode.ABORTED}
+
+
+_SIGNED = ("Join", "Heartbeat", "Leave")
+"""Calls signed with the session (Push too, in ``push``); a Join is signed only to prove a
+rejoining learner is the live process itself."""
+
+
+def finite_only(obj: Any) -> Any:
+    """``obj`` with non-finite floats replaced by None (JSON has no NaN; the syncer refuses
+    it)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite_only(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_only(v) for v in obj]
+    return obj
 
 
 class SyncerError(RuntimeError):
@@ -64,6 +84,9 @@ class SyncerClient:
                                                                              "control")]))
         self.data: BulkClient | None = None
         """The data-port connection for pushes, or None: fragments go over gRPC."""
+        self.session: tuple[int, bytes] | None = None
+        """(learner, key) of the session the last Join through this client opened."""
+        self._hb, self._hb_lock = 0, threading.Lock()
         self.data_fetch: BulkClient | None = None
         """A second connection for fetches, so that a fetch never queues behind a push
         (the sender and receiver threads each have their own)."""
@@ -88,14 +111,32 @@ class SyncerClient:
             self.data = BulkClient(host, int(port), self._token, ssl_context=ctx)
             self.data_fetch = BulkClient(host, int(port), self._token, ssl_context=ctx)
 
+    def sign(self, header: dict) -> dict:
+        """``header`` with the MAC of this client's session when it acts as the learner that
+        joined through it (``transport.session``); unchanged otherwise."""
+        sess = self.session
+        if sess is None or header.get("learner") != sess[0]:
+            return header
+        return session.sign(sess[1], header)
+
     def unary(self, name: str, header: dict, timeout_s: float = 10.0, control: bool = False
               ) -> dict:
         ch = self.control if control else self.bulk
+        if name in _SIGNED:
+            if name == "Heartbeat":
+                with self._hb_lock:
+                    self._hb += 1
+                    header = {**header, "hb": self._hb}
+            if "report" in header:
+                header = {**header, "report": finite_only(header["report"])}
+            header = self.sign(header)
         resp = ch.unary_unary(wire.method(name))(wire.pack(header), timeout=timeout_s,
                                                  metadata=self._md)
         r = wire.unpack(resp)[0]
         if name == "Join" and not r.get("need_init"):
             self.use_data_port(r.get("bulk_port"))
+            if isinstance(r.get("session"), str):
+                self.session = (header["learner"], bytes.fromhex(r["session"]))
         return r
 
     def stream(self, name: str, frames, timeout_s: float = 60.0) -> dict:
@@ -123,6 +164,7 @@ class SyncerClient:
 
     def push(self, header: dict, data: bytes | memoryview, timeout_s: float = 60.0) -> dict:
         """Push one fragment (``header`` as the Push call's); returns the syncer's reply."""
+        header = self.sign(header)
         r = self._data_request({"op": "push", **header}, [data], timeout_s)
         if r is not None:
             return r[0]

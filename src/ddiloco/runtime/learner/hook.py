@@ -50,6 +50,10 @@ __all__ = ["DecoupledLearner"]
 
 log = logging.getLogger("ddiloco.learner")
 
+DUPLICATE_WAIT_S = 15.0
+"""How long a learner whose id is live in another process keeps asking before it gives up
+(longer than the syncer's heartbeat timeout, so a killed predecessor is declared dead)."""
+
 
 class DecoupledLearner:
     """One Decoupled DiLoCo learner bound to a user's model (and optionally optimizer).
@@ -235,6 +239,7 @@ class DecoupledLearner:
     def _join_and_fetch(self, initial: bool) -> tuple[list[int], dict[str, torch.Tensor]]:
         deadline = time.monotonic() + self.connect_timeout_s
         backoff = 0.1
+        dup_deadline: float | None = None
         while True:
             try:
                 fresh = self.incarnation < 0
@@ -255,6 +260,20 @@ class DecoupledLearner:
                          self.learner, self.boot_id, self.incarnation, versions)
                 return versions, params
             except grpc.RpcError as e:
+                if "E_DUPLICATE" in rpc_details(e):
+                    # the id is live elsewhere: a killed predecessor is declared dead within
+                    # the syncer's heartbeat timeout; a second live process never is
+                    now = time.monotonic()
+                    if dup_deadline is None:
+                        dup_deadline = now + DUPLICATE_WAIT_S
+                        log.warning("[learner %d] %s; waiting up to %.0f s", self.learner,
+                                    rpc_details(e), DUPLICATE_WAIT_S)
+                    if now > dup_deadline:
+                        raise SyncerError(f"[learner {self.learner}] syncer "
+                                          f"{self.client.address} refused: "
+                                          f"{rpc_details(e)}") from None
+                    time.sleep(0.5)
+                    continue
                 if rpc_code(e) not in RETRYABLE:
                     raise SyncerError(f"[learner {self.learner}] syncer {self.client.address} "
                                       f"refused: {rpc_code(e).name}: {rpc_details(e)}") from None
@@ -642,7 +661,8 @@ class DecoupledLearner:
                     break
                 except grpc.RpcError as e:
                     code, msg = rpc_code(e), rpc_details(e)
-                    if code == grpc.StatusCode.FAILED_PRECONDITION and "E_UNKNOWN_LEARNER" in msg:
+                    if code == grpc.StatusCode.FAILED_PRECONDITION and (
+                            "E_UNKNOWN_LEARNER" in msg or "E_SESSION" in msg):
                         self._joined.clear()  # the heartbeat thread rejoins
                         continue
                     if code in RETRYABLE:
@@ -741,7 +761,13 @@ class DecoupledLearner:
         if self._leaving.is_set():
             return
         old_boot = self.boot_id
-        r = self._join()
+        try:
+            r = self._join()
+        except grpc.RpcError as e:
+            if "E_DUPLICATE" in rpc_details(e):  # another process holds this id now: stop
+                raise SyncerError(f"[learner {self.learner}] syncer {self.client.address} "
+                                  f"refused the rejoin: {rpc_details(e)}") from None
+            raise
         if r.get("need_init"):
             # a fresh syncer without a checkpoint: give it our current parameters
             self._upload_initial()

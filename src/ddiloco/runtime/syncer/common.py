@@ -38,6 +38,12 @@ class LearnerInfo:
     """Id of the learner process behind ``report`` (a restart is a new process)."""
     carried: dict | None = None
     """Totals of the learner's earlier processes (``accounting.fold``)."""
+    session_key: bytes | None = None
+    """The key issued by this learner's latest Join (``transport.session``)."""
+    hb: int = -1
+    """The last heartbeat counter accepted in this session."""
+    host: str | None = None
+    pid: int | None = None
 
 
 def handler(what: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:

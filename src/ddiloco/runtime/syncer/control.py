@@ -14,7 +14,7 @@ from ddiloco.algorithm.schedule import measured_slot_s, next_clock
 from ddiloco.algorithm.syncer_state import SyncerState, vars_of
 from ddiloco.runtime.syncer.accounting import fold, goodput_of
 from ddiloco.runtime.syncer.common import LearnerInfo, Reject, handler
-from ddiloco.runtime.transport import wire
+from ddiloco.runtime.transport import session, wire
 from ddiloco.runtime.transport.schema import (HeartbeatRequest, InitHeader, JoinRequest,
                                                LeaveRequest, Report, WatchRequest)
 from ddiloco.runtime.transport.spec import check_spec, fragmentation_from_spec, spec_diff
@@ -35,7 +35,8 @@ class ControlHandlers:
 
     @handler("join")
     def _join(self, req: bytes, ctx: grpc.ServicerContext) -> bytes:
-        h = self._parse_as(JoinRequest, req, "join")
+        raw = self._parse(req)[0]
+        h = self._validate(JoinRequest, raw, "join")
         m, inc = h.learner, h.incarnation
         with self._lock:
             if self.state is None:
@@ -52,16 +53,30 @@ class ControlHandlers:
                              f"model/fragmentation spec {h.fingerprint} differs from the "
                              f"syncer's {self._fp}{': ' + what if what else ''}; every learner "
                              f"must pass the same model (names, shapes, dtypes), P and strategy")
+            now = time.monotonic()
+            info = self._learners.get(m)
+            if (info is not None and info.state == "live" and m in self.state.live
+                    and now - info.last_hb_s <= self.config.heartbeat_timeout_s
+                    and not (info.session_key and session.verify(info.session_key, raw))):
+                raise Reject(grpc.StatusCode.FAILED_PRECONDITION, E.DUPLICATE,
+                             f"learner {m} is already live in another process (host "
+                             f"{info.host}, pid {info.pid}, incarnation {info.incarnation}, "
+                             f"last heartbeat {now - info.last_hb_s:.1f} s ago): give every "
+                             f"learner its own id, or start this one once the other has "
+                             f"stopped (it is declared dead "
+                             f"{self.config.heartbeat_timeout_s:g} s after its last heartbeat)")
             if inc < 0 or inc != self._incarnations.get(m):
                 inc = self._incarnations.get(m, 0) + 1
                 self._incarnations[m] = inc
             info = self._learners.setdefault(m, LearnerInfo())
-            info.incarnation, info.last_hb_s, info.state = inc, time.monotonic(), "live"
+            info.incarnation, info.last_hb_s, info.state = inc, now, "live"
             info.joins += 1
             self._note_process(info, h.process)
             if self.run_started_wall is None:
                 self.run_started_wall = time.time()
             self.run_ended_wall = None
+            info.session_key, info.hb = session.new_session_key(), -1
+            info.host, info.pid = h.host, h.pid
             self.state.join(m)
             self._event("join", learner=m, incarnation=inc, host=h.host, pid=h.pid)
             log.info("[learner %d] joined (incarnation %d)", m, inc)
@@ -73,6 +88,7 @@ class ControlHandlers:
                 "merged_seq": self._merged_seq_pub.get(m, {}),
                 "step_budget": self.config.step_budget, "stop": self.budget_spent,
                 "bulk_port": self.bulk_port,
+                "session": info.session_key.hex(),
                 # this learner's steps over its earlier processes (its latest report)
                 "steps_done": self._steps_done.get(m, 0),
                 "clock": self.clock.to_dict() if self.clock else None,
@@ -155,13 +171,19 @@ class ControlHandlers:
 
     @handler("heartbeat")
     def _heartbeat(self, req: bytes, ctx: grpc.ServicerContext) -> bytes:
-        h = self._parse_as(HeartbeatRequest, req, "heartbeat")
+        raw = self._parse(req)[0]
+        h = self._validate(HeartbeatRequest, raw, "heartbeat")
         m, inc = h.learner, h.incarnation
         with self._lock:
             st = self._require_ready()
             info = self._learners.get(m)
             if m not in st.live or info is None or info.incarnation != inc:
                 return wire.pack({"rejoin": True, "boot_id": self.boot_id})
+            self._require_session(m, raw, "heartbeat")
+            if h.hb <= info.hb:
+                raise Reject(grpc.StatusCode.FAILED_PRECONDITION, E.SESSION,
+                             f"heartbeat {h.hb} of learner {m} replayed (last was {info.hb})")
+            info.hb = h.hb
             info.last_hb_s = time.monotonic()
             if h.report is not None:
                 self._take_report(info, h.report.model_dump())
@@ -176,12 +198,14 @@ class ControlHandlers:
 
     @handler("leave")
     def _leave(self, req: bytes, ctx: grpc.ServicerContext) -> bytes:
-        h = self._parse_as(LeaveRequest, req, "leave")
+        raw = self._parse(req)[0]
+        h = self._validate(LeaveRequest, raw, "leave")
         m, inc = h.learner, h.incarnation
         with self._lock:
             st = self._require_ready()
             info = self._learners.get(m)
-            if info is not None and info.incarnation == inc:
+            if info is not None and info.incarnation == inc and info.state != "left":
+                self._require_session(m, raw, "leave")
                 info.state = "left"
                 if h.report is not None:
                     self._take_report(info, h.report.model_dump())

@@ -67,6 +67,7 @@ class DataHandlers:
                          f"{self.config.max_push_bytes}")
         with self._lock:
             st = self._require_live(m, inc)
+            self._require_session(m, raw, "push")
             if not 0 <= p < st.fragmentation.P:
                 raise Reject(grpc.StatusCode.INVALID_ARGUMENT, E.FRAGMENT,
                              f"fragment {p} out of range [0, {st.fragmentation.P})")

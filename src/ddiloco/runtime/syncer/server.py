@@ -49,7 +49,7 @@ from ddiloco.runtime.syncer.control import ControlHandlers
 from ddiloco.runtime.syncer.data import DataHandlers
 from ddiloco.runtime.syncer.durability import Durability
 from ddiloco.runtime.syncer.liveness import Liveness
-from ddiloco.runtime.transport import wire
+from ddiloco.runtime.transport import session, wire
 from ddiloco.runtime.transport.auth import check_token, server_credentials, server_ssl_context
 from ddiloco.runtime.transport.bulk import BulkLimits, BulkServer
 from ddiloco.runtime.transport.schema import SchemaError, parse
@@ -412,6 +412,17 @@ class SyncerServer(ControlHandlers, DataHandlers, Durability, Liveness):
             raise Reject(grpc.StatusCode.FAILED_PRECONDITION, E.NOT_READY,
                           "the syncer has no model yet: Join, then Init with the initial model")
         return self.state
+
+    def _require_session(self, m: int, raw: dict, what: str) -> LearnerInfo:
+        """The call acts as learner ``m``: it must carry the MAC of ``m``'s current session
+        (caller holds the lock, ``m`` is live)."""
+        info = self._learners[m]
+        if info.session_key is None or not session.verify(info.session_key, raw):
+            raise Reject(grpc.StatusCode.FAILED_PRECONDITION, E.SESSION,
+                         f"{what} as learner {m} without the session of its live process "
+                         f"(incarnation {info.incarnation}): only the process that joined "
+                         f"can act as it; Join again")
+        return info
 
     def _require_live(self, m: int, incarnation: int) -> SyncerState:
         st = self._require_ready()

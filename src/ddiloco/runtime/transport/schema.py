@@ -174,6 +174,8 @@ class HeartbeatRequest(BaseModel):
     learner: LearnerId
     incarnation: Incarnation
     report: Report | None = None
+    hb: Count = 0
+    """The session's heartbeat counter: strictly increasing (a replay is refused)."""
 
 
 class LeaveRequest(BaseModel):
