@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,24 +47,53 @@ class LearnerInfo:
     pid: int | None = None
 
 
-def handler(what: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def handler(what: str, bulk: bool = False) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Wrap a gRPC handler of ``SyncerServer``: check the token, then run it; a ``Reject``
     becomes its status and typed code, any other exception an ``E_INTERNAL`` error (logged
-    with its traceback). Both are counted in ``rejections``; none escapes to gRPC."""
+    with its traceback). Both are counted in ``rejections``; none escapes to gRPC.
+
+    ``bulk`` calls (transfers and long polls) first take one of the server's bulk slots,
+    without waiting: when all are taken the call is refused with ``E_BUSY``, so the
+    threads kept for control calls stay free. A streamed reply keeps its slot until it
+    ends."""
 
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
         def run(self, req: Any, ctx: grpc.ServicerContext) -> Any:
+            held = False
             try:
                 self._auth(ctx)
-                return fn(self, req, ctx)
+                if bulk:
+                    held = self._bulk_slots.acquire(blocking=False)
+                    if not held:
+                        raise Reject(grpc.StatusCode.UNAVAILABLE, E.BUSY,
+                                     f"all {self.config.max_workers - self.config.control_reserve}"
+                                     f" bulk call slots are taken; retry")
+                out = fn(self, req, ctx)
+                if held and isinstance(out, Iterator):
+                    held = False
+                    return _releasing(out, self._bulk_slots)
+                return out
             except Reject as r:
                 err = r
+            except grpc.RpcError:  # the client's request stream broke (cancelled, timed out)
+                err = Reject(grpc.StatusCode.CANCELLED, E.CANCELLED,
+                             "the client ended the call before sending all of it")
             except Exception as e:  # noqa: BLE001 - a handler bug must not escape untyped
                 log.exception("%s failed", what)
                 err = Reject(grpc.StatusCode.INTERNAL, E.INTERNAL, f"{type(e).__name__}: {e}")
+            finally:
+                if held:
+                    self._bulk_slots.release()
             self._fail(ctx, err, what)
 
         return run
 
     return wrap
+
+
+def _releasing(it: Iterator[Any], slots: threading.BoundedSemaphore) -> Iterator[Any]:
+    try:
+        yield from it
+    finally:
+        slots.release()

@@ -94,7 +94,7 @@ class ControlHandlers:
                 "clock": self.clock.to_dict() if self.clock else None,
             })
 
-    @handler("init")
+    @handler("init", bulk=True)
     def _init(self, it, ctx: grpc.ServicerContext) -> bytes:
         first = next(it, None)
         if first is None:
@@ -152,7 +152,7 @@ class ControlHandlers:
         self.counters["bytes_in"] += len(buf)
         return buf
 
-    @handler("watch")
+    @handler("watch", bulk=True)
     def _watch(self, req: bytes, ctx: grpc.ServicerContext) -> bytes:
         h = self._parse_as(WatchRequest, req, "watch")
         m, cursor = h.learner, h.cursor

@@ -142,14 +142,24 @@ class DataHandlers:
         return {"status": res.status.value, "message": res.message,
                 "target_version": res.target_version}
 
-    @handler("push")
+    @handler("push", bulk=True)
     def _push(self, it, ctx: grpc.ServicerContext) -> bytes:
         first = next(it, None)
         if first is None:
             raise Reject(grpc.StatusCode.INVALID_ARGUMENT, E.BAD_FRAME, "empty Push stream")
         h, payload = self._parse(first)
         pc = self._push_check(h)
-        return wire.pack(self._push_apply(pc, self._read_stream(payload, it, pc.nbytes)))
+        limit = self.config.max_streams_per_learner
+        with self._lock:
+            if self._pushing[pc.m] >= limit:
+                raise Reject(grpc.StatusCode.UNAVAILABLE, E.BUSY,
+                             f"learner {pc.m} already has {limit} pushes in progress; retry")
+            self._pushing[pc.m] += 1
+        try:
+            return wire.pack(self._push_apply(pc, self._read_stream(payload, it, pc.nbytes)))
+        finally:
+            with self._lock:
+                self._pushing[pc.m] -= 1
 
     def _fetch_items(self, raw: dict) -> list[tuple[int, int, list[memoryview], list[int]]]:
         """(fragment, version, downlink byte pieces, numels) of the published fragments asked
@@ -168,7 +178,7 @@ class DataHandlers:
             self.counters["bytes_out"] += sum(len(b) for _, _, d, _ in items for b in d)
         return items
 
-    @handler("fetch")
+    @handler("fetch", bulk=True)
     def _fetch(self, req: bytes, ctx: grpc.ServicerContext) -> Iterator[bytes]:
         items = self._fetch_items(self._parse(req)[0])
         return self._fetch_frames(items)

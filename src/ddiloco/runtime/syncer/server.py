@@ -109,6 +109,13 @@ class SyncerServerConfig:
     total and per peer, worker threads, request deadline)."""
     max_workers: int = 64
     """gRPC handler threads (each live learner holds up to three calls)."""
+    control_reserve: int = 16
+    """Handler threads only control calls (Join, Heartbeat, Leave, Status) may use: bulk
+    calls (Push, Fetch, Init, Watch) together hold at most ``max_workers - control_reserve``
+    threads, so stalled transfers can never starve liveness; more are refused at once
+    (``E_BUSY``, retried by learners)."""
+    max_streams_per_learner: int = 4
+    """Concurrent gRPC pushes of one learner (more are refused with ``E_BUSY``)."""
     metrics_path: str | None = None
     """Append one JSON line per merge / rejection / membership event here."""
     http_port: int | None = None
@@ -136,6 +143,11 @@ class SyncerServerConfig:
             raise ValueError("TLS needs both a certificate and a key file")
         if self.heartbeat_timeout_s <= 0:
             raise ValueError("heartbeat_timeout_s must be > 0")
+        if not 0 < self.control_reserve < self.max_workers:
+            raise ValueError(f"control_reserve must be in [1, max_workers) = [1, "
+                             f"{self.max_workers}), got {self.control_reserve}")
+        if self.max_streams_per_learner < 1:
+            raise ValueError("max_streams_per_learner must be >= 1")
         if self.step_budget < 0:
             raise ValueError("step_budget must be >= 0 (0: no budget)")
         if self.http_port is not None and not 0 <= self.http_port <= 65535:
@@ -198,6 +210,8 @@ class SyncerServer(ControlHandlers, DataHandlers, Durability, Liveness):
         self._fp = ""
         self._pub: list[tuple[int, list[memoryview]]] = []  # per fragment: (version, downlink bytes)
         self._shapes: list[list[tuple[int, ...]]] = []  # per fragment: its tensors' shapes
+        self._bulk_slots = threading.BoundedSemaphore(config.max_workers - config.control_reserve)
+        self._pushing: Counter = Counter()              # learner -> gRPC pushes in progress
         self._unpublished: dict[int, Merged] = {}       # merged, waiting for durability
         self._publish_retry: dict[int, Merged] = {}     # merged, publication failed: retried
         self._merged_seq: dict[int, dict[int, int]] = {}       # m -> p -> seq (all merges)

@@ -77,6 +77,8 @@ class ErrorCode:
     """A connection or stream limit was reached; retry later."""
     HANDSHAKE = "E_HANDSHAKE"
     """A data-port connection sent no valid hello in time, or one too large."""
+    CANCELLED = "E_CANCELLED"
+    """The client ended a streamed call before sending all of it."""
     INTERNAL = "E_INTERNAL"
     """A handler failed on a bug; the call changed nothing it had not committed."""
 
