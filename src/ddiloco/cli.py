@@ -83,6 +83,8 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
                         "e.g. int2/4096 (default: bf16)")
     g.add_argument("--fragmentation", choices=STRATEGIES, default=None)
     g.add_argument("--max-staleness", type=int, default=None)
+    g.add_argument("--staleness-discount", type=float, default=None,
+                   help="merge weight factor per version a push is behind (1: none)")
     g.add_argument("--schedule", choices=("time", "steps"), default=None,
                    help="send fragments on elapsed time (learners in step) or own step count")
     g.add_argument("--no-scale-partial", action="store_true",
@@ -103,7 +105,8 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
 _FLAG_FIELDS = ("method", "learners", "steps", "seed", "out", "model", "data", "batch_size",
                 "inner_optimizer", "inner_lr", "eval_every", "fragments", "H", "tau", "quorum",
                 "gamma", "outer_lr", "outer_momentum", "merge_rule", "alpha", "codec",
-                "fragmentation", "max_staleness", "schedule", "speeds", "step_noise", "mtbi_s",
+                "fragmentation", "max_staleness", "staleness_discount", "schedule", "speeds",
+                "step_noise", "mtbi_s",
                 "downtime_s", "latency_s", "bandwidth_Bps")
 
 

@@ -98,6 +98,8 @@ class TrainConfig:
     """Scale a round that merges k of n live learners to k/n of an outer step."""
     max_staleness: int = 16
     """Pushes more than this many versions behind are dropped."""
+    staleness_discount: float = 1.0
+    """Merge weight factor per version a push is behind (1: none; see SyncerConfig)."""
     anchor: str = "current"
     """Outer-gradient anchor: current global fragment, or the learner's base version."""
 

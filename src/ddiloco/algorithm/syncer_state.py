@@ -57,6 +57,11 @@ class SyncerConfig:
     """Outer Nesterov SGD momentum."""
     max_staleness: int = 16
     """A push whose base version is more than this many versions behind is dropped."""
+    staleness_discount: float = 1.0
+    """Weight factor per version of staleness: a push based on version v of a fragment now
+    at version V enters the merge with weight ``tokens * staleness_discount ** (V - v)``,
+    and the round's outer step is scaled by its token-weighted mean discount. 1.0 weighs stale work like fresh work (up to ``max_staleness``); below 1 discounts the
+    work of a learner that was paused or slow (docs/results/reliability.md measures it)."""
     anchor: str = "current"
     """Outer gradient anchor: ``current`` global fragment (paper) or the learner's ``base``."""
     history: int = 0
@@ -74,6 +79,9 @@ class SyncerConfig:
             raise ValueError(f"anchor must be one of {ANCHORS}, got {self.anchor!r}")
         if self.max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
+        if not 0.0 < self.staleness_discount <= 1.0:
+            raise ValueError(f"staleness_discount must be in (0, 1], got "
+                             f"{self.staleness_discount}")
         if self.history < 0:
             raise ValueError(f"history must be >= 0, got {self.history}")
         if self.anchor == "base" and self.history < self.max_staleness:
@@ -369,7 +377,10 @@ class SyncerState:
             return None  # evaluated again when the running merge commits
         frag = self.fragmentation.fragments[p]
         contribs = [s.round.pending[m] for m in sorted(s.round.pending)]
-        weights = [token_weight(c.c_tokens, c.c_steps) for c in contribs]
+        raw_w = [token_weight(c.c_tokens, c.c_steps) for c in contribs]
+        decay = [self.config.staleness_discount ** max(0, s.version - c.base_version)
+                 for c in contribs]
+        weights = [w * d for w, d in zip(raw_w, decay)]
         anchors = [s.theta if self.config.anchor == "current" else
                    self.published(p, c.base_version) for c in contribs]
         n_live = max(len(contribs), len(self.live | set(s.round.pending)))
@@ -378,6 +389,10 @@ class SyncerState:
             # a round merging some of the live learners takes that share of an outer step, so
             # that asynchronous single-learner merges add up to about one step per round
             scale = len(contribs) / n_live
+        if self.config.staleness_discount < 1.0:
+            # stale work also moves the model less: the step shrinks by the round's
+            # token-weighted discount (a lone stale push is not renormalised back to 1)
+            scale *= sum(weights) / sum(raw_w)
         theta0, momentum0 = s.theta, s.momentum
         s.round = _Round()  # pushes arriving during the arithmetic open the next round
         s.merging = True

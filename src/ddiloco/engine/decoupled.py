@@ -47,7 +47,8 @@ def syncer_config(cfg: TrainConfig) -> SyncerConfig:
     return SyncerConfig(
         policy=PolicyConfig(quorum=cfg.quorum, grace=cfg.grace, gamma=cfg.gamma, tau=cfg.tau),
         merge_rule=cfg.merge_rule, outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum,
-        max_staleness=cfg.max_staleness, anchor=cfg.anchor, history=history,
+        max_staleness=cfg.max_staleness, staleness_discount=cfg.staleness_discount,
+        anchor=cfg.anchor, history=history,
         scale_partial=cfg.scale_partial)
 
 

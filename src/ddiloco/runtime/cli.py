@@ -62,6 +62,8 @@ def add_syncer_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--outer-lr", type=float, default=0.7)
     p.add_argument("--outer-momentum", type=float, default=0.9)
     p.add_argument("--max-staleness", type=int, default=16)
+    p.add_argument("--staleness-discount", type=float, default=1.0,
+                   help="merge weight factor per version a push is behind (1: none)")
     p.add_argument("--anchor", default="current", choices=("current", "base"))
     p.add_argument("--history", type=int, default=4,
                    help="past versions kept per fragment (delta-encoded pushes need them)")
@@ -95,6 +97,7 @@ def syncer_server_config(args):
                                           gamma=args.gamma, tau=args.tau),
                       merge_rule=args.merge_rule, outer_lr=args.outer_lr,
                       outer_momentum=args.outer_momentum, max_staleness=args.max_staleness,
+                      staleness_discount=args.staleness_discount,
                       anchor=args.anchor, history=args.history)
     return SyncerServerConfig(token=load_token(args.token_file), host=args.host, port=args.port,
                               syncer=sc, downlink_codec=args.downlink_codec,

@@ -155,6 +155,7 @@ class Launcher:
                "--quorum", str(c.quorum), "--gamma", str(c.gamma), "--tau", str(c.tau),
                "--merge-rule", c.merge_rule, "--outer-lr", str(c.outer_lr),
                "--outer-momentum", str(c.outer_momentum), "--max-staleness", str(c.max_staleness),
+               "--staleness-discount", str(c.staleness_discount),
                "--anchor", c.anchor, "--history", str(max(4, c.max_staleness if c.anchor == "base" else 4)),
                "--downlink-codec", c.down_codec,
                "--heartbeat-timeout", str(self.opts.heartbeat_timeout_s),
