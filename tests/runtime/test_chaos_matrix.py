@@ -1,0 +1,45 @@
+"""A chaos run in CI: learner SIGKILL, a SIGSTOP longer than the liveness timeout, syncer
+SIGKILL + resume and a slow, laggy link in one real run. It must end cleanly, lose no
+published version and balance every learner's token ledger. (A duplicate learner id and
+corrupt or NaN checkpoints are in test_sessions.py and test_checkpoint_integrity.py.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ddiloco.runtime.launch.launcher import LaunchOptions, Launcher
+from runtime_helpers import read_jsonl, tiny_config
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_mixed_chaos_loses_no_published_version_and_balances_the_ledger(tmp_path):
+    run = tmp_path / "run"
+    chaos = tmp_path / "chaos.json"
+    chaos.write_text(json.dumps({
+        "seed": 3, "kill_at_step": [[1, 30]], "kill_downtime_s": 1.0,
+        "stop_mean_interval_s": 8.0, "stop_duration_s": 4.0, "start_after_s": 3.0,
+        "syncer_kill_at_step": 60, "syncer_downtime_s": 1.0,
+        "slowdown": {"0": 3.0, "1": 3.0, "2": 3.0}, "link_latency_s": 0.01}))
+    cfg = tiny_config(run, learners=3, steps=120, batch_size=16, block_size=64)
+    with Launcher(cfg, LaunchOptions(chaos=str(chaos), heartbeat_timeout_s=2.0)) as la:
+        s = la.run()
+    assert s["ok"], s
+    kinds = [r["kind"] for r in read_jsonl(run / "chaos.jsonl")]
+    for k in ("kill-learner", "stop-learner", "kill-syncer", "restart-syncer"):
+        assert k in kinds, (k, kinds)
+    syncer_rows = read_jsonl(run / "syncer.metrics.jsonl")
+    kill = next(r["wall"] for r in read_jsonl(run / "chaos.jsonl") if r["kind"] == "kill-syncer")
+    resume = next(r for r in syncer_rows if r["kind"] == "resume")
+    assert any(r["kind"] == "dead" for r in syncer_rows), "the stopped learner was declared dead"
+    for m in range(3):
+        for r in read_jsonl(run / f"learner_{m}" / "metrics.jsonl"):
+            if r["kind"] == "step" and r["wall"] < kill:
+                for p, v in r["installed"].items():  # nothing published before the kill is lost
+                    assert resume["versions"][int(p)] >= v, (m, p, v, resume["versions"])
+    for pl in s["per_learner"]:
+        assert pl["ledger_balance_error"] < 1e-6, pl
+    assert s["syncer_counters"].get("resumes") == 1
+    assert s.get("syncer_rejections", {}).get("E_INTERNAL", 0) == 0
