@@ -87,11 +87,13 @@ def test_data_port_rejects_bad_requests_and_keeps_the_model(syncer_factory):
             lambda: client.push(_header(frag, 0, nan_data, inc, 2), nan_data))
     # the declared size and the bytes that follow disagree
     expect_rejection(grpc.StatusCode.INVALID_ARGUMENT, "E_SIZE",
-            lambda: client.data.request({"op": "push", **_header(frag, 0, data, inc, 3)},
-                                        [data, b"\0" * 8]))
+            lambda: client.data.request(
+                {"op": "push", **client.sign(_header(frag, 0, data, inc, 3))},
+                [data, b"\0" * 8]))
     expect_rejection(grpc.StatusCode.RESOURCE_EXHAUSTED, "E_OVERSIZE",
-            lambda: client.data.request({"op": "push", **_header(frag, 0, data, inc, 4)},
-                                        [b"\0" * 300_000]))
+            lambda: client.data.request(
+                {"op": "push", **client.sign(_header(frag, 0, data, inc, 4))},
+                [b"\0" * 300_000]))
     expect_rejection(grpc.StatusCode.INVALID_ARGUMENT, "E_FRAGMENT",
             lambda: client.fetch([0, 9]))
     expect_rejection(grpc.StatusCode.INVALID_ARGUMENT, "E_FRAME",
