@@ -43,7 +43,7 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
                    help="failures: each learner down ~15%% of the time; hetero: half the "
                    "learners 18%% slower plus 10%% step noise")
     g.add_argument("--learners", "-M", type=positive_int, default=4)
-    g.add_argument("--steps", type=positive_int, default=600, help="inner steps per learner")
+    g.add_argument("--steps", type=positive_int, default=2000, help="inner steps per learner")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--out", default="runs/latest", help="run directory")
     g.add_argument("--no-progress", action="store_true", help="hide the progress bar")

@@ -28,7 +28,7 @@ class TrainConfig:
     processes: a real syncer and learner processes on loopback."""
     learners: int = 4
     """M: number of learners (independent data-parallel islands)."""
-    steps: int = 600
+    steps: int = 2000
     """Inner steps per learner (methods compare at equal tokens)."""
     seed: int = 0
     """Seed of the model init, data streams, speeds and failures."""
