@@ -48,6 +48,10 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--out", default="runs/latest", help="run directory")
     g.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     g.add_argument("--json", action="store_true", help="print summary.json instead of a table")
+    g.add_argument("--metrics-sink", default=None, dest="metrics_sinks", metavar="SINKS",
+                   help="metrics sinks besides metrics.jsonl, comma-separated: tensorboard, "
+                   "wandb (offline), mlflow (local file store), e.g. jsonl,tensorboard "
+                   "(each needs its extra: pip install ddiloco[tensorboard])")
     g = p.add_argument_group("processes engine")
     g.add_argument("--chaos", default=None,
                    help="chaos preset (none, kill30, stragglers, syncer-kill, wan) or a JSON file")
@@ -102,8 +106,8 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
-_FLAG_FIELDS = ("method", "learners", "steps", "seed", "out", "model", "data", "batch_size",
-                "inner_optimizer", "inner_lr", "eval_every", "fragments", "H", "tau", "quorum",
+_FLAG_FIELDS = ("method", "learners", "steps", "seed", "out", "metrics_sinks", "model", "data",
+                "batch_size", "inner_optimizer", "inner_lr", "eval_every", "fragments", "H", "tau", "quorum",
                 "gamma", "outer_lr", "outer_momentum", "merge_rule", "alpha", "codec",
                 "fragmentation", "max_staleness", "staleness_discount", "schedule", "speeds",
                 "step_noise", "mtbi_s",
@@ -139,7 +143,9 @@ def train_config_from_args(args: argparse.Namespace):
 def _cmd_train(args: argparse.Namespace) -> int:
     try:
         cfg = train_config_from_args(args)
-    except ValueError as e:
+        from ddiloco.metrics.sinks import check_available
+        check_available(cfg.metrics_sinks)
+    except (ValueError, ImportError) as e:
         print(f"ddiloco train: error: {e}", file=sys.stderr)
         return 2
     if cfg.engine == "processes":

@@ -122,6 +122,10 @@ class TrainConfig:
     """Syncer time per merge."""
     progress: bool = True
     """Show a progress bar."""
+    metrics_sinks: str = "jsonl"
+    """Where metrics rows go besides ``metrics.jsonl`` (always written: the summary and
+    ``ddiloco report`` read it): comma-separated names of ``ddiloco.metrics.SINKS``, e.g.
+    ``jsonl,tensorboard,wandb,mlflow``."""
 
     # -- devices (learner processes) ----------------------------------------------------
     device: str = "auto"
@@ -149,6 +153,8 @@ class TrainConfig:
         one_of("schedule", self.schedule, ("time", "steps"))
         one_of("device", self.device, ("auto", "cpu", "cuda"))
         one_of("autocast", self.autocast, ("none", "bf16"))
+        from ddiloco.metrics.sinks import parse_sinks
+        self.metrics_sinks = ",".join(parse_sinks(self.metrics_sinks)) or "jsonl"
         from ddiloco.data import parse_data_spec
         from ddiloco.models import MODEL_PRESETS
         parse_data_spec(self.data)  # validates the kind and the path's presence

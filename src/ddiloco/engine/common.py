@@ -20,6 +20,7 @@ from ddiloco.algorithm.codecs import get_codec
 from ddiloco.config import TrainConfig
 from ddiloco.data import DataConfig, build_stream
 from ddiloco.data.synthetic import SyntheticStream
+from ddiloco.metrics.sinks import open_sinks, parse_sinks
 from ddiloco.recipe import new_model, new_optimizer, set_lr, tokens_per_step
 
 __all__ = ["World", "Worker", "EventQueue", "Recorder", "TimeBreakdown", "build_workers"]
@@ -113,21 +114,23 @@ class EventQueue:
 
 
 class Recorder:
-    """metrics.jsonl rows and the final summary.json of a run."""
+    """Metrics rows (``metrics.jsonl`` and the sinks of ``cfg.metrics_sinks``) and the
+    final summary.json of a run."""
 
     def __init__(self, cfg: TrainConfig) -> None:
         self.cfg = cfg
         self.dir = Path(cfg.out)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self._f = open(self.dir / "metrics.jsonl", "w", encoding="utf-8")
+        self.sink = open_sinks(("jsonl", *parse_sinks(cfg.metrics_sinks)), self.dir,
+                               name="engine", mode="w")
         self.t0 = time.perf_counter()
 
     def row(self, kind: str, **fields) -> None:
-        self._f.write(json.dumps({"kind": kind, **fields}) + "\n")
+        self.sink.write({"kind": kind, **fields})
 
     def finish(self, summary: dict) -> dict:
         summary["wall_s"] = round(time.perf_counter() - self.t0, 3)
-        self._f.close()
+        self.sink.close()
         tmp = self.dir / "summary.json.tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(summary, f, indent=2)

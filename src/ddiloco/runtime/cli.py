@@ -78,6 +78,12 @@ def add_syncer_parser(subparsers) -> argparse.ArgumentParser:
                    help="1: every merge durable before publication; N: every N merges")
     p.add_argument("--resume", action="store_true", help="resume from --checkpoint-dir")
     p.add_argument("--metrics-file", help="append merge/reject/membership events (JSONL)")
+    p.add_argument("--metrics-sink", default="jsonl", metavar="SINKS",
+                   help="also send those events to these sinks, comma-separated: "
+                        "tensorboard, wandb (offline), mlflow (local file store); JSONL goes "
+                        "to --metrics-file")
+    p.add_argument("--metrics-dir", help="run directory of the --metrics-sink sinks (default: "
+                   "the folder of --metrics-file)")
     p.add_argument("--step-budget", type=int, default=0,
                    help="total inner steps of all learners together; once reached, learners "
                         "are told to finish (0: each learner runs its own --steps)")
@@ -106,7 +112,9 @@ def syncer_server_config(args):
                               checkpoint_dir=args.checkpoint_dir,
                               checkpoint_every=args.checkpoint_every, resume=args.resume,
                               tls_cert=args.tls_cert, tls_key=args.tls_key,
-                              metrics_path=args.metrics_file, step_budget=args.step_budget,
+                              metrics_path=args.metrics_file,
+                              metrics_sinks=tuple(args.metrics_sink.split(",")),
+                              metrics_dir=args.metrics_dir, step_budget=args.step_budget,
                               http_port=args.http_port,
                               bulk_port=None if args.bulk_port == -1 else args.bulk_port,
                               data_limits=BulkLimits(
@@ -129,7 +137,8 @@ def cmd_syncer(args) -> int:
         return 2
     try:
         server = SyncerServer(cfg)
-    except (ValueError, FileNotFoundError) as e:  # no valid checkpoint to resume from
+    except (ValueError, FileNotFoundError, ImportError) as e:
+        # no valid checkpoint to resume from, or a metrics sink's package missing
         print(f"ddiloco syncer: {e}", file=sys.stderr)
         return 2
     stop = threading.Event()
@@ -167,6 +176,8 @@ def add_learner_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a TrainConfig field (JSON value), e.g. --set steps=200")
     p.add_argument("--run-dir", help="per-learner directory: metrics.jsonl, progress.json")
+    p.add_argument("--metrics-dir", help="run directory of the sinks of the config's "
+                   "metrics_sinks besides JSONL (default: --run-dir)")
     p.add_argument("--token-file", help="file holding the shared secret (else $DDILOCO_TOKEN)")
     p.add_argument("--tls-ca", help="CA certificate (PEM) to talk TLS to the syncer")
     p.add_argument("--slowdown", type=float, default=1.0, help="stretch each step by this factor")
@@ -207,12 +218,13 @@ def cmd_learner(args) -> int:
     try:
         cfg = train_config_from(args.config, args.set)
         run_learner(cfg, syncer=args.syncer, learner=args.learner, run_dir=args.run_dir,
+                    metrics_dir=args.metrics_dir,
                     token_file=args.token_file, tls_ca=args.tls_ca, slowdown=args.slowdown,
                     link=LinkLimits(bandwidth_bytes_per_s=args.bandwidth, latency_s=args.latency),
                     connect_timeout_s=args.connect_timeout,
                     resume_optimizer=not args.fresh_optimizer,
                     wait_for_merge=args.wait_for_merge)
-    except (ValueError, SyncerError) as e:
+    except (ValueError, SyncerError, ImportError) as e:
         print(f"ddiloco learner: {e}", file=sys.stderr)
         return 2
     return 0

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ddiloco.metrics.sinks import JsonlSink
+
 __all__ = ["ChaosConfig", "ChaosEvent", "chaos_schedule", "chaos_preset", "CHAOS_PRESETS",
            "ChaosLog"]
 
@@ -132,14 +134,13 @@ class ChaosLog:
     """Append-only JSONL log of injected events."""
 
     def __init__(self, path: str | Path, t0: float) -> None:
-        self._f = open(path, "a", encoding="utf-8")
+        self._sink = JsonlSink(path, mode="a", flush_rows=True)
         self.t0 = t0
 
     def write(self, kind: str, **kw) -> dict:
         rec = {"t_s": round(time.monotonic() - self.t0, 3), "wall": time.time(), "kind": kind, **kw}
-        self._f.write(json.dumps(rec) + "\n")
-        self._f.flush()
+        self._sink.write(rec)
         return rec
 
     def close(self) -> None:
-        self._f.close()
+        self._sink.close()

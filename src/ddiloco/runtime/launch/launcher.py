@@ -152,6 +152,7 @@ class Launcher:
                "--checkpoint-dir", str(self.out / "checkpoint"),
                "--checkpoint-every", str(self.opts.checkpoint_every),
                "--metrics-file", str(self.out / "syncer.metrics.jsonl"),
+               "--metrics-sink", c.metrics_sinks, "--metrics-dir", str(self.out),
                "--quorum", str(c.quorum), "--gamma", str(c.gamma), "--tau", str(c.tau),
                "--merge-rule", c.merge_rule, "--outer-lr", str(c.outer_lr),
                "--outer-momentum", str(c.outer_momentum), "--max-staleness", str(c.max_staleness),
@@ -177,6 +178,7 @@ class Launcher:
         cmd = head + ["learner", "--syncer", f"127.0.0.1:{self.port}", "--learner", str(m),
                       "--config", str(self.out / "train_config.json"),
                       "--run-dir", str(self.out / f"learner_{m}"),
+                      "--metrics-dir", str(self.out),
                       "--slowdown", str(self.chaos.slowdown.get(m, 1.0)),
                       "--bandwidth", str(self.chaos.link_bandwidth_Bps),
                       "--latency", str(self.chaos.link_latency_s), *self.opts.extra_learner_args]
@@ -569,15 +571,23 @@ class Launcher:
             "config": json.loads((self.out / "train_config.json").read_text()),
             "chaos": self.chaos.to_dict(),
         }
-        with open(self.out / "metrics.jsonl", "w", encoding="utf-8") as f:
-            f.write(json.dumps({"kind": "config", **summary["config"]}) + "\n")
-            f.write(json.dumps({"kind": "eval", "t_s": 0.0, "step": 0, "eval_loss": init_loss,
-                                "gap": None if floor is None else init_loss - floor}) + "\n")
-            for r in rows["rows"]:
-                f.write(json.dumps(r) + "\n")
-            if final_loss is not None:
-                f.write(json.dumps({"kind": "final", "eval_loss": final_loss,
-                                    "gap": None if floor is None else final_loss - floor}) + "\n")
+        # the run's metrics.jsonl: every process's rows in time order; the run-level rows
+        # (config, evaluations) also go to the other sinks, as writer "run"
+        head = [{"kind": "config", **summary["config"]},
+                {"kind": "eval", "t_s": 0.0, "step": 0, "eval_loss": init_loss,
+                 "gap": None if floor is None else init_loss - floor}]
+        tail = [] if final_loss is None else [
+            {"kind": "final", "step": c.steps, "eval_loss": final_loss,
+             "gap": None if floor is None else final_loss - floor}]
+        from ddiloco.metrics.sinks import JsonlSink, open_sinks, parse_sinks
+
+        with JsonlSink(self.out / "metrics.jsonl", mode="w") as jsonl:
+            for r in head + rows["rows"] + tail:
+                jsonl.write(r)
+        with open_sinks([s for s in parse_sinks(c.metrics_sinks) if s != "jsonl"], self.out,
+                        name="run") as extra:
+            for r in head + tail:
+                extra.write(r)
         tmp = self.out / "summary.json.tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(summary, f, indent=2)

@@ -24,6 +24,7 @@ import torch
 
 from ddiloco.config import TrainConfig
 from ddiloco.data import build_stream
+from ddiloco.metrics.sinks import open_sinks, parse_sinks
 from ddiloco.recipe import data_config, new_model, new_optimizer, set_lr
 from ddiloco.runtime.learner.client import LinkLimits
 from ddiloco.runtime.learner.device import learner_device
@@ -66,6 +67,7 @@ def load_learner_state(path: Path) -> dict | None:
 
 
 def run_learner(cfg: TrainConfig, *, syncer: str, learner: int, run_dir: str | None = None,
+                metrics_dir: str | None = None,
                 token_file: str | None = None, tls_ca: str | None = None,
                 slowdown: float = 1.0, link: LinkLimits | None = None,
                 connect_timeout_s: float = 300.0, heartbeat_s: float = 0.25,
@@ -77,7 +79,11 @@ def run_learner(cfg: TrainConfig, *, syncer: str, learner: int, run_dir: str | N
     (``learner_state.pt``) and its progress; a restarted learner resumes its step count, data
     position and (unless ``resume_optimizer`` is False) its optimizer state (AdamW moments).
     ``wait_for_merge``: after each push, wait until its merge is installed (synchronous
-    DiLoCo with ``fragments=1, tau=0`` and a syncer quorum of M)."""
+    DiLoCo with ``fragments=1, tau=0`` and a syncer quorum of M).
+
+    Rank 0 writes its rows to ``run_dir/metrics.jsonl`` and to the other sinks of
+    ``cfg.metrics_sinks`` under ``metrics_dir`` (default ``run_dir``) as writer
+    ``learner_M``."""
     world, rank, group = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0")), None
     backend = os.environ.get("DDILOCO_ISLAND_BACKEND") or (
         "nccl" if cfg.device != "cpu" and torch.cuda.is_available() else "gloo")
@@ -118,7 +124,9 @@ def run_learner(cfg: TrainConfig, *, syncer: str, learner: int, run_dir: str | N
     stream.load_state_dict({**stream.state_dict(), "position": start_step})
     images = data.kind in ("digits", "images")
     tokens = cfg.batch_size * (1 if images else cfg.block_size) * world
-    metrics = open(out / "metrics.jsonl", "a") if out is not None and rank == 0 else None
+    metrics = (open_sinks(("jsonl", *parse_sinks(cfg.metrics_sinks)), metrics_dir or out,
+                          name=f"learner_{learner}", jsonl_path=out / "metrics.jsonl")
+               if out is not None and rank == 0 else None)
     dl = DecoupledLearner(model, syncer=syncer, learner=learner, P=cfg.fragments, H=cfg.H,
                           tau=cfg.tau, strategy=cfg.fragmentation, codec=cfg.codec,
                           alpha=cfg.alpha, schedule=cfg.schedule, token_file=token_file, tls_ca=tls_ca, link=link,
@@ -128,11 +136,10 @@ def run_learner(cfg: TrainConfig, *, syncer: str, learner: int, run_dir: str | N
     t_start = time.time()
     with dl:
         if metrics:
-            metrics.write(json.dumps({"kind": "learner_start", "learner": learner, "wall": time.time(),
-                                      "step": start_step, "incarnation": dl.incarnation,
-                                      "resumed_optimizer": resumed_optimizer,
-                                      "startup_s": round(time.time() - t_start, 3),
-                                      "pid": os.getpid()}) + "\n")
+            metrics.write({"kind": "learner_start", "learner": learner, "wall": time.time(),
+                           "step": start_step, "incarnation": dl.incarnation,
+                           "resumed_optimizer": resumed_optimizer,
+                           "startup_s": round(time.time() - t_start, 3), "pid": os.getpid()})
         # with a global step budget at the syncer, learners run until it is spent (one that
         # lost time to a failure is made up for by the others); else each runs cfg.steps
         limit = dl.step_budget or cfg.steps
@@ -162,10 +169,10 @@ def run_learner(cfg: TrainConfig, *, syncer: str, learner: int, run_dir: str | N
             step += 1
             dl.extra_report.update(loss=lv, global_step=step, total_steps=cfg.steps)
             if metrics:
-                metrics.write(json.dumps({"kind": "step", "learner": learner, "step": step,
-                                          "wall": time.time(), "loss": round(lv, 5),
-                                          "installed": {p: dl.sync.frags[p].base_version
-                                                        for p in installed}}) + "\n")
+                metrics.write({"kind": "step", "learner": learner, "step": step,
+                               "wall": time.time(), "loss": round(lv, 5),
+                               "installed": {p: dl.sync.frags[p].base_version
+                                             for p in installed}})
                 if step % 10 == 0 or step == limit or dl.should_stop:
                     metrics.flush()
                     save_learner_state(state_path, step, opt)
@@ -183,8 +190,8 @@ def run_learner(cfg: TrainConfig, *, syncer: str, learner: int, run_dir: str | N
         report["island_size"] = world
         report["island_max_param_diff"] = float(diff)
     if metrics:
-        metrics.write(json.dumps({"kind": "learner_end", "learner": learner, "wall": time.time(),
-                                  "report": report}) + "\n")
+        metrics.write({"kind": "learner_end", "learner": learner, "wall": time.time(),
+                       "report": report})
         metrics.close()
         _write_json_atomic(out / "final.json", report)
     if group is not None:

@@ -47,9 +47,9 @@ class Durability:
                        if i.state == "live" and i.report.get("fetch_s") is not None]
             self.state.observe_sync_s(merge_s + (sum(fetch_s) / len(fetch_s) if fetch_s
                                                  else 0.0))
-            if self._metrics_f:
+            if self._metrics:
                 self._event("merge", fragment=mg.fragment, version=mg.version,
-                            learners=list(mg.learners),
+                            learners=list(mg.learners), n_learners=len(mg.learners),
                             weights=[round(w, 3) for w in mg.weights],
                             reason=mg.reason, merge_s=round(merge_s, 6))
         except Exception:  # noqa: BLE001 - counted and logged

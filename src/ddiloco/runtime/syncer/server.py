@@ -27,7 +27,6 @@ window gathers them into one merge. The clock is checkpointed with the state.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import threading
 import time
@@ -43,6 +42,7 @@ from pydantic import BaseModel
 
 from ddiloco.algorithm.schedule import SlotClock
 from ddiloco.algorithm.syncer_state import Merged, SyncerConfig, SyncerState
+from ddiloco.metrics.sinks import open_sinks, parse_sinks
 from ddiloco.runtime.syncer.checkpoint import CHECKPOINT_NAME, DEFAULT_KEEP, remove_stale_temps
 from ddiloco.runtime.syncer.common import LearnerInfo, Reject
 from ddiloco.runtime.syncer.control import ControlHandlers
@@ -122,6 +122,11 @@ class SyncerServerConfig:
     """Observability HTTP port on ``host`` (Prometheus ``/metrics``, ``/healthz``,
     ``/readyz``, the live dashboard; ``ddiloco.runtime.observe``). 0 picks a free one;
     None (the default) keeps it closed."""
+    metrics_sinks: tuple[str, ...] = ()
+    """Sinks for the same events besides the JSONL (``ddiloco.metrics.SINKS``: tensorboard,
+    wandb, mlflow), written under ``metrics_dir`` as writer ``syncer``."""
+    metrics_dir: str | None = None
+    """Run directory of the extra sinks; None: the folder of ``metrics_path``."""
     step_budget: int = 0
     """Total inner steps of all learners together (a global budget: a learner that lost
     time to a failure is made up for by the others). Once the learners' reported steps
@@ -153,6 +158,11 @@ class SyncerServerConfig:
         if self.http_port is not None and not 0 <= self.http_port <= 65535:
             raise ValueError(f"HTTP port must be in [0, 65535] (0: any free port; off: "
                              f"leave --http-port out), got {self.http_port}")
+        self.metrics_sinks = tuple(s for s in parse_sinks(self.metrics_sinks) if s != "jsonl")
+        if self.metrics_sinks and not (self.metrics_dir or self.metrics_path):
+            raise ValueError(f"metrics sinks {', '.join(self.metrics_sinks)} need a folder: "
+                             f"pass metrics_dir (--metrics-dir) or metrics_path "
+                             f"(--metrics-file)")
         if self.bulk_port is not None and not 0 <= self.bulk_port <= 65535:
             raise ValueError(f"data port must be in [0, 65535] (0: any free port; off: "
                              f"--bulk-port -1 / bulk_port=None), got {self.bulk_port}")
@@ -234,7 +244,10 @@ class SyncerServer(ControlHandlers, DataHandlers, Durability, Liveness):
         self._closed = False
         self.counters: Counter = Counter()
         self.rejections: Counter = Counter()
-        self._metrics_f = open(config.metrics_path, "a") if config.metrics_path else None
+        self._metrics = open_sinks(
+            (("jsonl",) if config.metrics_path else ()) + config.metrics_sinks,
+            config.metrics_dir or Path(config.metrics_path or ".").parent, name="syncer",
+            jsonl_path=config.metrics_path, flush_rows=True)
         self._server: grpc.Server | None = None
         self._bulk_server: BulkServer | None = None
         self.bulk_port: int | None = None
@@ -348,9 +361,7 @@ class SyncerServer(ControlHandlers, DataHandlers, Durability, Liveness):
             except OSError as e:  # disk full at shutdown: the last durable checkpoint stays
                 log.error("final checkpoint not written: %s (the last durable checkpoint "
                           "stays; no published version is lost)", e)
-        if self._metrics_f:
-            self._metrics_f.close()
-            self._metrics_f = None
+        self._metrics.close()
 
     def __enter__(self) -> SyncerServer:
         self.start()
@@ -369,11 +380,9 @@ class SyncerServer(ControlHandlers, DataHandlers, Durability, Liveness):
 
     # -- helpers --------------------------------------------------------------------------
     def _event(self, kind: str, **kw) -> None:
-        if self._metrics_f:
-            rec = {"t_s": round(time.monotonic() - self.started_s, 4), "wall": time.time(),
-                   "kind": kind, **kw}
-            self._metrics_f.write(json.dumps(rec) + "\n")
-            self._metrics_f.flush()
+        if self._metrics:
+            self._metrics.write({"t_s": round(time.monotonic() - self.started_s, 4),
+                                 "wall": time.time(), "kind": kind, **kw})
 
     def _auth(self, ctx: grpc.ServicerContext) -> None:
         md = dict(ctx.invocation_metadata())

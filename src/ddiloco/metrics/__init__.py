@@ -1,0 +1,8 @@
+"""Where metrics go: one sink interface that the in-process engine, the syncer and the
+learners all report through (``ddiloco.metrics.sinks``)."""
+
+from ddiloco.metrics.sinks import (SINKS, JsonlSink, MetricsSink, MlflowSink, MultiSink,
+                                   TensorBoardSink, WandbSink, open_sinks, parse_sinks)
+
+__all__ = ["SINKS", "MetricsSink", "JsonlSink", "TensorBoardSink", "WandbSink", "MlflowSink",
+           "MultiSink", "open_sinks", "parse_sinks"]
