@@ -5,7 +5,7 @@
   ``ddiloco.integrations.lightning``  ``DecoupledDiLoCo`` callback for a Lightning
                                       ``Trainer`` (``pip install ddiloco[lightning]``)
 
-Both wrap :class:`~ddiloco.runtime.learner_client.DecoupledLearner`, the optimizer hook that
+Both wrap :class:`~ddiloco.runtime.learner.hook.DecoupledLearner`, the optimizer hook that
 any plain training loop can use directly. Import the submodule you need; this package
 imports neither framework.
 """

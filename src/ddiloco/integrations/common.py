@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from ddiloco.runtime.learner_client import DecoupledLearner
+from ddiloco.runtime.learner.hook import DecoupledLearner
 
 __all__ = ["island_group", "learner_kwargs", "batch_samples"]
 

@@ -7,7 +7,7 @@
                                                          H=24, tau=2)])
     trainer.train()
 
-The callback wraps :class:`~ddiloco.runtime.learner_client.DecoupledLearner`: it joins the
+The callback wraps :class:`~ddiloco.runtime.learner.hook.DecoupledLearner`: it joins the
 syncer when training begins (and installs the current global parameters before the first
 step), reports every optimizer step (``on_step_end``, after the Trainer's optimizer step),
 stops the Trainer once the syncer's global step budget is spent, and flushes and leaves
@@ -31,7 +31,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
                       "pip install ddiloco[hf]") from e
 
 from ddiloco.integrations.common import island_group, learner_kwargs
-from ddiloco.runtime.learner_client import DecoupledLearner
+from ddiloco.runtime.learner.hook import DecoupledLearner
 
 __all__ = ["DecoupledDiLoCoCallback"]
 

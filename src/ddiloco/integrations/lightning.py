@@ -6,7 +6,7 @@
         DecoupledDiLoCo(syncer="10.0.0.1:50051", learner=0, H=24, tau=2)])
     trainer.fit(module, datamodule)
 
-The callback wraps :class:`~ddiloco.runtime.learner_client.DecoupledLearner` around the
+The callback wraps :class:`~ddiloco.runtime.learner.hook.DecoupledLearner` around the
 LightningModule and its (single) optimizer: when training starts it joins the syncer and
 installs the current global parameters; the optimizer's post-step hook reports every real
 optimizer step (steps skipped by gradient accumulation are not steps), so a step never
@@ -31,7 +31,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
                       "pip install ddiloco[lightning]") from e
 
 from ddiloco.integrations.common import batch_samples, island_group, learner_kwargs
-from ddiloco.runtime.learner_client import DecoupledLearner
+from ddiloco.runtime.learner.hook import DecoupledLearner
 
 __all__ = ["DecoupledDiLoCo"]
 
