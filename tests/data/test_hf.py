@@ -24,3 +24,12 @@ def test_saved_dataset_and_dataset_dict(tmp_path: Path) -> None:
     assert len(load_hf_text_bytes(tmp_path / "dd")) == len(data)
     with pytest.raises(ValueError, match="pass split="):
         load_hf_text_bytes(tmp_path / "dd", split="validation")
+
+
+def test_rows_are_streamed_in_batches_and_joined_by_newlines(tmp_path: Path) -> None:
+    rows = [f"row {i} ü" if i % 7 else "" for i in range(2500)]  # three batches of rows
+    datasets.Dataset.from_dict({"text": rows}).save_to_disk(str(tmp_path / "ds"))
+    assert load_hf_text_bytes(tmp_path / "ds").tobytes() == "\n".join(rows).encode()
+    datasets.Dataset.from_dict({"text": [""]}).save_to_disk(str(tmp_path / "empty"))
+    with pytest.raises(ValueError, match="is empty"):
+        load_hf_text_bytes(tmp_path / "empty")

@@ -55,7 +55,7 @@ def test_syncer_and_learner_processes_report_through_the_sinks(tmp_path):
     pytest.importorskip("mlflow", reason="the mlflow extra is not installed")
     import mlflow
 
-    from ddiloco.runtime.launcher import Launcher, LaunchOptions
+    from ddiloco.runtime.launch.launcher import Launcher, LaunchOptions
 
     out = tmp_path / "run"
     cfg = tiny_config(out, learners=2, steps=30, metrics_sinks="tensorboard,mlflow")

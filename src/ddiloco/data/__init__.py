@@ -6,7 +6,8 @@ builds one from a :class:`DataConfig` or a short spec string:
 
   ``synthetic``        Markov language with a known entropy floor (``data.synthetic``)
   ``text:PATH``        bytes of a text file or folder of .txt/.md files (``data.text``)
-  ``bin:PATH``         nanoGPT-style token file, uint16 by default (``data.text``)
+  ``bin:PATH``         nanoGPT-style token file, uint16 by default, or a folder of token
+                       shards written by ``ddiloco prepare`` (``data.text``, ``data.prepare``)
   ``hf:PATH``          Hugging Face dataset saved on disk, one text column (``data.hf``)
   ``digits``           sklearn's bundled 8x8 digits (``data.images``)
   ``images:PATH``      class-per-subfolder PNG/JPEG folder (``data.images``)
@@ -15,6 +16,7 @@ builds one from a :class:`DataConfig` or a short spec string:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -81,9 +83,14 @@ class DataConfig:
 
     @property
     def vocab_size(self) -> int | None:
-        """Token vocabulary implied by the source, or None (token files, images)."""
+        """Token vocabulary implied by the source (a ``ddiloco prepare`` folder's from its
+    meta.json), or None (token files, images)."""
         if self.kind == "synthetic":
             return self.markov.vocab_size
+        if self.kind == "bin" and self.path and Path(self.path).is_dir():
+            from ddiloco.data.text import read_meta
+
+            return int(read_meta(self.path)["vocab_size"])
         return 256 if self.kind in ("text", "hf") else None
 
 

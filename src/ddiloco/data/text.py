@@ -7,7 +7,9 @@ Sources (both become a 1-D array of token ids):
     newline. Token ids are byte values, so the vocabulary is 256.
   - ``load_token_bin(path, dtype="uint16")``: a flat binary array of token ids as written
     by nanoGPT's ``prepare.py`` (``np.array(ids, dtype=np.uint16).tofile(path)``),
-    memory-mapped, never read whole.
+    memory-mapped, never read whole; or a folder written by ``ddiloco prepare``
+    (``meta.json`` naming its shards, their dtype and the vocabulary), its shards
+    memory-mapped and served as one array.
 
 Layout of the N tokens for M learners: the last ``eval_fraction`` of the array is held out
 for evaluation; the rest is cut into M contiguous, disjoint shards of equal length (up to
@@ -28,7 +30,7 @@ import torch
 from ddiloco.data.stream import EVAL, TRAIN, check_learner, check_state, rng_for
 
 __all__ = ["TEXT_SUFFIXES", "load_text_bytes", "load_token_bin", "token_layout", "TokenStream",
-           "token_eval_batches", "text_stream", "bin_stream"]
+           "token_eval_batches", "text_stream", "bin_stream", "ShardedTokens", "read_meta"]
 
 TEXT_SUFFIXES = (".txt", ".md")
 """Files read from a folder by :func:`load_text_bytes` unless ``all_files=True``."""
@@ -60,13 +62,57 @@ def load_text_bytes(path: str | Path, *, all_files: bool = False) -> np.ndarray:
     return np.frombuffer(data, dtype=np.uint8)
 
 
-def load_token_bin(path: str | Path, *, dtype: npt.DTypeLike = np.uint16) -> np.ndarray:
-    """Memory-mapped 1-D token array from a flat binary file of ``dtype`` ids."""
+class ShardedTokens:
+    """Several 1-D token arrays (memory-mapped shards) read as one: ``len``, ``ndim`` and
+    indexing with an integer array, which is all :class:`TokenStream` uses."""
+
+    def __init__(self, parts: list[np.ndarray]) -> None:
+        if not parts:
+            raise ValueError("no token shards")
+        self.parts = parts
+        self.starts = np.cumsum([0] + [len(q) for q in parts])
+        self.ndim = 1
+        self.dtype = parts[0].dtype
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def __getitem__(self, idx: Any) -> np.ndarray:
+        idx = np.asarray(idx)
+        out = np.empty(idx.shape, dtype=self.dtype)
+        which = np.searchsorted(self.starts, idx, side="right") - 1
+        for k in np.unique(which):
+            m = which == k
+            out[m] = self.parts[k][idx[m] - self.starts[k]]
+        return out
+
+
+def read_meta(folder: str | Path) -> dict[str, Any]:
+    """``meta.json`` of a folder written by ``ddiloco prepare``."""
+    p = Path(folder) / "meta.json"
+    if not p.is_file():
+        raise ValueError(f"{folder} is a folder without meta.json; pass a .bin file of token "
+                         f"ids, or a folder written by `ddiloco prepare`")
+    import json
+
+    return json.loads(p.read_text())
+
+
+def load_token_bin(path: str | Path, *, dtype: npt.DTypeLike = np.uint16
+                   ) -> np.ndarray | ShardedTokens:
+    """Memory-mapped 1-D token array from a flat binary file of ``dtype`` ids, or the
+    shards of a ``ddiloco prepare`` folder (whose ``meta.json`` gives their dtype)."""
     p = Path(path)
     if not p.exists():
         raise _missing(p, "token file")
-    if not p.is_file():
-        raise ValueError(f"{p} is a folder; pass a .bin file of token ids")
+    if p.is_dir():
+        meta = read_meta(p)
+        parts = [load_token_bin(p / s["file"], dtype=meta["dtype"]) for s in meta["shards"]]
+        for part, s in zip(parts, meta["shards"]):
+            if len(part) != s["tokens"]:
+                raise ValueError(f"{p / s['file']} holds {len(part)} tokens, meta.json says "
+                                 f"{s['tokens']}; run `ddiloco prepare` again")
+        return parts[0] if len(parts) == 1 else ShardedTokens(parts)  # type: ignore[return-value]
     dt = np.dtype(dtype)
     size = p.stat().st_size
     if size == 0:
