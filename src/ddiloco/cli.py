@@ -1,4 +1,5 @@
-"""The ``ddiloco`` command line: train, syncer, learner, status, simulate, bandwidth, report.
+"""The ``ddiloco`` command line: train, syncer, learner, status, simulate, bandwidth, report,
+prepare.
 
 Entry points stay thin: parse flags into typed configs, build, run, print.
 """
@@ -201,6 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                     "add_status_parser")),
                            ("ddiloco.runtime.export", ("add_export_parser",)),
                            ("ddiloco.runtime.observe.cli", ("add_dashboard_parser",)),
+                           ("ddiloco.data.prepare", ("add_prepare_parser",)),
                            ("ddiloco.report", ("add_report_parser",))):
         try:
             mod = __import__(module, fromlist=list(adders))

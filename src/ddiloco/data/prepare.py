@@ -32,7 +32,7 @@ import numpy as np
 from tqdm import tqdm
 
 __all__ = ["EOT", "PrepareResult", "iter_documents", "train_tokenizer", "load_or_train",
-           "write_shards", "prepare"]
+           "write_shards", "prepare", "add_prepare_parser", "cmd_prepare"]
 
 EOT = "<|endoftext|>"
 """The special token written after every document."""
@@ -251,3 +251,47 @@ def prepare(sources: Sequence[str], *, tokenizer: str | Path, out: str | Path,
     return PrepareResult(out=folder, n_tokens=n_tokens, n_documents=n_docs,
                          vocab_size=meta["vocab_size"], dtype=dtype, shards=[f for f, _ in shards],
                          tokenizer_trained=trained)
+
+
+def add_prepare_parser(subparsers: Any) -> Any:
+    """``ddiloco prepare``: mounted by the main CLI."""
+    import argparse
+
+    p = subparsers.add_parser(
+        "prepare", help="tokenize text into token shards for --data bin:DIR",
+        description="Tokenize text files, folders (.txt/.md) and hf:PATH datasets saved on "
+        "disk with a byte-level BPE tokenizer (loaded from --tokenizer, or trained offline "
+        "and saved there), into nanoGPT-style .bin shards and meta.json in --out. Train on "
+        "them with `ddiloco train --data bin:OUT`.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("sources", nargs="+", metavar="SOURCE",
+                   help="text file, folder of .txt/.md files, or hf:PATH")
+    p.add_argument("--tokenizer", required=True,
+                   help="tokenizer.json to load; trained on the sources and saved here when "
+                        "the file does not exist")
+    p.add_argument("--vocab-size", type=int, default=8192, help="BPE vocabulary when training")
+    p.add_argument("--out", required=True, help="output folder for the shards and meta.json")
+    p.add_argument("--shard-tokens", type=int, default=1 << 28, help="tokens per .bin shard")
+    p.add_argument("--text-column", default="text", help="text column of hf: datasets")
+    p.add_argument("--split", default=None, help="split of an hf: DatasetDict (default train)")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.set_defaults(func=cmd_prepare)
+    return p
+
+
+def cmd_prepare(args: Any) -> int:
+    import sys
+
+    try:
+        r = prepare(args.sources, tokenizer=args.tokenizer, out=args.out,
+                    vocab_size=args.vocab_size, shard_tokens=args.shard_tokens,
+                    text_column=args.text_column, split=args.split,
+                    progress=not args.no_progress)
+    except (ValueError, FileNotFoundError, ImportError) as e:
+        print(f"ddiloco prepare: error: {e}", file=sys.stderr)
+        return 2
+    how = "trained and saved to" if r.tokenizer_trained else "loaded from"
+    print(f"ddiloco prepare: {r.n_tokens:,} tokens from {r.n_documents:,} documents "
+          f"(vocabulary {r.vocab_size}, {r.dtype}, tokenizer {how} {args.tokenizer}) in "
+          f"{len(r.shards)} shard(s) under {r.out}; train with --data bin:{r.out}")
+    return 0
