@@ -46,7 +46,7 @@ def decode_documents(out: Path, tok_path: Path) -> list[str]:
     cuts = np.flatnonzero(ids == eot)
     starts = np.concatenate([[0], cuts[:-1] + 1])
     return [tok.decode(ids[a:b].tolist(), skip_special_tokens=False)
-            for a, b in zip(starts, cuts)]
+            for a, b in zip(starts, cuts, strict=True)]
 
 
 def test_prepare_trains_a_tokenizer_and_shards_decode_to_the_text(tmp_path, capsys):
@@ -59,7 +59,7 @@ def test_prepare_trains_a_tokenizer_and_shards_decode_to_the_text(tmp_path, caps
     assert "tokenizing" in captured.err  # the progress bar
     assert "trained and saved to" in captured.out
     meta = json.loads((out / "meta.json").read_text())
-    assert 300 < meta["vocab_size"] <= 400 and meta["dtype"] == "uint16"  # small corpus: fewer merges
+    assert 300 < meta["vocab_size"] <= 400 and meta["dtype"] == "uint16"  # fewer merges exist
     assert meta["n_documents"] == 6 and meta["eot_id"] == 0
     assert len(meta["shards"]) == -(-meta["n_tokens"] // 2000) >= 2
     assert sum(s["tokens"] for s in meta["shards"]) == meta["n_tokens"]

@@ -32,7 +32,7 @@ def test_example_runs_two_learners(script, package, tmp_path, syncer_factory):
                               env=env, cwd=tmp_path, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for m in range(2)]
     outs = [p.communicate(timeout=200) for p in procs]
-    for p, (out, err) in zip(procs, outs):
+    for p, (_, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, err[-3000:]
     reports = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
     for r in reports:

@@ -98,3 +98,15 @@ def test_cli_names_the_missing_extra(tmp_path, capsys, monkeypatch):
     assert main(["train", "--engine", "inproc", "--steps", "2", "--out", str(tmp_path),
                  "--metrics-sink", "csv"]) == 2
     assert "unknown metrics sink 'csv'" in capsys.readouterr().err
+
+
+def test_syncer_config_checks_its_sinks():
+    from ddiloco.runtime.syncer.server import SyncerServerConfig
+
+    with pytest.raises(ValueError, match="need a folder.*--metrics-dir"):
+        SyncerServerConfig(token="t", metrics_sinks=("tensorboard",))
+    with pytest.raises(ValueError, match="unknown metrics sink 'statsd'"):
+        SyncerServerConfig(token="t", metrics_dir="/tmp", metrics_sinks=("statsd",))
+    cfg = SyncerServerConfig(token="t", metrics_path="/tmp/x.jsonl",
+                             metrics_sinks=("jsonl", "mlflow"))
+    assert cfg.metrics_sinks == ("mlflow",)  # the JSONL is metrics_path

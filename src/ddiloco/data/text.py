@@ -108,7 +108,7 @@ def load_token_bin(path: str | Path, *, dtype: npt.DTypeLike = np.uint16
     if p.is_dir():
         meta = read_meta(p)
         parts = [load_token_bin(p / s["file"], dtype=meta["dtype"]) for s in meta["shards"]]
-        for part, s in zip(parts, meta["shards"]):
+        for part, s in zip(parts, meta["shards"], strict=True):
             if len(part) != s["tokens"]:
                 raise ValueError(f"{p / s['file']} holds {len(part)} tokens, meta.json says "
                                  f"{s['tokens']}; run `ddiloco prepare` again")

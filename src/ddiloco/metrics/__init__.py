@@ -2,7 +2,8 @@
 learners all report through (``ddiloco.metrics.sinks``)."""
 
 from ddiloco.metrics.sinks import (SINKS, JsonlSink, MetricsSink, MlflowSink, MultiSink,
-                                   TensorBoardSink, WandbSink, open_sinks, parse_sinks)
+                                   TensorBoardSink, WandbSink, check_available, open_sinks,
+                                   parse_sinks)
 
 __all__ = ["SINKS", "MetricsSink", "JsonlSink", "TensorBoardSink", "WandbSink", "MlflowSink",
-           "MultiSink", "open_sinks", "parse_sinks"]
+           "MultiSink", "open_sinks", "parse_sinks", "check_available"]
