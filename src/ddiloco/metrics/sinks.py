@@ -226,7 +226,12 @@ class WandbSink(_ScalarSink):
         pass  # the wandb service process writes the run file as rows arrive
 
     def close(self) -> None:
+        """Finish the run and stop this process's wandb service: ``finish`` alone may leave
+        the run file incomplete on disk until the service exits."""
+        import wandb
+
         self._run.finish()
+        wandb.teardown()
 
 
 class MlflowSink(_ScalarSink):
