@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml setup.py src/ddiloco/_kernels.c
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
 	$(VENV)/bin/python -m pip install -q $(TORCH)
-	$(VENV)/bin/python -m pip install -q -e '.[test]'
+	$(VENV)/bin/python -m pip install -q -e '.[test,integrations]'
 	touch $(STAMP)
 
 train: $(STAMP)
