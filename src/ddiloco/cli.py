@@ -62,6 +62,8 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
     g.add_argument("--http-port", type=int, default=None,
                    help="open the syncer's live dashboard and Prometheus /metrics on this "
                         "port (0: a free one); its address, with the run's token, is printed")
+    g.add_argument("--shards", type=positive_int, default=None,
+                   help="syncer shards S: S syncer processes, fragment p on shard p %% S")
     g = p.add_argument_group("model and inner optimizer")
     g.add_argument("--model", default="gpt_tiny",
                    help="model preset: gpt_tiny, gpt_small, moe_tiny, vit_digits, ...")

@@ -87,6 +87,13 @@ def add_syncer_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--step-budget", type=int, default=0,
                    help="total inner steps of all learners together; once reached, learners "
                         "are told to finish (0: each learner runs its own --steps)")
+    p.add_argument("--shards", help="a sharded syncer: every shard's HOST:PORT as learners "
+                   "reach them, comma-separated, in shard order (the same list for every "
+                   "shard); fragment p belongs to shard p %% S")
+    p.add_argument("--shard", type=int, default=0, help="this process's index in --shards")
+    p.add_argument("--data-host", help="host learners should reach the data port at (default: "
+                   "the host they dialed for gRPC; set it when the data port is on another "
+                   "address or behind NAT)")
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=cmd_syncer)
     return p
@@ -98,6 +105,7 @@ def syncer_server_config(args):
     from ddiloco.runtime.transport.auth import load_token
     from ddiloco.runtime.syncer.server import SyncerServerConfig
     from ddiloco.runtime.transport.bulk import BulkLimits
+    from ddiloco.runtime.syncer.shards import parse_shards
 
     sc = SyncerConfig(policy=PolicyConfig(quorum=args.quorum, grace=not args.no_grace,
                                           gamma=args.gamma, tau=args.tau),
@@ -121,7 +129,9 @@ def syncer_server_config(args):
                                   handshake_timeout_s=args.handshake_timeout,
                                   max_connections=args.max_connections,
                                   max_connections_per_peer=args.max_connections_per_peer,
-                                  workers=args.data_workers))
+                                  workers=args.data_workers),
+                              shards=parse_shards(args.shards), shard=args.shard,
+                              data_host=args.data_host)
 
 
 def cmd_syncer(args) -> int:
@@ -171,11 +181,14 @@ def add_learner_parser(subparsers) -> argparse.ArgumentParser:
                               description="Train a built-in model against a syncer. Under "
                               "torchrun, the ranks form one island (DDP inside).")
     p.add_argument("--syncer", required=True, help="HOST:PORT of the syncer")
-    p.add_argument("--learner", type=int, required=True, help="learner index m in [0, M)")
+    p.add_argument("--learner", type=int, default=None,
+                   help="learner id m (e.g. to resume a learner's data position); omitted, "
+                        "the syncer assigns the lowest id it has not handed out yet")
     p.add_argument("--config", help="TrainConfig as JSON (fields as in ddiloco.config)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a TrainConfig field (JSON value), e.g. --set steps=200")
-    p.add_argument("--run-dir", help="per-learner directory: metrics.jsonl, progress.json")
+    p.add_argument("--run-dir", help="per-learner directory: metrics.jsonl, progress.json "
+                   "('{learner}' in it is replaced by the learner's id)")
     p.add_argument("--metrics-dir", help="run directory of the sinks of the config's "
                    "metrics_sinks besides JSONL (default: --run-dir)")
     p.add_argument("--token-file", help="file holding the shared secret (else $DDILOCO_TOKEN)")
@@ -258,13 +271,15 @@ def run_processes(config, args=None) -> int:
     """Run ``config`` (a TrainConfig) with a real syncer and learner processes on loopback.
 
     ``args`` may carry ``chaos`` (preset name or JSON path), ``island_size`` (ranks per
-    learner), ``port`` and ``http_port``; missing attributes take their defaults."""
+    learner), ``port``, ``http_port`` and ``shards`` (syncer processes); missing attributes
+    take their defaults."""
     from ddiloco.runtime.launch.launcher import Launcher, LaunchOptions
 
     opts = LaunchOptions(chaos=getattr(args, "chaos", None) or "none",
                          island_size=getattr(args, "island_size", None) or 1,
                          port=getattr(args, "port", None) or 0,
-                         http_port=getattr(args, "http_port", None))
+                         http_port=getattr(args, "http_port", None),
+                         shards=getattr(args, "shards", None) or 1)
     with Launcher(config, opts) as launcher:
         summary = launcher.run()
     return 0 if summary.get("ok") else 1
@@ -282,6 +297,8 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--http-port", type=int, default=None,
                    help="the syncer's dashboard and /metrics port (0: a free one)")
+    p.add_argument("--shards", type=int, default=1,
+                   help="syncer processes, each owning every S-th fragment")
     p.set_defaults(func=lambda a: run_processes(
         train_config_from(a.config, a.set + ["engine=\"processes\""]), a))
     return p

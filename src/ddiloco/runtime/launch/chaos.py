@@ -49,6 +49,15 @@ class ChaosConfig:
     reported ``step`` (downtime ``kill_downtime_s``)."""
     syncer_kill_at_step: int = 0
     """SIGKILL the syncer once the learners' mean reported step reaches this (0: never)."""
+    syncer_kill_shard: int = 0
+    """Which shard of a sharded syncer the syncer kills hit."""
+    add_learner_at_step: tuple[int, ...] = ()
+    """Elastic membership: once the learners' reported steps sum to each of these, one more
+    learner process starts and joins without an id (the syncer assigns one)."""
+    remove_learner_at_step: tuple[tuple[int, int], ...] = ()
+    """Elastic membership: ``(learner, total steps)`` pairs; once the learners' reported
+    steps sum to the second, the learner is SIGTERMed and leaves gracefully (flushes its
+    pushes, says Leave) and is not restarted."""
     link_bandwidth_Bps: float = 0.0  # noqa: N815
     """Emulated learner <-> syncer bandwidth, bytes/s (0: unlimited)."""
     link_latency_s: float = 0.0
@@ -65,16 +74,23 @@ class ChaosConfig:
             raise ValueError("chaos slowdown factors must be >= 1")
         self.syncer_kill_at_s = tuple(float(t) for t in self.syncer_kill_at_s)
         self.kill_at_step = tuple((int(m), int(s)) for m, s in self.kill_at_step)
+        self.add_learner_at_step = tuple(int(s) for s in self.add_learner_at_step)
+        self.remove_learner_at_step = tuple((int(m), int(s))
+                                            for m, s in self.remove_learner_at_step)
 
     @property
     def active(self) -> bool:
         return bool(self.kill_mean_interval_s or self.stop_mean_interval_s or self.slowdown
-                    or self.syncer_kill_at_s or self.kill_at_step or self.syncer_kill_at_step or self.link_bandwidth_Bps or self.link_latency_s)
+                    or self.syncer_kill_at_s or self.kill_at_step or self.syncer_kill_at_step
+                    or self.add_learner_at_step or self.remove_learner_at_step
+                    or self.link_bandwidth_Bps or self.link_latency_s)
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["syncer_kill_at_s"] = list(self.syncer_kill_at_s)
         d["kill_at_step"] = [list(x) for x in self.kill_at_step]
+        d["add_learner_at_step"] = list(self.add_learner_at_step)
+        d["remove_learner_at_step"] = [list(x) for x in self.remove_learner_at_step]
         return d
 
 

@@ -65,6 +65,10 @@ class LaunchOptions:
     extra_syncer_args: list[str] = field(default_factory=list)
     extra_learner_args: list[str] = field(default_factory=list)
     """Flags added to every ``ddiloco learner`` command (e.g. ``--fresh-optimizer``)."""
+    shards: int = 1
+    """Syncer processes, each owning the fragments p with p % shards == its index
+    (``ddiloco.runtime.syncer.shards``). Each checkpoints to ``checkpoint/shard_k`` and is
+    restarted on its own."""
 
     def __post_init__(self) -> None:
         if self.island_size < 1:
@@ -72,6 +76,8 @@ class LaunchOptions:
         if self.http_port is not None and not 0 <= self.http_port <= 65535:
             raise ValueError(f"http_port must be in [0, 65535] (0: a free one), got "
                              f"{self.http_port}")
+        if self.shards < 1:
+            raise ValueError(f"shards must be >= 1, got {self.shards}")
 
 
 @dataclass(slots=True)
@@ -87,6 +93,25 @@ class _Proc:
     stops: int = 0
     cont_at: float | None = None
     exit_codes: list = field(default_factory=list)
+    learner: int | None = None
+    """The learner id (None for a process that joined without one until it is known)."""
+    first_start_s: float | None = None
+    removed_s: float | None = None
+    """When the launcher told it to leave (elastic membership)."""
+
+
+def _free_ports(n: int) -> list[int]:
+    """n distinct free TCP ports on loopback (the shards must know each other's addresses
+    before they start)."""
+    import socket
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def _free_port() -> int:
@@ -126,6 +151,8 @@ class Launcher:
         self.http_port = self.opts.http_port
         if self.http_port == 0:
             self.http_port = _free_port()
+        self.ports: list[int] = []
+        """The shards' ports (sharded syncer only)."""
         self.t0 = time.monotonic()
         self.wall0 = time.time()
         self._reports: dict[tuple[int, int], dict] = {}
@@ -145,13 +172,24 @@ class Launcher:
     def _now(self) -> float:
         return time.monotonic() - self.t0
 
-    def _syncer_cmd(self, resume: bool) -> list[str]:
+    def _syncer_name(self, k: int) -> str:
+        return "syncer" if self.opts.shards == 1 else f"syncer_{k}"
+
+    def _syncers(self) -> list[_Proc]:
+        return [p for n, p in self.procs.items() if n.startswith("syncer")]
+
+    def _syncer_cmd(self, resume: bool, k: int = 0) -> list[str]:
         c = self.cfg
-        cmd = [sys.executable, "-m", "ddiloco.runtime.cli", "syncer", "--port", str(self.port),
-               "--port-file", str(self.out / "syncer.port"),
-               "--checkpoint-dir", str(self.out / "checkpoint"),
+        name = self._syncer_name(k)
+        port = self.ports[k] if self.opts.shards > 1 else self.port
+        shard = ([] if self.opts.shards == 1 else
+                 ["--shards", ",".join(f"127.0.0.1:{q}" for q in self.ports), "--shard", str(k)])
+        cmd = [sys.executable, "-m", "ddiloco.runtime.cli", "syncer", "--port", str(port),
+               "--port-file", str(self.out / f"{name}.port"),
+               "--checkpoint-dir", str(self.out / "checkpoint" / ("" if self.opts.shards == 1
+                                                                  else f"shard_{k}")),
                "--checkpoint-every", str(self.opts.checkpoint_every),
-               "--metrics-file", str(self.out / "syncer.metrics.jsonl"),
+               "--metrics-file", str(self.out / f"{name}.metrics.jsonl"), *shard,
                "--metrics-sink", c.metrics_sinks, "--metrics-dir", str(self.out),
                "--quorum", str(c.quorum), "--gamma", str(c.gamma), "--tau", str(c.tau),
                "--merge-rule", c.merge_rule, "--outer-lr", str(c.outer_lr),
@@ -162,7 +200,7 @@ class Launcher:
                "--heartbeat-timeout", str(self.opts.heartbeat_timeout_s),
                "--step-budget", str(c.learners * c.steps if self.opts.global_budget else 0),
                *self.opts.extra_syncer_args]
-        if self.http_port is not None:
+        if self.http_port is not None and k == 0:  # the dashboard on shard 0
             cmd += ["--http-port", str(self.http_port)]
         if not c.grace:
             cmd.append("--no-grace")
@@ -170,16 +208,20 @@ class Launcher:
             cmd.append("--resume")
         return cmd
 
-    def _learner_cmd(self, m: int) -> list[str]:
+    def _learner_cmd(self, m: int | None) -> list[str]:
+        """Learner m's command; m None: a learner that joins without an id (elastic)."""
         n = self.opts.island_size
         head = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
                  f"--nproc-per-node={n}", "-m", "ddiloco.runtime.cli"] if n > 1
                 else [sys.executable, "-m", "ddiloco.runtime.cli"])
-        cmd = head + ["learner", "--syncer", f"127.0.0.1:{self.port}", "--learner", str(m),
+        ident = [] if m is None else ["--learner", str(m)]
+        cmd = head + ["learner", "--syncer", f"127.0.0.1:{self.port}", *ident,
                       "--config", str(self.out / "train_config.json"),
-                      "--run-dir", str(self.out / f"learner_{m}"),
+                      "--run-dir", str(self.out / ("learner_{learner}" if m is None
+                                                   else f"learner_{m}")),
                       "--metrics-dir", str(self.out),
-                      "--slowdown", str(self.chaos.slowdown.get(m, 1.0)),
+                      "--slowdown", str(self.chaos.slowdown.get(m, 1.0) if m is not None
+                                        else 1.0),
                       "--bandwidth", str(self.chaos.link_bandwidth_Bps),
                       "--latency", str(self.chaos.link_latency_s), *self.opts.extra_learner_args]
         return cmd
@@ -187,7 +229,8 @@ class Launcher:
     def _spawn(self, p: _Proc) -> None:
         # the syncer and single-process learners fork from the warm server; islands are
         # started by torchrun
-        forked = self._forkserver is not None and (p.name == "syncer" or self.opts.island_size == 1)
+        forked = self._forkserver is not None and (p.name.startswith("syncer")
+                                                   or self.opts.island_size == 1)
         with open(p.log_path, "ab") as log:
             log.write(f"\n=== start {p.starts} at t={self._now():.3f}s"
                       f"{' (forked)' if forked else ''}: {' '.join(p.cmd)}\n".encode())
@@ -199,6 +242,8 @@ class Launcher:
                                            env=self.env, start_new_session=True)
         p.starts += 1
         p.state = "running"
+        if p.first_start_s is None:
+            p.first_start_s = self._now()
         p.restart_at = None
 
     def _signal(self, p: _Proc, sig: int) -> None:
@@ -211,13 +256,13 @@ class Launcher:
                 except ProcessLookupError:
                     pass
 
-    def _wait_port(self) -> None:
-        path = self.out / "syncer.port"
+    def _wait_port(self, syncer: _Proc) -> None:
+        path = self.out / f"{syncer.name}.port"
         deadline = time.monotonic() + self.opts.startup_timeout_s
-        syncer = self.procs["syncer"]
         while time.monotonic() < deadline:
             if path.is_file():
-                self.port = int(path.read_text())
+                if syncer.name in ("syncer", "syncer_0"):
+                    self.port = int(path.read_text())
                 return
             if syncer.popen.poll() is not None:
                 raise RuntimeError(f"syncer exited with {syncer.popen.returncode}; see "
@@ -235,7 +280,8 @@ class Launcher:
         for p in procs:
             self._signal(p, signal.SIGCONT)
         # learners first, the syncer last (its SIGTERM writes a final checkpoint)
-        for group in ([p for p in procs if p.name != "syncer"], [p for p in procs if p.name == "syncer"]):
+        for group in ([p for p in procs if not p.name.startswith("syncer")],
+                      [p for p in procs if p.name.startswith("syncer")]):
             for p in group:
                 self._signal(p, signal.SIGTERM)
             deadline = time.monotonic() + 10.0
@@ -270,7 +316,8 @@ class Launcher:
             "chaos": self.chaos.to_dict(),
             "launch": {k: getattr(self.opts, k) for k in self.opts.__slots__}}, indent=2))
         # a new run starts fresh: no progress, checkpoint or metrics of an earlier run in OUT
-        for f in ("syncer.port", "chaos.jsonl", "syncer.metrics.jsonl", "summary.json"):
+        for f in ("chaos.jsonl", "summary.json", *self.out.glob("syncer*.port"),
+                  *self.out.glob("syncer*.metrics.jsonl")):
             (self.out / f).unlink(missing_ok=True)
         for d in [self.out / "checkpoint", *self.out.glob("learner_*")]:
             shutil.rmtree(d, ignore_errors=True)
@@ -300,10 +347,20 @@ class Launcher:
                 print(f"ddiloco: live dashboard on {self.dashboard_url}", file=sys.stderr,
                       flush=True)
             self.procs["syncer"].cmd = self._syncer_cmd(True)
+            self.ports = _free_ports(self.opts.shards) if self.opts.shards > 1 else []
+            for k in range(self.opts.shards):
+                name = self._syncer_name(k)
+                self.procs[name] = _Proc(name, self._syncer_cmd(False, k),
+                                         self.out / "logs" / f"{name}.log")
+                self._spawn(self.procs[name])
+            for k in range(self.opts.shards):
+                self._wait_port(self.procs[self._syncer_name(k)])
+                self.procs[self._syncer_name(k)].cmd = self._syncer_cmd(True, k)
             self._client = self._make_client()
             self.t_learners = self._now()
             for m in range(c.learners):
-                p = _Proc(f"learner_{m}", self._learner_cmd(m), self.out / "logs" / f"learner_{m}.log")
+                p = _Proc(f"learner_{m}", self._learner_cmd(m),
+                          self.out / "logs" / f"learner_{m}.log", learner=m)
                 self.procs[p.name] = p
                 self._spawn(p)
             self._supervise(events)
@@ -334,18 +391,18 @@ class Launcher:
         return f"http://127.0.0.1:{self.http_port}/?token={self.env[TOKEN_ENV]}"
 
     def _make_client(self):
-        from ddiloco.runtime.learner.client import SyncerClient
+        from ddiloco.runtime.learner.sharded import ShardedClient
         from ddiloco.runtime.transport.auth import TOKEN_ENV
-        return SyncerClient(f"127.0.0.1:{self.port}", self.env[TOKEN_ENV])
+        return ShardedClient(f"127.0.0.1:{self.port}", self.env[TOKEN_ENV],
+                             shards=tuple(f"127.0.0.1:{q}" for q in self.ports))
 
     def _learners(self) -> list[_Proc]:
-        return [p for n, p in self.procs.items() if n != "syncer"]
+        return [p for n, p in self.procs.items() if not n.startswith("syncer")]
 
     def _supervise(self, events) -> None:
         next_status = 0.0
         ev_i = 0
         rng_pick = lambda draw, pool: pool[min(int(draw * len(pool)), len(pool) - 1)]  # noqa: E731
-        syncer = self.procs["syncer"]
         while True:
             if self._stop_requested:
                 raise KeyboardInterrupt
@@ -354,9 +411,9 @@ class Launcher:
                 if p.state in ("running", "stopped") and p.popen.poll() is not None:
                     rc = p.popen.returncode
                     p.exit_codes.append(rc)
-                    if rc == 0:
+                    if rc == 0 or p.removed_s is not None:
                         p.state = "finished"
-                        self.chaos_log.write("learner-finished", target=p.name)
+                        self.chaos_log.write("learner-finished", target=p.name, rc=rc)
                     elif p.starts <= self.opts.max_restarts and self.opts.restart_crashed:
                         p.state = "down"
                         p.restart_at = now + self.opts.crash_downtime_s
@@ -374,12 +431,14 @@ class Launcher:
                     self._signal(p, signal.SIGCONT)
                     p.state, p.cont_at = "running", None
                     self.chaos_log.write("cont-learner", target=p.name)
-            if syncer.state == "running" and syncer.popen.poll() is not None:
-                self.chaos_log.write("syncer-exited", rc=syncer.popen.returncode)
-                syncer.state, syncer.restart_at = "down", now + 1.0
-            if syncer.state == "down" and now >= syncer.restart_at:
-                self._spawn(syncer)
-                self.chaos_log.write("restart-syncer")
+            for syncer in self._syncers():
+                if syncer.state == "running" and syncer.popen.poll() is not None:
+                    self.chaos_log.write("syncer-exited", target=syncer.name,
+                                         rc=syncer.popen.returncode)
+                    syncer.state, syncer.restart_at = "down", now + 1.0
+                if syncer.state == "down" and now >= syncer.restart_at:
+                    self._spawn(syncer)
+                    self.chaos_log.write("restart-syncer", target=syncer.name)
             if all(p.state in ("finished", "failed") for p in self._learners()):
                 return
             while ev_i < len(events) and events[ev_i].at_s <= now - self.t_learners:
@@ -407,22 +466,69 @@ class Launcher:
                 self._fired.add(key)
                 self._inject(ChaosEvent(0.0, "kill-learner", 0.0, self.chaos.kill_downtime_s),
                              lambda draw, pool: p)
+        self._elastic_triggers(int(st.get("steps_done") or 0))
         s = self.chaos.syncer_kill_at_step
         if s and "syncer" not in self._fired and steps and \
                 sum(steps.values()) / self.cfg.learners >= s:
             self._fired.add("syncer")
             self._inject(ChaosEvent(0.0, "kill-syncer", 0.0, self.chaos.syncer_downtime_s), None)
 
+    def _elastic_triggers(self, steps_done: int) -> None:
+        """Elastic membership declared in the chaos config: add a learner (it joins without
+        an id) or make one leave (SIGTERM: it flushes its pushes and says Leave)."""
+        if (self._status or {}).get("budget_spent"):
+            return
+        for i, at in enumerate(self.chaos.add_learner_at_step):
+            if ("add", i) not in self._fired and steps_done >= at:
+                self._fired.add(("add", i))
+                k = sum(1 for n in self.procs if n.startswith("learner_+"))
+                p = _Proc(f"learner_+{k}", self._learner_cmd(None),
+                          self.out / "logs" / f"learner_+{k}.log")
+                self.procs[p.name] = p
+                self._spawn(p)
+                self.chaos_log.write("add-learner", target=p.name, steps_done=steps_done)
+        for m, at in self.chaos.remove_learner_at_step:
+            p = self.procs.get(f"learner_{m}")
+            if ("remove", m) not in self._fired and p is not None and steps_done >= at \
+                    and p.state == "running":
+                self._fired.add(("remove", m))
+                p.removed_s = self._now()
+                self._signal(p, signal.SIGTERM)
+                self.chaos_log.write("remove-learner", target=p.name, steps_done=steps_done)
+
+    def _learner_ids(self) -> dict[int, _Proc]:
+        """Learner id -> its process, for every learner of the run: those started with an
+        id, and those the syncer assigned one (found by pid in their ``learner_start`` rows)."""
+        out = {p.learner: p for p in self._learners() if p.learner is not None}
+        pids = {p.popen.pid: p for p in self._learners() if p.learner is None and p.popen}
+        for d in sorted(self.out.glob("learner_*")):
+            path = d / "metrics.jsonl"
+            if not d.name[len("learner_"):].isdigit() or not path.is_file():
+                continue
+            for line in path.read_text().splitlines():
+                if '"learner_start"' not in line:
+                    continue
+                try:
+                    r = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                p = pids.get(r.get("pid"))
+                if p is not None:
+                    p.learner = int(r["learner"])
+                    out[p.learner] = p
+        return dict(sorted(out.items()))
+
     def _inject(self, ev, pick) -> None:
         now = self._now()
         if ev.kind == "kill-syncer":
-            s = self.procs["syncer"]
+            s = self.procs[self._syncer_name(min(self.chaos.syncer_kill_shard,
+                                                 self.opts.shards - 1))]
             if s.state == "running":
                 self._signal(s, signal.SIGKILL)
                 s.popen.wait()
                 # downtime counts from the moment the process is gone
                 s.state, s.restart_at, s.kills = "down", self._now() + ev.duration_s, s.kills + 1
-                self.chaos_log.write("kill-syncer", downtime_s=ev.duration_s)
+                self.chaos_log.write("kill-syncer", target=s.name, downtime_s=ev.duration_s)
             return
         pool = [p for p in self._learners() if p.state == "running"]
         if not pool:
@@ -460,6 +566,26 @@ class Launcher:
             self._progress.update(self._now(), self._status, {
                 m: p.state for m in range(self.cfg.learners)
                 if (p := self.procs.get(f"learner_{m}")) is not None})
+    def _print_progress(self) -> None:
+        st = self._status or {}
+        steps, losses = [], []
+        known = {p.learner: p for p in self._learners() if p.learner is not None}
+        ids = sorted(set(range(self.cfg.learners)) | {int(m) for m in st.get("learners", {})})
+        for m in ids:
+            info = st.get("learners", {}).get(str(m), {})
+            rep = info.get("report") or {}
+            p = known.get(m)
+            tag = {"running": "", "down": "x", "stopped": "z", "finished": "", "failed": "!"}.get(
+                p.state if p else "", "")
+            steps.append(f"{rep.get('global_step', 0)}{tag}")
+            if rep.get("loss") is not None:
+                losses.append(rep["loss"])
+        from ddiloco.runtime.launch.status import goodput_so_far
+        g = goodput_so_far(st) if st else None
+        budget = f" ({st.get('steps_done', 0)}/{st['step_budget']})" if st.get("step_budget") else ""
+        print(f"[{self._now():6.1f}s] steps {' '.join(steps)}{budget}  merges {st.get('merges', 0)}  "
+              f"loss {sum(losses) / len(losses) if losses else float('nan'):.3f}  "
+              f"goodput~{g if g is None else round(g, 3)}", file=sys.stderr, flush=True)
 
     def _fetch_global(self):
         try:
@@ -476,10 +602,11 @@ class Launcher:
         if fetched is None:
             return None
         from ddiloco.runtime.export import ExportError, state_dict_from_checkpoint
-        try:
-            return state_dict_from_checkpoint(self.out / "checkpoint")[0]
-        except ExportError as e:
-            print(f"ddiloco: evaluating the fetched global model: {e}", file=sys.stderr)
+        if self.opts.shards == 1:  # shards checkpoint their own fragments apart
+            try:
+                return state_dict_from_checkpoint(self.out / "checkpoint")[0]
+            except ExportError as e:
+                print(f"ddiloco: evaluating the fetched global model: {e}", file=sys.stderr)
         from ddiloco.recipe import new_model
         from ddiloco.runtime.transport.spec import fragmentation_from_spec, model_spec
         model = new_model(self.cfg)
@@ -520,7 +647,10 @@ class Launcher:
         st = self._status or {}
         run_s = st.get("run_s") or T
         bytes_up = bytes_down = 0
-        for m in range(c.learners):
+        procs = self._learner_ids()
+        ids = sorted(set(range(c.learners)) | set(procs))
+        for m in ids:
+            proc = procs.get(m)
             final_path = self.out / f"learner_{m}" / "final.json"
             final = json.loads(final_path.read_text()) if final_path.is_file() else None
             if final is not None:
@@ -532,7 +662,6 @@ class Launcher:
             info = st.get("learners", {}).get(str(m), {})
             tot = learner_totals(info)
             ledger, useful, compute = tot["ledger"], tot["useful_s"], tot["compute_s"]
-            proc = self.procs.get(f"learner_{m}")
             bal = abs(ledger["computed"] - sum(ledger[k] for k in ledger if k != "computed"))
             per_learner.append({
                 "learner": m, "steps": (final or {}).get("global_step", info.get("report", {}).get("global_step")),
@@ -550,9 +679,11 @@ class Launcher:
         total_steps = sum(pl["ledger_steps"]["computed"] for pl in per_learner)
         summary = {
             "ok": (not interrupted and final_loss is not None
-                   and all(self.procs[f"learner_{m}"].state == "finished" for m in range(c.learners))),
-            "method": "decoupled", "engine": "processes", "learners": c.learners,
-            "island_size": self.opts.island_size, "steps": c.steps,
+                   and all(p.state == "finished" for p in self._learners())),
+            "method": "decoupled", "engine": "processes", "learners": len(ids),
+            "membership": {k: (st.get("membership") or {}).get(k, 0)
+                           for k in ("join", "leave", "dead")},
+            "island_size": self.opts.island_size, "steps": c.steps, "shards": self.opts.shards,
             "tokens": c.learners * c.steps * per_step * self.opts.island_size,
             "final_eval_loss": final_loss, "entropy_floor": floor,
             "gap_to_floor": None if final_loss is None or floor is None else final_loss - floor,
@@ -605,7 +736,9 @@ class Launcher:
         """Merge learner step rows, syncer events and chaos events into one time-ordered
         list (t_s relative to the launch), and compute the uptime."""
         rows, walls = [], []
-        for m in range(self.cfg.learners):
+        ids = sorted({int(d.name[len("learner_"):]) for d in self.out.glob("learner_*")
+                      if d.name[len("learner_"):].isdigit()})
+        for m in ids:
             path = self.out / f"learner_{m}" / "metrics.jsonl"
             if not path.is_file():
                 continue
@@ -619,8 +752,8 @@ class Launcher:
                 r["t_s"] = round(r.pop("wall") - self.wall0, 4)
                 r.pop("report", None) if r.get("kind") == "learner_end" else None
                 rows.append(r)
-        for name in ("syncer.metrics.jsonl", "chaos.jsonl"):
-            path = self.out / name
+        for path in [*sorted(self.out.glob("syncer*.metrics.jsonl")), self.out / "chaos.jsonl"]:
+            name = path.name
             if path.is_file():
                 for line in path.read_text().splitlines():
                     try:
@@ -630,6 +763,8 @@ class Launcher:
                     r["t_s"] = round(r.pop("wall") - self.wall0, 4)
                     if name == "chaos.jsonl":
                         r["kind"] = "chaos-" + r["kind"]
+                    elif name.startswith("syncer_"):
+                        r["shard"] = int(name.split(".")[0].split("_")[1])
                     rows.append(r)
         rows.sort(key=lambda r: r["t_s"])
         n_chaos = sum(1 for r in rows if r["kind"].startswith("chaos-kill")

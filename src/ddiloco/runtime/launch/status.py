@@ -10,9 +10,10 @@ __all__ = ["fetch_status", "format_status", "goodput_so_far"]
 
 def fetch_status(address: str, *, token_file: str | None = None, tls_ca: str | None = None,
                  timeout_s: float = 5.0) -> dict:
-    from ddiloco.runtime.learner.client import SyncerClient
+    from ddiloco.runtime.learner.sharded import ShardedClient
 
-    client = SyncerClient(address, load_token(token_file), tls_ca)
+    # a sharded syncer answers with its map: the snapshot then covers every shard
+    client = ShardedClient(address, load_token(token_file), tls_ca)
     try:
         return client.status(timeout_s)
     finally:
@@ -27,7 +28,11 @@ def goodput_so_far(st: dict) -> float | None:
 
 
 def format_status(st: dict) -> str:
-    lines = [f"syncer boot {st['boot_id']}  up {st['uptime_s']:.1f} s  merges {st['merges']}  "
+    shards = st.get("shards")
+    head = [] if not shards else [
+        "shards " + "  ".join(f"{sh['index']}:{'up' if sh['up'] else 'DOWN'}"
+                              f"({sh['merges'] if sh['up'] else '-'} merges)" for sh in shards)]
+    lines = head + [f"syncer boot {st['boot_id']}  up {st['uptime_s']:.1f} s  merges {st['merges']}  "
              f"live {len(st['live'])}  initialised {st['initialised']}"]
     g = goodput_so_far(st)
     lines.append(f"versions {st['versions']}")
@@ -37,6 +42,12 @@ def format_status(st: dict) -> str:
                  f"{st.get('grace_s') if st.get('grace_s') is None else round(st['grace_s'], 4)} s  "
                  f"learners per merge "
                  f"{'-' if st.get('mean_quorum') is None else round(st['mean_quorum'], 2)}")
+    mem = st.get("membership")
+    if mem:
+        recent = "  ".join(f"{e['t_s']:.1f}s {e['kind']} {e['learner']}" for e in
+                           mem.get("events", [])[-6:])
+        lines.append(f"members: {mem.get('join', 0)} joins, {mem.get('leave', 0)} leaves, "
+                     f"{mem.get('dead', 0)} dead" + (f"  | {recent}" if recent else ""))
     if st.get("rejections"):
         lines.append(f"rejections {st['rejections']}")
     lines.append(f"{'learner':>7} {'state':>6} {'inc':>4} {'step':>7} {'loss':>8} {'step_s':>8} "

@@ -96,10 +96,13 @@ class SyncerClient:
         self.bulk.close()
         self.control.close()
 
-    def use_data_port(self, port: int | None) -> None:
+    def use_data_port(self, port: int | None, host: str | None = None) -> None:
         """Send pushes and fetches to the syncer's data port (None: over gRPC). Called with
-        every Join reply's ``bulk_port`` (a restarted syncer may listen elsewhere)."""
-        if self.data is not None and self.data.port == port:
+        every Join reply's ``bulk_port`` (a restarted syncer may listen elsewhere), at the
+        reply's ``bulk_host`` when the syncer names one, else at the host this client
+        dialed."""
+        host = host or split_host(self.address)
+        if self.data is not None and self.data.port == port and self.data.host == host:
             return
         for c in (self.data, self.data_fetch):
             if c is not None:
@@ -107,7 +110,6 @@ class SyncerClient:
         self.data = self.data_fetch = None
         if port is not None:
             ctx = client_ssl_context(self._tls_ca) if self._tls else None
-            host = split_host(self.address)
             self.data = BulkClient(host, int(port), self._token, ssl_context=ctx)
             self.data_fetch = BulkClient(host, int(port), self._token, ssl_context=ctx)
 
@@ -134,9 +136,10 @@ class SyncerClient:
                                                  metadata=self._md)
         r = wire.unpack(resp)[0]
         if name == "Join" and not r.get("need_init"):
-            self.use_data_port(r.get("bulk_port"))
-            if isinstance(r.get("session"), str):
-                self.session = (header["learner"], bytes.fromhex(r["session"]))
+            self.use_data_port(r.get("bulk_port"), r.get("bulk_host"))
+            if isinstance(r.get("session"), str):  # keyed to the id the syncer gave
+                self.session = (r.get("learner", header.get("learner")),
+                                bytes.fromhex(r["session"]))
         return r
 
     def stream(self, name: str, frames, timeout_s: float = 60.0) -> dict:

@@ -39,7 +39,8 @@ import torch
 from ddiloco.algorithm.codecs import get_codec
 from ddiloco.algorithm.learner_state import LearnerSync, Outgoing
 from ddiloco.algorithm.schedule import ClockTrack, FragmentSchedule, SlotClock
-from ddiloco.runtime.learner.client import (RETRYABLE, LinkLimits, SyncerClient, SyncerError,
+from ddiloco.runtime.learner.sharded import SendQueues, ShardedClient
+from ddiloco.runtime.learner.client import (RETRYABLE, LinkLimits, SyncerError,
                                             rpc_code, rpc_details)
 from ddiloco.runtime.learner.device import DeviceCopier
 from ddiloco.runtime.transport import wire
@@ -75,7 +76,8 @@ class DecoupledLearner:
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                 *, syncer: str, learner: int, P: int | None = None, H: int = 24,  # noqa: N803
+                 *, syncer: str, learner: int | None = None, P: int | None = None,  # noqa: N803
+                 H: int = 24,  # noqa: N803
                  tau: int = 2, strategy: str = "balanced", codec: str = "bf16",
                  alpha: float = 0.0, schedule: str = "time",
                  tokens_per_step: int | None = None,
@@ -86,12 +88,15 @@ class DecoupledLearner:
                  flush_timeout: timedelta = timedelta(seconds=10),
                  link: LinkLimits | None = None, process_group=None,
                  load_global_on_exit: bool = False) -> None:
-        if learner < 0:
-            raise ValueError(f"learner must be >= 0, got {learner}")
+        if learner is not None and learner < 0:
+            raise ValueError(f"learner must be >= 0 (or None: the syncer assigns one), "
+                             f"got {learner}")
         if schedule not in ("time", "steps"):
             raise ValueError(f"schedule must be 'time' or 'steps', got {schedule!r}")
         self.model, self.optimizer = model, optimizer
-        self.learner = learner
+        self.learner = -1 if learner is None else learner
+        """This learner's id: the one asked for, or (-1 until the first Join) the one the
+        syncer assigned."""
         self.codec = get_codec(codec)
         self.tokens_per_step = tokens_per_step
         self.link = link or LinkLimits()
@@ -138,9 +143,11 @@ class DecoupledLearner:
         self._token = None
         if self._is_root:
             self._token = token or load_token(token_file)
-            self.client = SyncerClient(syncer, self._token, tls_ca, tls)
+            # one syncer or a sharded one: the map comes with the first Join
+            self.client = ShardedClient(syncer, self._token, tls_ca, tls)
         self._inbox: queue.Queue = queue.Queue()
-        self._sendq: queue.Queue = queue.Queue()
+        self._sendq = SendQueues(1, lambda p: 0)
+        """Pushes waiting to be sent: one queue and sender thread per syncer shard."""
         self._closed = threading.Event()
         self._joined = threading.Event()
         self._lock = threading.Lock()
@@ -204,12 +211,17 @@ class DecoupledLearner:
             with torch.no_grad():
                 for t in self.params.values():
                     dist.broadcast(t.data, src=src, group=self.group)
-            budget = torch.tensor([self.step_budget, int(self._stop_seen)], dtype=torch.int64)
+            budget = torch.tensor([self.step_budget, int(self._stop_seen), self.learner],
+                                  dtype=torch.int64)
             dist.broadcast(budget, src=src, group=self._control_group)
             self.step_budget = int(budget[0])
             self._stop_seen = bool(budget[1])
+            self.learner = int(budget[2])  # an id the syncer assigned reaches every rank
         if self._is_root:
-            for target, name in ((self._sender, "ddiloco-send"), (self._receiver, "ddiloco-recv"),
+            self._sendq = SendQueues(self.client.n_shards, self.client.shard_of)
+            senders = [(lambda k=k: self._sender(k), f"ddiloco-send-{k}")
+                       for k in range(self.client.n_shards)]
+            for target, name in (*senders, (self._receiver, "ddiloco-recv"),
                                  (self._heartbeater, "ddiloco-hb")):
                 th = threading.Thread(target=self._guarded, args=(target,), name=name, daemon=True)
                 th.start()
@@ -234,7 +246,10 @@ class DecoupledLearner:
         h = {"learner": self.learner, "incarnation": self.incarnation,
              "fingerprint": self.fingerprint, "spec": self.spec,  # a mismatch names the field
              "host": socket.gethostname(), "pid": os.getpid(), "process": self.process_id}
-        return self.client.unary("Join", h, timeout_s=10.0, control=True)
+        r = self.client.unary("Join", h, timeout_s=10.0, control=True)
+        if not r.get("need_init") and isinstance(r.get("learner"), int):
+            self.learner = r["learner"]  # assigned by the syncer when we asked for none
+        return r
 
     def _join_and_fetch(self, initial: bool) -> tuple[list[int], dict[str, torch.Tensor]]:
         deadline = time.monotonic() + self.connect_timeout_s
@@ -418,7 +433,7 @@ class DecoupledLearner:
         if self.load_global_on_exit and self._started:
             self._install_at_exit(exit_params)
         self._closed.set()
-        self._sendq.put(None)
+        self._sendq.stop()
         for th in self._threads:
             th.join(timeout=3.0)
         if self._is_root:
@@ -563,7 +578,8 @@ class DecoupledLearner:
             for p in range(self.fragmentation.P):
                 ms = merged_seq.get(p, -1)
                 for seq in list(self.sync.frags[p].in_flight):
-                    if seq > ms and self._accepted_by_boot.get(seq) == old_boot:
+                    if seq > ms and self._accepted_by_boot.get(seq) == \
+                            self.client.boot_part(old_boot, p):
                         self.sync.on_push_result(p, seq, accepted=False)
         for p, seq, accepted, target in results:
             self.sync.on_push_result(p, seq, accepted, target)
@@ -613,9 +629,10 @@ class DecoupledLearner:
                 return b"".join(self.codec.encode(x - b) for x, b in zip(o.params, base)), True
         return b"".join(self.codec.encode(x) for x in o.params), False
 
-    def _sender(self) -> None:
+    def _sender(self, k: int = 0) -> None:
+        """Send the pushes of syncer shard k's fragments."""
         while not self._closed.is_set():
-            o = self._sendq.get()
+            o = self._sendq.queues[k].get()
             if o is None:
                 return
             if o.ready is not None:
@@ -651,7 +668,7 @@ class DecoupledLearner:
                     ok = r["status"] == "accepted"
                     self.stats["pushes_accepted" if ok else "pushes_rejected"] += 1
                     if ok:
-                        self._accepted_by_boot[o.seq] = boot
+                        self._accepted_by_boot[o.seq] = self.client.boot_part(boot, o.fragment)
                     elif r["status"] != "duplicate":
                         log.info("[learner %d step %d] push of fragment %d: %s %s", self.learner,
                                  o.send_step, o.fragment, r["status"], r.get("message", ""))

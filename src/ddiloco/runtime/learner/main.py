@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -66,8 +68,24 @@ def load_learner_state(path: Path) -> dict | None:
         return None
 
 
-def run_learner(cfg: TrainConfig, *, syncer: str, learner: int, run_dir: str | None = None,
-                metrics_dir: str | None = None,
+def _resume_point(run_dir: str | None, learner: int, rank: int):
+    """(run dir, progress path, state path, start step, saved state) of learner ``learner``."""
+    out = Path(run_dir.replace("{learner}", str(learner))) if run_dir else None
+    if out is not None and rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+    progress_path = out / "progress.json" if out is not None else None
+    state_path = out / STATE_NAME if out is not None else None
+    start_step = 0
+    if progress_path is not None and progress_path.is_file():
+        start_step = int(json.loads(progress_path.read_text())["step"])
+    saved = load_learner_state(state_path) if state_path is not None else None
+    if saved is not None:  # written just before progress.json: it may be 10 steps ahead
+        start_step = max(start_step, saved["step"])
+    return out, progress_path, state_path, start_step, saved
+
+
+def run_learner(cfg: TrainConfig, *, syncer: str, learner: int | None = None,
+                run_dir: str | None = None, metrics_dir: str | None = None,
                 token_file: str | None = None, tls_ca: str | None = None,
                 slowdown: float = 1.0, link: LinkLimits | None = None,
                 connect_timeout_s: float = 300.0, heartbeat_s: float = 0.25,
@@ -83,7 +101,10 @@ def run_learner(cfg: TrainConfig, *, syncer: str, learner: int, run_dir: str | N
 
     Rank 0 writes its rows to ``run_dir/metrics.jsonl`` and to the other sinks of
     ``cfg.metrics_sinks`` under ``metrics_dir`` (default ``run_dir``) as writer
-    ``learner_M``."""
+    ``learner_M``.
+
+    ``learner`` None: the syncer assigns an id when the learner joins; ``run_dir`` may then
+    name it as ``{learner}`` (e.g. ``runs/x/learner_{learner}``)."""
     world, rank, group = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0")), None
     backend = os.environ.get("DDILOCO_ISLAND_BACKEND") or (
         "nccl" if cfg.device != "cpu" and torch.cuda.is_available() else "gloo")
@@ -96,17 +117,7 @@ def run_learner(cfg: TrainConfig, *, syncer: str, learner: int, run_dir: str | N
         dist.init_process_group(backend, timeout=timedelta(minutes=5))
         group = dist.group.WORLD
     torch.set_num_threads(1)
-    out = Path(run_dir) if run_dir else None
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-    progress_path = out / "progress.json" if out is not None else None
-    state_path = out / STATE_NAME if out is not None else None
-    start_step = 0
-    if progress_path is not None and progress_path.is_file():
-        start_step = int(json.loads(progress_path.read_text())["step"])
-    saved = load_learner_state(state_path) if state_path is not None else None
-    if saved is not None:  # written just before progress.json: it may be 10 steps ahead
-        start_step = max(start_step, saved["step"])
+    resume = _resume_point(run_dir, learner, rank) if learner is not None else None
     data = data_config(cfg)
     model = new_model(cfg).to(device)
     train_model = model
@@ -115,26 +126,46 @@ def run_learner(cfg: TrainConfig, *, syncer: str, learner: int, run_dir: str | N
         train_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     opt = new_optimizer(cfg, model)
     resumed_optimizer = False
-    if saved is not None and resume_optimizer and saved["step"] == start_step:
-        opt.load_state_dict(saved["optimizer"])  # moved to the parameters' device
-        resumed_optimizer = True
+
+    def resume_opt(saved: dict | None, start_step: int) -> bool:
+        if saved is not None and resume_optimizer and saved["step"] == start_step:
+            opt.load_state_dict(saved["optimizer"])  # moved to the parameters' device
+            return True
+        return False
+
+    if resume is not None:
+        resumed_optimizer = resume_opt(resume[4], resume[3])
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.autocast == "bf16")
-    stream = build_stream(data, learner=learner * world + rank, n_learners=cfg.learners * world,
-                          batch_size=cfg.batch_size, block_size=cfg.block_size, seed=cfg.seed)
-    stream.load_state_dict({**stream.state_dict(), "position": start_step})
     images = data.kind in ("digits", "images")
     tokens = cfg.batch_size * (1 if images else cfg.block_size) * world
-    metrics = (open_sinks(("jsonl", *parse_sinks(cfg.metrics_sinks)), metrics_dir or out,
-                          name=f"learner_{learner}", jsonl_path=out / "metrics.jsonl")
-               if out is not None and rank == 0 else None)
     dl = DecoupledLearner(model, syncer=syncer, learner=learner, P=cfg.fragments, H=cfg.H,
                           tau=cfg.tau, strategy=cfg.fragmentation, codec=cfg.codec,
                           alpha=cfg.alpha, schedule=cfg.schedule, token_file=token_file, tls_ca=tls_ca, link=link,
                           connect_timeout=timedelta(seconds=connect_timeout_s),
                           heartbeat_interval=timedelta(seconds=heartbeat_s),
                           process_group=group)
+    leave = threading.Event()
+    if world == 1 and threading.current_thread() is threading.main_thread():
+        # SIGTERM: leave the run gracefully (finish the step, flush the pushes, Leave), as a
+        # member of an elastic run does when its capacity is taken back
+        signal.signal(signal.SIGTERM, lambda *_: leave.set())
     t_start = time.time()
     with dl:
+        if resume is None:  # the syncer's choice of id is known now
+            learner = dl.learner
+            resume = _resume_point(run_dir, learner, rank)
+            resumed_optimizer = resume_opt(resume[4], resume[3])
+        out, progress_path, state_path, start_step, _ = resume
+        # an elastic run may have more learners than configured: ids beyond M get streams
+        # of their own too
+        stream = build_stream(data, learner=learner * world + rank,
+                              n_learners=max(cfg.learners, learner + 1) * world,
+                              batch_size=cfg.batch_size, block_size=cfg.block_size,
+                              seed=cfg.seed)
+        stream.load_state_dict({**stream.state_dict(), "position": start_step})
+        metrics = (open_sinks(("jsonl", *parse_sinks(cfg.metrics_sinks)), metrics_dir or out,
+                              name=f"learner_{learner}", jsonl_path=out / "metrics.jsonl")
+                   if out is not None and rank == 0 else None)
         if metrics:
             metrics.write({"kind": "learner_start", "learner": learner, "wall": time.time(),
                            "step": start_step, "incarnation": dl.incarnation,
@@ -145,7 +176,7 @@ def run_learner(cfg: TrainConfig, *, syncer: str, learner: int, run_dir: str | N
         limit = dl.step_budget or cfg.steps
         step = start_step
         compute_ema = None
-        while step < limit and not dl.should_stop:
+        while step < limit and not dl.should_stop and not leave.is_set():
             t0 = time.perf_counter()
             x, y = stream.next_batch()
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
@@ -173,7 +204,7 @@ def run_learner(cfg: TrainConfig, *, syncer: str, learner: int, run_dir: str | N
                                "wall": time.time(), "loss": round(lv, 5),
                                "installed": {p: dl.sync.frags[p].base_version
                                              for p in installed}})
-                if step % 10 == 0 or step == limit or dl.should_stop:
+                if step % 10 == 0 or step == limit or dl.should_stop or leave.is_set():
                     metrics.flush()
                     save_learner_state(state_path, step, opt)
                     _write_json_atomic(progress_path, {"step": step})

@@ -14,6 +14,7 @@ from ddiloco.algorithm.schedule import measured_slot_s, next_clock
 from ddiloco.algorithm.syncer_state import SyncerState, vars_of
 from ddiloco.runtime.syncer.accounting import fold, goodput_of
 from ddiloco.runtime.syncer.common import LearnerInfo, Reject, handler
+from ddiloco.runtime.syncer.membership import assign_learner_id
 from ddiloco.runtime.transport import session, wire
 from ddiloco.runtime.transport.schema import (HeartbeatRequest, InitHeader, JoinRequest,
                                                LeaveRequest, Report, WatchRequest)
@@ -37,10 +38,17 @@ class ControlHandlers:
     def _join(self, req: bytes, ctx: grpc.ServicerContext) -> bytes:
         raw = self._parse(req)[0]
         h = self._validate(JoinRequest, raw, "join")
-        m, inc = h.learner, h.incarnation
+        # no id (None or -1): the syncer assigns one (elastic membership)
+        req_id, inc = (-1 if h.learner is None else h.learner), h.incarnation
         with self._lock:
             if self.state is None:
-                return wire.pack({"need_init": True, "boot_id": self.boot_id})
+                return wire.pack({"need_init": True, "boot_id": self.boot_id,
+                                  "shards": self.shard_map})
+            if req_id < 0 and self.config.shards and self.config.shard != 0:
+                # ids are handed out by shard 0 only: answer with the map, join nobody
+                return wire.pack({"need_init": False, "redirect": True,
+                                  "boot_id": self.boot_id, "shards": self.shard_map})
+            m = assign_learner_id(req_id, self._incarnations)
             if h.fingerprint not in (None, self._fp):
                 what = ""
                 if h.spec is not None:
@@ -78,16 +86,20 @@ class ControlHandlers:
             info.session_key, info.hb = session.new_session_key(), -1
             info.host, info.pid = h.host, h.pid
             self.state.join(m)
-            self._event("join", learner=m, incarnation=inc, host=h.host, pid=h.pid)
-            log.info("[learner %d] joined (incarnation %d)", m, inc)
+            self.members.note("join", m, inc, len(self.state.live))
+            self._event("join", learner=m, incarnation=inc, host=h.host, pid=h.pid,
+                        assigned=req_id < 0, live=len(self.state.live))
+            log.info("[learner %d] joined (incarnation %d%s), %d live", m, inc,
+                     ", id assigned" if req_id < 0 else "", len(self.state.live))
             return wire.pack({
                 "need_init": False, "boot_id": self.boot_id, "incarnation": inc,
+                "learner": m, "shards": self.shard_map,
                 "versions": [v for v, _ in self._pub], "spec": self.spec,
                 "fingerprint": self._fp, "downlink_codec": self.config.downlink_codec,
                 "history": self.config.syncer.history,
                 "merged_seq": self._merged_seq_pub.get(m, {}),
                 "step_budget": self.config.step_budget, "stop": self.budget_spent,
-                "bulk_port": self.bulk_port,
+                "bulk_port": self.bulk_port, "bulk_host": self.config.data_host,
                 "session": info.session_key.hex(),
                 # this learner's steps over its earlier processes (its latest report)
                 "steps_done": self._steps_done.get(m, 0),
@@ -212,9 +224,11 @@ class ControlHandlers:
                     self._count_steps(m, h.report)
                 if all(i.state != "live" for i in self._learners.values()):
                     self.run_ended_wall = time.time()
-                self._event("leave", learner=m)
                 t0 = time.monotonic()
                 self._handle_merges(st.leave(m, t0), t0)
+                self.members.note("leave", m, inc, len(st.live))
+                self._event("leave", learner=m, live=len(st.live))
+                log.info("[learner %d] left, %d live", m, len(st.live))
             return wire.pack({"ok": True})
 
     @staticmethod
@@ -303,6 +317,8 @@ class ControlHandlers:
                 "budget_spent": self.budget_spent,
                 "run_s": (round(t_end - self.run_started_wall, 3)
                           if self.run_started_wall is not None else None),
+                "membership": {**self.members.counts, "events": self.members.to_list()},
+                "shard_map": self.shard_map,
             }
             out["goodput"] = goodput_of(out)
             out["learners_per_merge"] = out["mean_quorum"]

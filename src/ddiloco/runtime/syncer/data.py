@@ -71,6 +71,7 @@ class DataHandlers:
             if not 0 <= p < st.fragmentation.P:
                 raise Reject(grpc.StatusCode.INVALID_ARGUMENT, E.FRAGMENT,
                              f"fragment {p} out of range [0, {st.fragmentation.P})")
+            self._require_owned(p)
             fr = st.fragmentation.fragments[p]
             shapes = self._shapes[p]
         if h.numels != list(fr.numels):
@@ -167,12 +168,14 @@ class DataHandlers:
         want = self._validate(FetchRequest, raw, "fetch").fragments
         with self._lock:
             st = self._require_ready()
-            P = st.fragmentation.P
-            if want is None:
-                want = list(range(P))
+            P = st.fragmentation.P  # noqa: N806
+            if want is None:  # every fragment this shard owns
+                want = [p for p in range(P) if self._owns(p)]
             if any(p >= P for p in want):
                 raise Reject(grpc.StatusCode.INVALID_ARGUMENT, E.FRAGMENT,
                              f"fragments must be a list of ints in [0, {P})")
+            for p in want:
+                self._require_owned(p)
             items = [(p, *self._pub[p], list(st.fragmentation.fragments[p].numels))
                      for p in want]
             self.counters["bytes_out"] += sum(len(b) for _, _, d, _ in items for b in d)

@@ -46,7 +46,8 @@ class Liveness:
                         info.state = "dead"
                         log.warning("[learner %d] no heartbeat for %.1f s: declared dead", m,
                                     now - info.last_hb_s)
-                        self._event("dead", learner=m)
                         t0 = time.monotonic()
                         self._handle_merges(self.state.leave(m, now), t0)
+                        self.members.note("dead", m, info.incarnation, len(self.state.live))
+                        self._event("dead", learner=m, live=len(self.state.live))
 

@@ -49,6 +49,7 @@ from ddiloco.runtime.syncer.control import ControlHandlers
 from ddiloco.runtime.syncer.data import DataHandlers
 from ddiloco.runtime.syncer.durability import Durability
 from ddiloco.runtime.syncer.liveness import Liveness
+from ddiloco.runtime.syncer.membership import MembershipLog
 from ddiloco.runtime.transport import session, wire
 from ddiloco.runtime.transport.auth import check_token, server_credentials, server_ssl_context
 from ddiloco.runtime.transport.bulk import BulkLimits, BulkServer
@@ -132,8 +133,22 @@ class SyncerServerConfig:
     time to a failure is made up for by the others). Once the learners' reported steps
     reach it, heartbeats tell every learner to finish. 0: no budget (each learner runs
     its own step count)."""
+    shards: tuple[str, ...] = ()
+    """A sharded syncer (``ddiloco.runtime.syncer.shards``): every shard's HOST:PORT, as
+    learners reach them, in shard order. Empty: a single syncer owning every fragment."""
+    shard: int = 0
+    data_host: str | None = None
+    """Host learners should reach the data port at, sent in the Join reply (e.g. the
+    address of another interface, or a name behind NAT). None: the host each learner
+    dialed for gRPC, which is right whenever both ports are on the same address. Never
+    the bind address: 0.0.0.0 or 127.0.0.1 mean nothing to a learner elsewhere."""
+    """This process's index in ``shards``: it owns the fragments p with p % S == shard."""
 
     def __post_init__(self) -> None:
+        self.shards = tuple(self.shards)
+        if self.shards and not 0 <= self.shard < len(self.shards):
+            raise ValueError(f"shard index {self.shard} out of range for {len(self.shards)} "
+                             f"shard addresses")
         if not self.token:
             raise ValueError("a shared-secret token is required")
         if self.downlink_codec not in DOWNLINK_CODECS:
@@ -228,6 +243,7 @@ class SyncerServer(ControlHandlers, DataHandlers, Durability, Liveness):
         self._merged_seq_pub: dict[int, dict[int, int]] = {}   # the published part
         self._learners: dict[int, LearnerInfo] = {}
         self._incarnations: dict[int, int] = {}
+        self.members = MembershipLog(self.started_s)
         self._timers: list[tuple[float, int]] = []
         self._dirty_merges = 0
         self._steps_done: dict[int, int] = {}  # learner -> its latest reported total steps
@@ -429,6 +445,24 @@ class SyncerServer(ControlHandlers, DataHandlers, Durability, Liveness):
 
     def _parse_as(self, model: type[M], req: bytes, what: str) -> M:
         return self._validate(model, self._parse(req)[0], what)
+
+    @property
+    def shard_map(self) -> dict | None:
+        """The shard map every Join and Status reply carries (None: not sharded)."""
+        if len(self.config.shards) < 2:
+            return None
+        return {"addresses": list(self.config.shards), "index": self.config.shard}
+
+    def _owns(self, p: int) -> bool:
+        S = len(self.config.shards)  # noqa: N806
+        return S < 2 or p % S == self.config.shard
+
+    def _require_owned(self, p: int) -> None:
+        if not self._owns(p):
+            S = len(self.config.shards)  # noqa: N806
+            raise Reject(grpc.StatusCode.INVALID_ARGUMENT, E.FRAGMENT,
+                         f"fragment {p} belongs to shard {p % S} ({self.config.shards[p % S]}), "
+                         f"this is shard {self.config.shard}")
 
     def _require_ready(self) -> SyncerState:
         if self.state is None:

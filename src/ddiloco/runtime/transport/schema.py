@@ -89,7 +89,8 @@ def _unique(xs: list[int] | None, name: str) -> None:
 
 class JoinRequest(BaseModel):
     model_config = _CONFIG
-    learner: LearnerId
+    learner: Annotated[int, Field(ge=-1, le=MAX_LEARNER)] | None = None
+    """None or -1: the syncer assigns an id (elastic membership)."""
     incarnation: Annotated[int, Field(ge=-1, le=MAX_INCARNATION)] = -1
     fingerprint: ShortStr | None = None
     spec: dict[str, Any] | None = None

@@ -1,0 +1,111 @@
+"""A sharded syncer: S syncer processes owning disjoint fragments, learners routing to them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ddiloco.runtime.launch.launcher import Launcher, LaunchOptions
+from ddiloco.runtime.syncer.shards import ShardMap, aggregate_status, parse_shards
+from runtime_helpers import read_jsonl, tiny_config
+
+
+def test_shard_map_and_parsing():
+    m = ShardMap(("a:1", "b:2"))
+    assert [m.owner(p) for p in range(5)] == [0, 1, 0, 1, 0]
+    assert m.fragments_of(1, 5) == [1, 3]
+    assert ShardMap.from_reply(m.to_dict(1)) == m
+    assert ShardMap.from_reply(None) is None
+    assert parse_shards("10.0.0.1:5,10.0.0.2:5") == ("10.0.0.1:5", "10.0.0.2:5")
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        parse_shards("10.0.0.1")
+    with pytest.raises(ValueError, match="must differ"):
+        parse_shards("a:1,a:1")
+
+
+def test_aggregate_status_takes_versions_from_owners_and_sums():
+    a = {"boot_id": "x", "versions": [3, 0, 5, 0], "merges": 8, "live": [0, 1],
+         "learners": {"0": {"state": "live", "incarnation": 1, "last_heartbeat_age_s": 0.2,
+                            "report": {"step": 10}, "syncer_ledger": {"merged": 4.0}}},
+         "counters": {"bytes_in": 10}, "rejections": {}, "mean_quorum": 1.0,
+         "steps_done": 20, "budget_spent": False, "uptime_s": 5.0, "initialised": True}
+    b = {**a, "boot_id": "y", "versions": [0, 2, 0, 7], "merges": 9, "live": [0, 2],
+         "learners": {"0": {"state": "live", "incarnation": 2, "last_heartbeat_age_s": 0.1,
+                            "report": {"step": 11}, "syncer_ledger": {"merged": 5.0}}},
+         "mean_quorum": 2.0}
+    st = aggregate_status([a, b])
+    assert st["versions"] == [3, 2, 5, 7] and st["merges"] == 17 and st["live"] == [0, 1, 2]
+    assert st["learners"]["0"]["syncer_ledger"]["merged"] == 9.0
+    assert st["learners"]["0"]["report"] == {"step": 11}       # the freshest
+    assert st["counters"]["bytes_in"] == 20 and st["boot_id"] == "x+y"
+    assert abs(st["mean_quorum"] - (8 * 1 + 9 * 2) / 17) < 1e-9
+    st = aggregate_status([a, None])
+    assert st["shards"][1] == {"index": 1, "up": False, "boot_id": None, "merges": None}
+    assert st["boot_id"] == "x+down"
+
+
+def _merges_by_fragment(run, name):
+    return [r for r in read_jsonl(run / name) if r["kind"] == "merge"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_two_shards_train_like_one(tmp_path):
+    losses = {}
+    for S in (1, 2):
+        run = tmp_path / f"s{S}"
+        cfg = tiny_config(run, learners=2, steps=80, seed=3)
+        with Launcher(cfg, LaunchOptions(shards=S)) as la:
+            s = la.run()
+        assert s["ok"], s
+        assert s["shards"] == S and s["rejections"] == {}
+        for pl in s["per_learner"]:
+            assert pl["ledger_balance_error"] < 1e-6
+            assert pl["ledger_steps"]["merged"] > 0.5 * pl["steps"]
+        losses[S] = s["final_eval_loss"]
+        if S == 2:
+            # each shard merged exactly its own fragments, and every fragment moved
+            for k in (0, 1):
+                frags = {r["fragment"] for r in _merges_by_fragment(run, f"syncer_{k}.metrics.jsonl")}
+                assert frags == {p for p in range(cfg.fragments) if p % 2 == k}, (k, frags)
+            assert all(v > 0 for v in s["versions"])
+            assert (run / "checkpoint" / "shard_0" / "syncer.pt").is_file()
+            assert (run / "checkpoint" / "shard_1" / "syncer.pt").is_file()
+    init = s["initial_eval_loss"]
+    # the same training: both far below the initial loss and within run-to-run noise
+    assert losses[1] < init - 0.5 and losses[2] < init - 0.5
+    assert abs(losses[2] - losses[1]) < 0.1 * (init - losses[1]), losses
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_dead_shard_stalls_only_its_own_fragments(tmp_path):
+    run = tmp_path / "run"
+    chaos = tmp_path / "chaos.json"
+    # shard 1 is SIGKILLed once the learners are at step 40 and stays down 6 s
+    chaos.write_text(json.dumps({"syncer_kill_at_step": 40, "syncer_kill_shard": 1,
+                                 "syncer_downtime_s": 6.0}))
+    cfg = tiny_config(run, learners=2, steps=200)
+    with Launcher(cfg, LaunchOptions(shards=2, chaos=str(chaos))) as la:
+        s = la.run()
+    assert s["ok"], s
+    ev = read_jsonl(run / "chaos.jsonl")
+    kill = next(r for r in ev if r["kind"] == "kill-syncer")
+    back = next(r for r in ev if r["kind"] == "restart-syncer")
+    assert kill["target"] == "syncer_1" and back["target"] == "syncer_1"
+    t0, t1 = kill["wall"], back["wall"]
+    m0 = [r["wall"] for r in _merges_by_fragment(run, "syncer_0.metrics.jsonl")]
+    m1 = [r["wall"] for r in _merges_by_fragment(run, "syncer_1.metrics.jsonl")]
+    # shard 0 merged all along at its usual rate while shard 1 was down
+    during = [t for t in m0 if t0 + 1.0 <= t <= t1]
+    before = [t for t in m0 if t0 - (t1 - t0 - 1.0) <= t < t0]
+    assert len(before) >= 4 and len(during) >= 0.5 * len(before), (len(before), len(during))
+    assert max(b - a for a, b in zip([t0 + 1.0, *during], [*during, t1])) < 3.0
+    # learners kept stepping, and shard 1 came back (resumed) and merged again
+    for m in (0, 1):
+        steps = [r["wall"] for r in read_jsonl(run / f"learner_{m}" / "metrics.jsonl")
+                 if r["kind"] == "step" and t0 <= r["wall"] <= t1]
+        assert len(steps) > 10, (m, len(steps))
+    assert any(t > t1 for t in m1)
+    assert not any(t0 + 0.5 < t < t1 for t in m1)
