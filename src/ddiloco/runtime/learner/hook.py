@@ -383,7 +383,8 @@ class DecoupledLearner:
         with torch.no_grad():
             data = b"".join(t.detach().float().cpu().contiguous().numpy().tobytes()
                             for t in self.params.values())
-        r = self.client.stream("Init", wire.chunks({"learner": self.learner, "spec": self.spec,
+        who = self.learner if self.learner >= 0 else None  # not assigned yet
+        r = self.client.stream("Init", wire.chunks({"learner": who, "spec": self.spec,
                                                     "nbytes": len(data)}, data))
         self.stats["bytes_sent"] += len(data)
         log.info("[learner %d] initial model upload: %s", self.learner,
