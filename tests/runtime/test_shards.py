@@ -99,8 +99,8 @@ def test_a_dead_shard_stalls_only_its_own_fragments(tmp_path):
     m1 = [r["wall"] for r in _merges_by_fragment(run, "syncer_1.metrics.jsonl")]
     # shard 0 merged all along at its usual rate while shard 1 was down
     during = [t for t in m0 if t0 + 1.0 <= t <= t1]
-    before = [t for t in m0 if t0 - (t1 - t0 - 1.0) <= t < t0]
-    assert len(before) >= 4 and len(during) >= 0.5 * len(before), (len(before), len(during))
+    rate = len(m0) / (m0[-1] - m0[0])  # over the whole run
+    assert len(during) >= max(3, 0.5 * rate * (t1 - t0 - 1.0)), (rate, len(during))
     assert max(b - a for a, b in zip([t0 + 1.0, *during], [*during, t1])) < 3.0
     # learners kept stepping, and shard 1 came back (resumed) and merged again
     for m in (0, 1):
