@@ -73,9 +73,10 @@ def test_two_shards_train_like_one(tmp_path):
             assert (run / "checkpoint" / "shard_0" / "syncer.pt").is_file()
             assert (run / "checkpoint" / "shard_1" / "syncer.pt").is_file()
     init = s["initial_eval_loss"]
-    # the same training: both far below the initial loss and within run-to-run noise
+    # the same training: both far below the initial loss and within run-to-run noise (two
+    # S = 1 runs of this config ended 3.383 and 3.283 from 4.163: 11% of the improvement)
     assert losses[1] < init - 0.5 and losses[2] < init - 0.5
-    assert abs(losses[2] - losses[1]) < 0.1 * (init - losses[1]), losses
+    assert abs(losses[2] - losses[1]) < 0.2 * (init - losses[1]), losses
 
 
 @pytest.mark.slow

@@ -339,14 +339,6 @@ class Launcher:
                 from ddiloco.runtime.launch.forkserver import ForkServer
                 self._forkserver = ForkServer(self.env, str(self.out / "logs" / "forkserver.log"),
                                               self.opts.startup_timeout_s, str(self.out))
-            self.procs["syncer"] = _Proc("syncer", self._syncer_cmd(False),
-                                         self.out / "logs" / "syncer.log")
-            self._spawn(self.procs["syncer"])
-            self._wait_port()
-            if self.http_port is not None:
-                print(f"ddiloco: live dashboard on {self.dashboard_url}", file=sys.stderr,
-                      flush=True)
-            self.procs["syncer"].cmd = self._syncer_cmd(True)
             self.ports = _free_ports(self.opts.shards) if self.opts.shards > 1 else []
             for k in range(self.opts.shards):
                 name = self._syncer_name(k)
@@ -356,6 +348,9 @@ class Launcher:
             for k in range(self.opts.shards):
                 self._wait_port(self.procs[self._syncer_name(k)])
                 self.procs[self._syncer_name(k)].cmd = self._syncer_cmd(True, k)
+            if self.http_port is not None:
+                print(f"ddiloco: live dashboard on {self.dashboard_url}", file=sys.stderr,
+                      flush=True)
             self._client = self._make_client()
             self.t_learners = self._now()
             for m in range(c.learners):
