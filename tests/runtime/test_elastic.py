@@ -32,15 +32,18 @@ def test_syncer_assigns_ids_on_join_and_status_shows_members(tmp_path):
 
     s = SyncerProcess(tmp_path)
     c = SyncerClient(s.address, s.token)
+    clients = [c]
     try:
         model = tiny_model()
         init_syncer(c, model)             # learner 0, asked for
         fp = spec_fingerprint(model_spec(model, 2))
-        a = c.unary("Join", {"incarnation": -1, "fingerprint": fp})
+        ca = SyncerClient(s.address, s.token)   # each learner its own client (session)
+        clients.append(ca)
+        a = ca.unary("Join", {"incarnation": -1, "fingerprint": fp})
         b = c.unary("Join", {"learner": -1, "incarnation": -1, "fingerprint": fp})
         assert (a["learner"], b["learner"]) == (1, 2)
         assert c.unary("Join", {"learner": 9, "incarnation": -1, "fingerprint": fp})["learner"] == 9
-        c.unary("Leave", {"learner": 1, "incarnation": a["incarnation"]})
+        ca.unary("Leave", {"learner": 1, "incarnation": a["incarnation"]})
         # an id once handed out is not given to a newcomer
         assert c.unary("Join", {"incarnation": -1, "fingerprint": fp})["learner"] == 3
         st = c.status()
@@ -49,7 +52,8 @@ def test_syncer_assigns_ids_on_join_and_status_shows_members(tmp_path):
         text = format_status(st)
         assert "5 joins, 1 leaves" in text and "leave 1" in text
     finally:
-        c.close()
+        for cl in clients:
+            cl.close()
         s.close()
 
 

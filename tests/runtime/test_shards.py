@@ -101,8 +101,8 @@ def test_a_dead_shard_stalls_only_its_own_fragments(tmp_path):
     # shard 0 merged all along at its usual rate while shard 1 was down
     during = [t for t in m0 if t0 + 1.0 <= t <= t1]
     rate = len(m0) / (m0[-1] - m0[0])  # over the whole run
-    assert len(during) >= max(3, 0.5 * rate * (t1 - t0 - 1.0)), (rate, len(during))
-    assert max(b - a for a, b in zip([t0 + 1.0, *during], [*during, t1])) < 3.0
+    assert len(during) >= max(3, 0.3 * rate * (t1 - t0 - 1.0)), (rate, len(during))
+    assert max(b - a for a, b in zip([t0 + 1.0, *during], [*during, t1])) < 4.0
     # learners kept stepping, and shard 1 came back (resumed) and merged again
     for m in (0, 1):
         steps = [r["wall"] for r in read_jsonl(run / f"learner_{m}" / "metrics.jsonl")
