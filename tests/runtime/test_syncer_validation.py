@@ -109,8 +109,11 @@ def test_hook_api_trains_against_the_syncer(syncer_factory):
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, 64, (4, 16), generator=g)
+    # the step-count schedule: 24 steps send 12 pushes whatever the machine's timing
+    # (the time-driven schedule has its own tests in test_schedule_goodput.py)
     with DecoupledLearner(model, opt, syncer=s.address, learner=0, P=2, H=4, tau=1,
-                          codec="int8", tokens_per_step=64, token=s.token) as dl:
+                          schedule="steps", codec="int8", tokens_per_step=64,
+                          token=s.token) as dl:
         for _ in range(24):
             _, loss = model(x[:, :-1], x[:, 1:])
             loss.backward()
