@@ -41,9 +41,10 @@ def one(seed: int, fresh: bool, steps: int, kill_at: int, window: int, out: Path
     run.mkdir(parents=True, exist_ok=True)
     chaos = run.parent / f"chaos_seed{seed}.json"
     chaos.write_text(json.dumps({"kill_at_step": [[0, kill_at]], "kill_downtime_s": 2.0}))
-    cfg = TrainConfig(engine="processes", out=str(run), steps=steps, seed=seed, progress=False)
+    cfg = TrainConfig(engine="processes", out=str(run), steps=steps, seed=seed, progress=False,
+                      chaos=str(chaos))
     t0 = time.perf_counter()
-    with Launcher(cfg, LaunchOptions(chaos=str(chaos), extra_learner_args=(
+    with Launcher(cfg, LaunchOptions(extra_learner_args=(
             ["--fresh-optimizer"] if fresh else []))) as la:
         s = la.run()
     rows = _rows(run / "learner_0" / "metrics.jsonl")

@@ -19,7 +19,6 @@ DIR/quality/*.png, DIR/runs/).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import shutil
@@ -47,7 +46,7 @@ def _run_one(job: dict) -> dict:
     from ddiloco.config import TrainConfig
     from ddiloco.engine import run
 
-    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    known = set(TrainConfig().to_dict())
     config = {k: v for k, v in job["config"].items() if k in known}
     cfg = TrainConfig(**config, seed=job["seed"], out=job["dir"], progress=False)
     summary = run(cfg)
@@ -136,9 +135,9 @@ def _pinning(base: dict) -> dict:
     TrainConfig does not know (both reported in the markdown, never silent)."""
     from ddiloco.config import TrainConfig
 
-    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
-    default = TrainConfig()
-    unpinned = {n: getattr(default, n) for n in fields
+    default = TrainConfig().to_dict()  # flat: every field by its flat name
+    fields = set(default)
+    unpinned = {n: default[n] for n in fields
                 if n not in base and n not in ("seed", "out", "progress")}
     return {"unpinned_defaults": _jsonable(unpinned),
             "unknown_base_keys": sorted(k for k in base if k not in fields)}

@@ -28,12 +28,11 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from ddiloco.config import TrainConfig
+from ddiloco.config import TrainConfig, dump_config
 from ddiloco.recipe import eval_setup, evaluate, new_model
 from ddiloco.runtime.transport.spec import fragmentation_from_spec, model_spec
 from ddiloco.wan import LinkSpec, Topology
@@ -132,7 +131,7 @@ def _jsonl(path: Path) -> list[dict]:
 def run_dp(a, cfg: TrainConfig, topo: Topology, out: Path, events: list) -> tuple[list, dict]:
     """DP ranks, one per region; returns (snapshots, per-region stats)."""
     cfg_path = out / "config.json"
-    cfg_path.write_text(json.dumps(asdict(cfg)))
+    cfg_path.write_text(json.dumps(cfg.to_dict()))
     master = f"{topo.ip(0)}:{DP_PORT}"
     procs = [_spawn(topo, r, [sys.executable, str(HERE / "dp_worker.py"), "--rank", str(r),
                               "--world", str(a.regions), "--master", master, "--config",
@@ -178,10 +177,14 @@ def run_syncer_method(a, cfg: TrainConfig, topo: Topology, out: Path, events: li
                       ) -> tuple[list, dict]:
     """Syncer and model saver in the hub region, one learner per region; returns
     (snapshots, per-region stats)."""
-    cfg_path = out / "config.json"
-    cfg_path.write_text(json.dumps(asdict(cfg)))
+    cfg_path = out / "config.toml"
+    if a.slowdowns:  # a region's slower device: its steps stretched by the factor
+        cfg = cfg.replace(speeds=tuple(1.0 / a.slowdowns[m] if m < len(a.slowdowns) else 1.0
+                                       for m in range(cfg.learners)))
+    dump_config(cfg, cfg_path)
     env = {**_env(), "DDILOCO_TOKEN": secrets.token_hex(16)}
-    sync_args = ["--host", "0.0.0.0", "--port", str(SYNCER_PORT), "--bulk-port", str(BULK_PORT),
+    sync_args = ["--config", str(cfg_path), "--host", "0.0.0.0", "--port", str(SYNCER_PORT),
+                 "--bulk-port", str(BULK_PORT),
                  "--quorum", str(cfg.quorum), "--tau", str(cfg.tau), "--downlink-codec",
                  cfg.down_codec, "--step-budget", str(a.regions * a.steps),
                  "--heartbeat-timeout", str(a.heartbeat_timeout_s),
@@ -199,8 +202,6 @@ def run_syncer_method(a, cfg: TrainConfig, topo: Topology, out: Path, events: li
         argv = [sys.executable, "-m", "ddiloco.runtime.cli", "learner", "--syncer",
                 f"{topo.ip('s')}:{SYNCER_PORT}", "--learner", str(m), "--config", str(cfg_path),
                 "--run-dir", str(out / f"learner_{m}"), "--log-level", "warning"]
-        if a.slowdowns and a.slowdowns[m] > 1.0:
-            argv += ["--slowdown", str(a.slowdowns[m])]
         if a.method == "diloco":
             argv.append("--wait-for-merge")
         learners.append(_spawn(topo, m, argv, out / f"learner_{m}.log", env))
@@ -308,7 +309,7 @@ def main(argv: list[str] | None = None) -> dict:
         span = r["last_wall"] - r["first_wall"]
         r["utilisation"] = r["compute_s"] / span if span > 0 else None
     n_params = sum(p.numel() for p in model.parameters())
-    result = {"method": a.method, "args": vars(a), "config": asdict(cfg), "n_params": n_params,
+    result = {"method": a.method, "args": vars(a), "config": cfg.to_dict(), "n_params": n_params,
               "launch_to_first_step_s": round(t0 - t_launch, 2), "train_s": round(t1 - t0, 3),
               "total_steps": sum(r["steps"] for r in regions.values()),
               "regions": regions, "link_bytes_window": window, "link_bytes_total": end_counters,

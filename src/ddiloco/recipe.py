@@ -23,7 +23,7 @@ def make_language(cfg: TrainConfig) -> MarkovLanguage:
 
 def data_config(cfg: TrainConfig) -> DataConfig:
     """The run's data source; the synthetic language takes its size and seed from ``cfg``."""
-    d = parse_data_spec(cfg.data)
+    d = parse_data_spec(cfg.data.source)
     if d.kind == "synthetic":
         return DataConfig(kind="synthetic", markov=MarkovConfig(vocab_size=cfg.vocab_size,
                                                                 seed=cfg.seed))
@@ -42,15 +42,15 @@ def eval_setup(cfg: TrainConfig) -> tuple[DataConfig, MarkovLanguage | None, flo
 
 
 def is_image_model(cfg: TrainConfig) -> bool:
-    return cfg.model.startswith("vit")
+    return cfg.model.name.startswith("vit")
 
 
 def new_model(cfg: TrainConfig) -> torch.nn.Module:
     torch.manual_seed(cfg.seed)
     if is_image_model(cfg):
-        return build_model(cfg.model)
+        return build_model(cfg.model.name)
     vocab = data_config(cfg).vocab_size or cfg.vocab_size
-    return build_model(cfg.model, vocab_size=vocab, block_size=cfg.block_size)
+    return build_model(cfg.model.name, vocab_size=vocab, block_size=cfg.block_size)
 
 
 def new_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:

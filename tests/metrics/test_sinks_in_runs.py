@@ -55,15 +55,16 @@ def test_syncer_and_learner_processes_report_through_the_sinks(tmp_path):
     pytest.importorskip("mlflow", reason="the mlflow extra is not installed")
     import mlflow
 
-    from ddiloco.runtime.launch.launcher import Launcher, LaunchOptions
+    from ddiloco.runtime.launch.launcher import Launcher
 
     out = tmp_path / "run"
     cfg = tiny_config(out, learners=2, steps=30, metrics_sinks="tensorboard,mlflow")
-    with Launcher(cfg, LaunchOptions()) as la:
+    with Launcher(cfg) as la:
         s = la.run()
     assert s["ok"], s
-    assert json.loads((out / "train_config.json").read_text())["metrics_sinks"] == (
-        "tensorboard,mlflow")
+    from ddiloco.config import load_config
+
+    assert load_config(out / "config.toml").metrics_sinks == "tensorboard,mlflow"
     for m in range(2):
         steps = [(r["step"], r["loss"]) for r in read_jsonl(out / f"learner_{m}" / "metrics.jsonl")
                  if r["kind"] == "step"]

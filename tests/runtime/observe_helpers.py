@@ -59,7 +59,7 @@ class BackgroundRun:
 
     def __init__(self, out: Path, *, learners: int, steps: int, chaos: dict | None = None,
                  **cfg) -> None:
-        from ddiloco.runtime.launch.launcher import Launcher, LaunchOptions
+        from ddiloco.runtime.launch.launcher import Launcher
 
         self.out = out
         chaos_arg = "none"
@@ -67,8 +67,8 @@ class BackgroundRun:
             out.mkdir(parents=True, exist_ok=True)
             (out.parent / "chaos.json").write_text(json.dumps(chaos))
             chaos_arg = str(out.parent / "chaos.json")
-        self.launcher = Launcher(tiny_config(out, learners=learners, steps=steps, **cfg),
-                                 LaunchOptions(chaos=chaos_arg, http_port=0))
+        self.launcher = Launcher(tiny_config(out, learners=learners, steps=steps,
+                                             chaos=chaos_arg, http_port=0, **cfg))
         self.token = self.launcher.env["DDILOCO_TOKEN"]
         self.http_port = self.launcher.http_port
         assert self.launcher.dashboard_url.endswith(f":{self.http_port}/?token={self.token}")

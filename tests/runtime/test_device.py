@@ -130,11 +130,11 @@ def test_a_cuda_learner_trains_against_a_cpu_syncer(syncer_factory, autocast):
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_two_rank_gloo_island_with_its_model_on_cuda(tmp_path, monkeypatch):
-    from ddiloco.runtime.launch.launcher import LaunchOptions, Launcher
+    from ddiloco.runtime.launch.launcher import Launcher
     monkeypatch.setenv("DDILOCO_ISLAND_BACKEND", "gloo")  # one GPU, shared by both ranks
     run = tmp_path / "run"
-    cfg = tiny_config(run, learners=1, steps=60, device="cuda")
-    with Launcher(cfg, LaunchOptions(island_size=2)) as la:
+    cfg = tiny_config(run, learners=1, steps=60, device="cuda", island_size=2)
+    with Launcher(cfg) as la:
         s = la.run()
     assert s["ok"], s
     final = read_jsonl(run / "learner_0" / "metrics.jsonl")[-1]["report"]
@@ -147,11 +147,11 @@ def test_a_two_rank_gloo_island_with_its_model_on_cuda(tmp_path, monkeypatch):
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_two_rank_nccl_island(tmp_path, monkeypatch):
-    from ddiloco.runtime.launch.launcher import LaunchOptions, Launcher
+    from ddiloco.runtime.launch.launcher import Launcher
     monkeypatch.delenv("DDILOCO_ISLAND_BACKEND", raising=False)
     run = tmp_path / "run"
-    cfg = tiny_config(run, learners=1, steps=60, device="cuda")
-    with Launcher(cfg, LaunchOptions(island_size=2)) as la:
+    cfg = tiny_config(run, learners=1, steps=60, device="cuda", island_size=2)
+    with Launcher(cfg) as la:
         s = la.run()
     assert s["ok"], s
     final = read_jsonl(run / "learner_0" / "metrics.jsonl")[-1]["report"]

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from ddiloco.cli import main
-from ddiloco.runtime.launch.launcher import Launcher, LaunchOptions
+from ddiloco.runtime.launch.launcher import Launcher
 from ddiloco.runtime.learner.client import SyncerClient
 from runtime_helpers import init_syncer, tiny_config, tiny_model
 
@@ -20,7 +20,7 @@ def test_export_of_a_run_evaluates_to_the_runs_final_loss(tmp_path, capsys):
     from ddiloco.recipe import eval_setup, evaluate, new_model
 
     cfg = tiny_config(tmp_path / "run", learners=2, steps=40)
-    with Launcher(cfg, LaunchOptions()) as la:
+    with Launcher(cfg) as la:
         s = la.run()
     assert s["ok"] and s["merges"] > 0, s
     out = tmp_path / "model.safetensors"

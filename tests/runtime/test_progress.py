@@ -61,10 +61,13 @@ def test_a_pipe_gets_plain_lines_at_the_interval():
 
 
 def _train_cmd(tmp_path, name: str) -> list[str]:
-    cfg = {**TINY, "progress": True, "learners": 2, "steps": 60, "out": str(tmp_path / name)}
-    (tmp_path / f"{name}.json").write_text(json.dumps(cfg))
-    return [sys.executable, "-m", "ddiloco.runtime.cli", "train", "--config",
-            str(tmp_path / f"{name}.json"), "--http-port", "0"]
+    from ddiloco.config import TrainConfig, dump_config
+
+    cfg = TrainConfig(**{**TINY, "progress": True, "learners": 2, "steps": 60,
+                         "out": str(tmp_path / name), "engine": "processes"})
+    dump_config(cfg, tmp_path / f"{name}.toml")
+    return [sys.executable, "-m", "ddiloco.cli", "train", "--config",
+            str(tmp_path / f"{name}.toml"), "--http-port", "0"]
 
 
 @pytest.mark.slow

@@ -110,9 +110,8 @@ def _procs_mentioning(text: str) -> list[int]:
 def test_ctrl_c_stops_everything_with_no_orphans(tmp_path):
     run = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ddiloco.runtime.cli", "train", "--set", f'out="{run}"',
-         "--set", "learners=2", "--set", "steps=100000", "--set", "batch_size=4",
-         "--set", "block_size=16", "--set", "progress=false"],
+        [sys.executable, "-m", "ddiloco.cli", "train", "--out", str(run), "-M", "2",
+         "--steps", "100000", "--batch-size", "4", "--block-size", "16", "--no-progress"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     deadline = time.monotonic() + 90
     metrics = run / "learner_1" / "metrics.jsonl"

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from ddiloco.runtime.launch.launcher import Launcher, LaunchOptions
+from ddiloco.runtime.launch.launcher import Launcher
 from ddiloco.runtime.launch.status import format_status, goodput_so_far
 from runtime_helpers import read_jsonl, tiny_config
 
@@ -20,8 +20,8 @@ def test_time_driven_schedule_gathers_learners_and_goodput_is_one_number(tmp_pat
     # every learner sleeps twice its compute time after a step, so four learners fit on two
     # cores and OS time-slicing does not dominate the step times; learner 3 is 18% slower
     chaos.write_text(json.dumps({"slowdown": {"0": 3.0, "1": 3.0, "2": 3.0, "3": 3.54}}))
-    cfg = tiny_config(run, learners=4, steps=60, quorum=1, schedule="time")
-    with Launcher(cfg, LaunchOptions(chaos=str(chaos))) as la:
+    cfg = tiny_config(run, learners=4, steps=60, quorum=1, schedule="time", chaos=str(chaos))
+    with Launcher(cfg) as la:
         s = la.run()
         st = la._status
     assert s["ok"], s

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from ddiloco.runtime.launch.launcher import Launcher, LaunchOptions
+from ddiloco.runtime.launch.launcher import Launcher
 from runtime_helpers import max_gap_ratio, read_jsonl, step_walls, tiny_config
 
 
 @pytest.mark.timeout(120)
 def test_three_learners_train_and_eval_loss_falls(tmp_path):
     cfg = tiny_config(tmp_path / "run", learners=3, steps=80)
-    with Launcher(cfg, LaunchOptions()) as la:
+    with Launcher(cfg) as la:
         s = la.run()
     assert s["ok"], s
     assert s["final_eval_loss"] < s["initial_eval_loss"] - 0.5, (s["initial_eval_loss"],
@@ -42,8 +42,8 @@ def test_sigkill_a_learner_the_others_never_pause_and_it_rejoins(tmp_path):
     chaos.write_text('{"kill_at_step": [[1, 60]], "kill_downtime_s": 2.0, '
                      '"slowdown": {"0": 5.0, "1": 5.0, "2": 5.0}}')
     # steps of a few hundred ms, so that OS scheduling hiccups stay small beside them
-    cfg = tiny_config(run, learners=3, steps=160, batch_size=48, block_size=64)
-    with Launcher(cfg, LaunchOptions(chaos=str(chaos))) as la:
+    cfg = tiny_config(run, learners=3, steps=160, batch_size=48, block_size=64, chaos=str(chaos))
+    with Launcher(cfg) as la:
         s = la.run()
     assert s["ok"], s
     events = [r["kind"] for r in read_jsonl(run / "chaos.jsonl")]
@@ -75,8 +75,8 @@ def test_the_global_step_budget_lets_a_fast_learner_make_up_for_a_slow_one(tmp_p
     run = tmp_path / "run"
     chaos = run.parent / "chaos.json"
     chaos.write_text('{"slowdown": {"1": 4.0}}')
-    cfg = tiny_config(run, learners=2, steps=60)
-    with Launcher(cfg, LaunchOptions(chaos=str(chaos))) as la:
+    cfg = tiny_config(run, learners=2, steps=60, chaos=str(chaos))
+    with Launcher(cfg) as la:
         s = la.run()
     assert s["ok"], s
     steps = [pl["steps"] for pl in s["per_learner"]]
@@ -97,8 +97,8 @@ def test_sigkill_the_syncer_and_resume_loses_no_merged_update(tmp_path):
     chaos = run.parent / "chaos.json"
     chaos.write_text('{"syncer_kill_at_step": 50, "syncer_downtime_s": 2.0, '
                      '"slowdown": {"0": 5.0, "1": 5.0}}')
-    cfg = tiny_config(run, learners=2, steps=160, batch_size=16, block_size=64)
-    with Launcher(cfg, LaunchOptions(chaos=str(chaos))) as la:
+    cfg = tiny_config(run, learners=2, steps=160, batch_size=16, block_size=64, chaos=str(chaos))
+    with Launcher(cfg) as la:
         s = la.run()
     assert s["ok"], s
     ev = read_jsonl(run / "chaos.jsonl")
@@ -141,8 +141,8 @@ def test_sigkill_the_syncer_and_resume_loses_no_merged_update(tmp_path):
 @pytest.mark.timeout(150)
 def test_a_two_rank_torchrun_island_is_one_learner(tmp_path):
     run = tmp_path / "run"
-    cfg = tiny_config(run, learners=1, steps=60)
-    with Launcher(cfg, LaunchOptions(island_size=2)) as la:
+    cfg = tiny_config(run, learners=1, steps=60, island_size=2)
+    with Launcher(cfg) as la:
         s = la.run()
     assert s["ok"], s
     final = read_jsonl(run / "learner_0" / "metrics.jsonl")[-1]["report"]

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import scipy.sparse as sp
 import torch
 
 from ddiloco.data.stream import EVAL, TRAIN, check_learner, check_state, rng_for
@@ -108,18 +107,24 @@ class MarkovLanguage:
         self.conditional_entropy = _entropy(self.next_probs)
         """H(next | c) for every context c, nats."""
 
-    def transition_matrix(self) -> sp.csr_matrix:
-        """P as a sparse (C, C) matrix: P[c, (c * V + x) mod C] = p(x | c)."""
+    def _transitions(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """P as (rows, cols, probs), row-major: P[c, (c * V + x) mod C] = p(x | c)."""
         V, C, S = self.cfg.vocab_size, self.n_states, self.cfg.support
         rows = np.repeat(np.arange(C), S)
         cols = ((np.arange(C)[:, None] * V + self.next_tokens) % C).ravel()
-        return sp.csr_matrix((self.next_probs.ravel(), (rows, cols)), shape=(C, C))
+        return rows, cols, self.next_probs.ravel()
+
+    def step_distribution(self, pi: np.ndarray) -> np.ndarray:
+        """pi P: the state distribution one step after ``pi``."""
+        rows, cols, probs = self._transitions()
+        return np.bincount(cols, weights=probs * pi[rows], minlength=self.n_states)
 
     def _stationary(self, tol: float = 1e-13, max_iter: int = 100_000) -> np.ndarray:
-        PT = self.transition_matrix().T.tocsr()
+        rows, cols, probs = self._transitions()
         pi = np.full(self.n_states, 1.0 / self.n_states)
         for _ in range(max_iter):
-            new = 0.5 * (pi + PT @ pi)  # lazy chain: same pi, aperiodic
+            step = np.bincount(cols, weights=probs * pi[rows], minlength=self.n_states)
+            new = 0.5 * (pi + step)  # lazy chain: same pi, aperiodic
             new /= new.sum()
             if np.abs(new - pi).sum() < tol:
                 return new

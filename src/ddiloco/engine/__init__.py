@@ -9,10 +9,11 @@ from __future__ import annotations
 
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from ddiloco.config import TrainConfig
+from ddiloco.config import CONFIG_FILE, TrainConfig, dump_config
 from ddiloco.data import DataConfig
 from ddiloco.engine.common import Recorder
 from ddiloco.recipe import eval_setup, evaluate_metrics, new_model
@@ -41,12 +42,14 @@ def run(cfg: TrainConfig) -> dict:
     from ddiloco.engine.decoupled import run_decoupled
     from ddiloco.engine.sync import run_diloco, run_dp, run_local, run_streaming
 
-    if cfg.engine != "inproc":
+    if cfg.engine == "processes":
         raise ValueError("ddiloco.engine.run drives the inproc engine; use the launcher for "
                          "engine='processes'")
+    cfg = cfg.replace(engine="inproc")
     torch.set_num_threads(1)
     data, lang, floor, evals = eval_setup(cfg)
     recorder = Recorder(cfg)
+    dump_config(cfg, Path(cfg.out) / CONFIG_FILE)  # `ddiloco train --config` replays the run
     ctx = RunContext(data=data, evals=evals, floor=floor, global_model=new_model(cfg),
                      recorder=recorder)
     recorder.row("config", **_jsonable(cfg.to_dict()))
@@ -64,7 +67,7 @@ def run(cfg: TrainConfig) -> dict:
         "tokens": tokens, "final_eval_loss": final, "entropy_floor": floor,
         "gap_to_floor": _gap(final, floor),
         "entropy_rate": lang.entropy_rate if lang is not None else None,
-        "eval_accuracy": accuracy, "data": cfg.data, "model": cfg.model,
+        "eval_accuracy": accuracy, "data": cfg.data.source, "model": cfg.model.name,
         "initial_eval_loss": init_loss,
         "goodput": res.pop("goodput"), "goodput_available": res.pop("goodput_available"),
         "uptime": res.pop("uptime"),

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from ddiloco.algorithm.learner_state import LearnerSync, Outgoing
-from ddiloco.algorithm.policy import PolicyConfig, WaitUntil
+from ddiloco.algorithm.policy import WaitUntil
 from ddiloco.algorithm.schedule import FragmentSchedule
 from ddiloco.algorithm.syncer_state import Contribution, Merged, Status, SyncerConfig, SyncerState
 from ddiloco.config import TrainConfig
@@ -43,13 +43,8 @@ class _Learner:
 
 
 def syncer_config(cfg: TrainConfig) -> SyncerConfig:
-    history = cfg.max_staleness if (cfg.codec != "fp32" or cfg.anchor == "base") else 0
-    return SyncerConfig(
-        policy=PolicyConfig(quorum=cfg.quorum, grace=cfg.grace, gamma=cfg.gamma, tau=cfg.tau),
-        merge_rule=cfg.merge_rule, outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum,
-        max_staleness=cfg.max_staleness, staleness_discount=cfg.staleness_discount,
-        anchor=cfg.anchor, history=history,
-        scale_partial=cfg.scale_partial)
+    """The syncer state machine's configuration (the same the real syncer gets)."""
+    return cfg.sync.syncer_config()
 
 
 def run_decoupled(cfg: TrainConfig, ctx) -> dict:

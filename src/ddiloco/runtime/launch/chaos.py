@@ -20,7 +20,7 @@ import numpy as np
 
 from ddiloco.metrics.sinks import JsonlSink
 
-__all__ = ["ChaosConfig", "ChaosEvent", "chaos_schedule", "chaos_preset", "CHAOS_PRESETS",
+__all__ = ["ChaosConfig", "ChaosEvent", "chaos_schedule", "chaos_preset", "chaos_for_run", "CHAOS_PRESETS",
            "ChaosLog"]
 
 
@@ -115,6 +115,24 @@ def chaos_preset(name_or_path: str, seed: int = 0) -> ChaosConfig:
     fields = json.loads(path.read_text())
     fields.setdefault("seed", seed)
     return ChaosConfig(**fields)
+
+
+def chaos_for_run(cfg) -> ChaosConfig:
+    """The chaos of a run (a ``TrainConfig``): its ``world.chaos`` preset or file, plus the
+    world's failures (per-learner MTBI -> a job-wide kill rate M / MTBI), learner speeds
+    (step-time factors) and bandwidth where the chaos does not set them. The launcher and
+    every learner process compute it alike from the same run file."""
+    chaos = chaos_preset(cfg.world.chaos, seed=cfg.seed)
+    d = chaos.to_dict()
+    w = cfg.world
+    if w.mtbi_s > 0 and not chaos.kill_mean_interval_s:
+        d.update(kill_mean_interval_s=w.mtbi_s / cfg.learners, kill_downtime_s=w.downtime_s)
+    if w.speeds and not chaos.slowdown:
+        d["slowdown"] = {m: max(1.0, 1.0 / cfg.speed(m)) for m in range(cfg.learners)
+                         if cfg.speed(m) < 1.0}
+    if w.bandwidth_Bps and not chaos.link_bandwidth_Bps:
+        d["link_bandwidth_Bps"] = w.bandwidth_Bps
+    return ChaosConfig(**d)
 
 
 @dataclass(frozen=True, slots=True)

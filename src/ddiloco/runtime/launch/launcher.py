@@ -30,20 +30,9 @@ __all__ = ["LaunchOptions", "Launcher"]
 
 @dataclass(kw_only=True, slots=True)
 class LaunchOptions:
-    chaos: str = "none"
-    """Chaos preset name or JSON file (see ``ddiloco.runtime.launch.chaos``)."""
-    island_size: int = 1
-    """Ranks per learner; > 1 runs each learner as a torchrun island."""
-    port: int = 0
-    """Syncer port (0: a free one)."""
-    http_port: int | None = None
-    """The syncer's observability HTTP port (live dashboard, Prometheus ``/metrics``); 0: a
-    free one, chosen once so that a restarted syncer serves the same address; None: closed.
-    The launcher prints the dashboard's address with the run's token."""
-    heartbeat_timeout_s: float = 3.0
-    """Syncer declares a silent learner dead after this long."""
-    checkpoint_every: int = 1
-    """Syncer checkpoint cadence (1: every merge durable before publication)."""
+    """How the launcher supervises its processes. What runs (the chaos, islands, shards,
+    ports, heartbeat timeout, checkpoints, step budget) is the run's ``TrainConfig``."""
+
     restart_crashed: bool = True
     """Restart a learner that exits with an error (after ``crash_downtime_s``)."""
     crash_downtime_s: float = 1.0
@@ -58,26 +47,9 @@ class LaunchOptions:
     torch once (``ddiloco.runtime.launch.forkserver``): a restart after a kill costs a fraction of
     a second instead of seconds of start-up that also compete with the running learners for
     the CPU. Islands (torchrun) are always started afresh."""
-    global_budget: bool = True
-    """The syncer holds a global budget of M x steps inner steps (as the in-process engine
-    does): learners run until it is spent, so one that lost time to a failure is made up
-    for by the others and nobody idles at the end. False: each learner runs ``steps``."""
     extra_syncer_args: list[str] = field(default_factory=list)
     extra_learner_args: list[str] = field(default_factory=list)
     """Flags added to every ``ddiloco learner`` command (e.g. ``--fresh-optimizer``)."""
-    shards: int = 1
-    """Syncer processes, each owning the fragments p with p % shards == its index
-    (``ddiloco.runtime.syncer.shards``). Each checkpoints to ``checkpoint/shard_k`` and is
-    restarted on its own."""
-
-    def __post_init__(self) -> None:
-        if self.island_size < 1:
-            raise ValueError("island_size must be >= 1")
-        if self.http_port is not None and not 0 <= self.http_port <= 65535:
-            raise ValueError(f"http_port must be in [0, 65535] (0: a free one), got "
-                             f"{self.http_port}")
-        if self.shards < 1:
-            raise ValueError(f"shards must be >= 1, got {self.shards}")
 
 
 @dataclass(slots=True)
@@ -124,31 +96,26 @@ class Launcher:
     """Runs one ``TrainConfig`` with real processes. ``run()`` returns the summary."""
 
     def __init__(self, config, options: LaunchOptions | None = None) -> None:
-        from ddiloco.runtime.launch.chaos import ChaosConfig, chaos_preset
-
+        from ddiloco.runtime.launch.chaos import chaos_for_run
         from ddiloco.runtime.syncer.server import DOWNLINK_CODECS
 
+        if config.engine not in ("auto", "processes"):
+            raise ValueError(f"the launcher runs engine processes, not {config.engine!r}")
+        config = config.replace(engine="processes")
         if config.down_codec not in DOWNLINK_CODECS:
-            raise ValueError(f"down_codec {config.down_codec!r}: the runtime's syncer sends "
-                             f"merged fragments as one of {DOWNLINK_CODECS}")
+            raise ValueError(f"sync.down_codec {config.down_codec!r}: the runtime's syncer "
+                             f"sends merged fragments as one of {', '.join(DOWNLINK_CODECS)}")
         self.cfg = config
         self.opts = options or LaunchOptions()
         self.out = Path(config.out)
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "logs").mkdir(exist_ok=True)
-        chaos = chaos_preset(self.opts.chaos, seed=config.seed)
-        d = chaos.to_dict()
-        if config.mtbi_s > 0 and not chaos.kill_mean_interval_s:
-            # per-learner MTBI -> job-wide kill rate M / MTBI
-            d.update(kill_mean_interval_s=config.mtbi_s / config.learners,
-                     kill_downtime_s=config.downtime_s)
-        if config.speeds and not chaos.slowdown:
-            d["slowdown"] = {m: max(1.0, 1.0 / config.speed(m)) for m in range(config.learners)
-                             if config.speed(m) < 1.0}
-        self.chaos = ChaosConfig(**d)
+        self.chaos = chaos_for_run(config)
         self.procs: dict[str, _Proc] = {}
-        self.port = self.opts.port
-        self.http_port = self.opts.http_port
+        self.port = config.runtime.port
+        # a free observability port chosen once, so that a restarted syncer serves the same
+        # address
+        self.http_port = config.runtime.http_port
         if self.http_port == 0:
             self.http_port = _free_port()
         self.ports: list[int] = []
@@ -173,64 +140,62 @@ class Launcher:
         return time.monotonic() - self.t0
 
     def _syncer_name(self, k: int) -> str:
-        return "syncer" if self.opts.shards == 1 else f"syncer_{k}"
+        return "syncer" if self.cfg.runtime.shards == 1 else f"syncer_{k}"
 
     def _syncers(self) -> list[_Proc]:
         return [p for n, p in self.procs.items() if n.startswith("syncer")]
 
+    @property
+    def config_path(self) -> Path:
+        """The resolved run configuration every process reads."""
+        from ddiloco.config import CONFIG_FILE
+        return self.out / CONFIG_FILE
+
+    def write_config(self) -> Path:
+        """Write the resolved run configuration that the syncers and learners read."""
+        from ddiloco.config import dump_config
+        return dump_config(self.cfg, self.config_path)
+
     def _syncer_cmd(self, resume: bool, k: int = 0) -> list[str]:
-        c = self.cfg
+        # every setting comes from the run file; the flags are this process's own (its
+        # port, files, shard) and the port the first start got, so a restart binds it again
         name = self._syncer_name(k)
-        port = self.ports[k] if self.opts.shards > 1 else self.port
-        shard = ([] if self.opts.shards == 1 else
+        sharded = self.cfg.runtime.shards > 1
+        port = self.ports[k] if sharded else self.port
+        shard = ([] if not sharded else
                  ["--shards", ",".join(f"127.0.0.1:{q}" for q in self.ports), "--shard", str(k)])
-        cmd = [sys.executable, "-m", "ddiloco.runtime.cli", "syncer", "--port", str(port),
+        cmd = [sys.executable, "-m", "ddiloco.runtime.cli", "syncer",
+               "--config", str(self.config_path), "--port", str(port),
                "--port-file", str(self.out / f"{name}.port"),
-               "--checkpoint-dir", str(self.out / "checkpoint" / ("" if self.opts.shards == 1
-                                                                  else f"shard_{k}")),
-               "--checkpoint-every", str(self.opts.checkpoint_every),
+               "--checkpoint-dir", str(self.out / "checkpoint" / (f"shard_{k}" if sharded
+                                                                  else "")),
                "--metrics-file", str(self.out / f"{name}.metrics.jsonl"), *shard,
-               "--metrics-sink", c.metrics_sinks, "--metrics-dir", str(self.out),
-               "--quorum", str(c.quorum), "--gamma", str(c.gamma), "--tau", str(c.tau),
-               "--merge-rule", c.merge_rule, "--outer-lr", str(c.outer_lr),
-               "--outer-momentum", str(c.outer_momentum), "--max-staleness", str(c.max_staleness),
-               "--staleness-discount", str(c.staleness_discount),
-               "--anchor", c.anchor, "--history", str(max(4, c.max_staleness if c.anchor == "base" else 4)),
-               "--downlink-codec", c.down_codec,
-               "--heartbeat-timeout", str(self.opts.heartbeat_timeout_s),
-               "--step-budget", str(c.learners * c.steps if self.opts.global_budget else 0),
-               *self.opts.extra_syncer_args]
+               "--metrics-dir", str(self.out), *self.opts.extra_syncer_args]
         if self.http_port is not None and k == 0:  # the dashboard on shard 0
             cmd += ["--http-port", str(self.http_port)]
-        if not c.grace:
-            cmd.append("--no-grace")
         if resume:
             cmd.append("--resume")
         return cmd
 
     def _learner_cmd(self, m: int | None) -> list[str]:
         """Learner m's command; m None: a learner that joins without an id (elastic)."""
-        n = self.opts.island_size
+        n = self.cfg.runtime.island_size
         head = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
                  f"--nproc-per-node={n}", "-m", "ddiloco.runtime.cli"] if n > 1
                 else [sys.executable, "-m", "ddiloco.runtime.cli"])
         ident = [] if m is None else ["--learner", str(m)]
         cmd = head + ["learner", "--syncer", f"127.0.0.1:{self.port}", *ident,
-                      "--config", str(self.out / "train_config.json"),
+                      "--config", str(self.config_path),
                       "--run-dir", str(self.out / ("learner_{learner}" if m is None
                                                    else f"learner_{m}")),
-                      "--metrics-dir", str(self.out),
-                      "--slowdown", str(self.chaos.slowdown.get(m, 1.0) if m is not None
-                                        else 1.0),
-                      "--bandwidth", str(self.chaos.link_bandwidth_Bps),
-                      "--latency", str(self.chaos.link_latency_s), *self.opts.extra_learner_args]
+                      "--metrics-dir", str(self.out), *self.opts.extra_learner_args]
         return cmd
 
     def _spawn(self, p: _Proc) -> None:
         # the syncer and single-process learners fork from the warm server; islands are
         # started by torchrun
         forked = self._forkserver is not None and (p.name.startswith("syncer")
-                                                   or self.opts.island_size == 1)
+                                                   or self.cfg.runtime.island_size == 1)
         with open(p.log_path, "ab") as log:
             log.write(f"\n=== start {p.starts} at t={self._now():.3f}s"
                       f"{' (forked)' if forked else ''}: {' '.join(p.cmd)}\n".encode())
@@ -309,12 +274,7 @@ class Launcher:
         from ddiloco.runtime.launch.chaos import ChaosLog, chaos_schedule
 
         c = self.cfg
-        (self.out / "train_config.json").write_text(json.dumps(
-            {k: (list(v) if isinstance(v, tuple) else v) for k, v in c.to_dict().items()}))
-        (self.out / "config.json").write_text(json.dumps({
-            "train": json.loads((self.out / "train_config.json").read_text()),
-            "chaos": self.chaos.to_dict(),
-            "launch": {k: getattr(self.opts, k) for k in self.opts.__slots__}}, indent=2))
+        self.write_config()
         # a new run starts fresh: no progress, checkpoint or metrics of an earlier run in OUT
         for f in ("chaos.jsonl", "summary.json", *self.out.glob("syncer*.port"),
                   *self.out.glob("syncer*.metrics.jsonl")):
@@ -339,13 +299,13 @@ class Launcher:
                 from ddiloco.runtime.launch.forkserver import ForkServer
                 self._forkserver = ForkServer(self.env, str(self.out / "logs" / "forkserver.log"),
                                               self.opts.startup_timeout_s, str(self.out))
-            self.ports = _free_ports(self.opts.shards) if self.opts.shards > 1 else []
-            for k in range(self.opts.shards):
+            self.ports = _free_ports(self.cfg.runtime.shards) if self.cfg.runtime.shards > 1 else []
+            for k in range(self.cfg.runtime.shards):
                 name = self._syncer_name(k)
                 self.procs[name] = _Proc(name, self._syncer_cmd(False, k),
                                          self.out / "logs" / f"{name}.log")
                 self._spawn(self.procs[name])
-            for k in range(self.opts.shards):
+            for k in range(self.cfg.runtime.shards):
                 self._wait_port(self.procs[self._syncer_name(k)])
                 self.procs[self._syncer_name(k)].cmd = self._syncer_cmd(True, k)
             if self.http_port is not None:
@@ -517,7 +477,7 @@ class Launcher:
         now = self._now()
         if ev.kind == "kill-syncer":
             s = self.procs[self._syncer_name(min(self.chaos.syncer_kill_shard,
-                                                 self.opts.shards - 1))]
+                                                 self.cfg.runtime.shards - 1))]
             if s.state == "running":
                 self._signal(s, signal.SIGKILL)
                 s.popen.wait()
@@ -597,7 +557,7 @@ class Launcher:
         if fetched is None:
             return None
         from ddiloco.runtime.export import ExportError, state_dict_from_checkpoint
-        if self.opts.shards == 1:  # shards checkpoint their own fragments apart
+        if self.cfg.runtime.shards == 1:  # shards checkpoint their own fragments apart
             try:
                 return state_dict_from_checkpoint(self.out / "checkpoint")[0]
             except ExportError as e:
@@ -663,7 +623,7 @@ class Launcher:
                 "failures": proc.kills if proc else 0, "starts": proc.starts if proc else 0,
                 "stops": proc.stops if proc else 0,
                 "ledger_steps": {k: round(v, 4) + 0.0 for k, v in ledger.items()},
-                "ledger_tokens": {k: round(v * per_step * self.opts.island_size)
+                "ledger_tokens": {k: round(v * per_step * self.cfg.runtime.island_size)
                                   for k, v in ledger.items()},
                 "ledger_balance_error": bal, "tokens_computed": tot["tokens"],
                 "syncer_tokens": info.get("syncer_ledger", {}),
@@ -678,12 +638,12 @@ class Launcher:
             "method": "decoupled", "engine": "processes", "learners": len(ids),
             "membership": {k: (st.get("membership") or {}).get(k, 0)
                            for k in ("join", "leave", "dead")},
-            "island_size": self.opts.island_size, "steps": c.steps, "shards": self.opts.shards,
-            "tokens": c.learners * c.steps * per_step * self.opts.island_size,
+            "island_size": c.runtime.island_size, "steps": c.steps, "shards": c.runtime.shards,
+            "tokens": c.learners * c.steps * per_step * self.cfg.runtime.island_size,
             "final_eval_loss": final_loss, "entropy_floor": floor,
             "gap_to_floor": None if final_loss is None or floor is None else final_loss - floor,
             "entropy_rate": lang.entropy_rate if lang is not None else None,
-            "initial_eval_loss": init_loss, "data": c.data, "model": c.model,
+            "initial_eval_loss": init_loss, "data": c.data.source, "model": c.model.name,
             "goodput": goodput_so_far(st) or 0.0, "run_s": run_s, "uptime": rows["uptime"](T),
             "bytes_up": bytes_up, "bytes_down": bytes_down,
             "dp_bytes_same_steps": int(total_steps * 2 * model_bytes),
@@ -694,7 +654,8 @@ class Launcher:
             "syncer_counters": st.get("counters", {}),
             "chaos_events": rows["n_chaos"], "interrupted": interrupted,
             "per_learner": per_learner, "n_params": n_params,
-            "config": json.loads((self.out / "train_config.json").read_text()),
+            "config": {k: (list(v) if isinstance(v, tuple) else v)
+                       for k, v in c.to_dict().items()},
             "chaos": self.chaos.to_dict(),
         }
         # the run's metrics.jsonl: every process's rows in time order; the run-level rows

@@ -32,7 +32,7 @@ from ddiloco.runtime.learner.client import LinkLimits
 from ddiloco.runtime.learner.device import learner_device
 from ddiloco.runtime.learner.hook import DecoupledLearner
 
-__all__ = ["run_learner"]
+__all__ = ["run_learner", "learner_kwargs", "learner_slowdown"]
 
 log = logging.getLogger("ddiloco.learner")
 
@@ -84,11 +84,33 @@ def _resume_point(run_dir: str | None, learner: int, rank: int):
     return out, progress_path, state_path, start_step, saved
 
 
+def learner_kwargs(cfg: TrainConfig, learner: int | None, syncer: str, group=None,
+                   heartbeat_s: float = 0.25) -> dict:
+    """What ``DecoupledLearner`` gets for learner ``learner`` of the run ``cfg``: the sync
+    section, the runtime's transport settings, and the run's chaos link limits."""
+    from ddiloco.runtime.launch.chaos import chaos_for_run
+
+    chaos = chaos_for_run(cfg)
+    link = LinkLimits(bandwidth_bytes_per_s=chaos.link_bandwidth_Bps,
+                      latency_s=chaos.link_latency_s)
+    return dict(syncer=syncer, learner=learner, P=cfg.fragments, H=cfg.H, tau=cfg.tau,
+                strategy=cfg.fragmentation, codec=cfg.codec, alpha=cfg.alpha,
+                schedule=cfg.schedule, token_file=cfg.runtime.token_file,
+                tls_ca=cfg.runtime.tls_ca, link=link,
+                connect_timeout=timedelta(seconds=cfg.runtime.connect_timeout_s),
+                heartbeat_interval=timedelta(seconds=heartbeat_s), process_group=group)
+
+
+def learner_slowdown(cfg: TrainConfig, learner: int) -> float:
+    """Step-time factor (>= 1) of learner ``learner``: its world speed or the run's chaos."""
+    from ddiloco.runtime.launch.chaos import chaos_for_run
+
+    return chaos_for_run(cfg).slowdown.get(learner, 1.0)
+
+
 def run_learner(cfg: TrainConfig, *, syncer: str, learner: int | None = None,
                 run_dir: str | None = None, metrics_dir: str | None = None,
-                token_file: str | None = None, tls_ca: str | None = None,
-                slowdown: float = 1.0, link: LinkLimits | None = None,
-                connect_timeout_s: float = 300.0, heartbeat_s: float = 0.25,
+                heartbeat_s: float = 0.25,
                 resume_optimizer: bool = True, wait_for_merge: bool = False) -> dict:
     """Train ``cfg.steps`` inner steps (in total over restarts), or, when the syncer holds a
     global step budget, until the syncer says it is spent; returns the final report.
@@ -138,12 +160,7 @@ def run_learner(cfg: TrainConfig, *, syncer: str, learner: int | None = None,
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.autocast == "bf16")
     images = data.kind in ("digits", "images")
     tokens = cfg.batch_size * (1 if images else cfg.block_size) * world
-    dl = DecoupledLearner(model, syncer=syncer, learner=learner, P=cfg.fragments, H=cfg.H,
-                          tau=cfg.tau, strategy=cfg.fragmentation, codec=cfg.codec,
-                          alpha=cfg.alpha, schedule=cfg.schedule, token_file=token_file, tls_ca=tls_ca, link=link,
-                          connect_timeout=timedelta(seconds=connect_timeout_s),
-                          heartbeat_interval=timedelta(seconds=heartbeat_s),
-                          process_group=group)
+    dl = DecoupledLearner(model, **learner_kwargs(cfg, learner, syncer, group, heartbeat_s))
     leave = threading.Event()
     if world == 1 and threading.current_thread() is threading.main_thread():
         # SIGTERM: leave the run gracefully (finish the step, flush the pushes, Leave), as a
@@ -156,6 +173,7 @@ def run_learner(cfg: TrainConfig, *, syncer: str, learner: int | None = None,
             resume = _resume_point(run_dir, learner, rank)
             resumed_optimizer = resume_opt(resume[4], resume[3])
         out, progress_path, state_path, start_step, _ = resume
+        slowdown = learner_slowdown(cfg, learner)  # its world speed, once its id is known
         # an elastic run may have more learners than configured: ids beyond M get streams
         # of their own too
         stream = build_stream(data, learner=learner * world + rank,

@@ -1,0 +1,102 @@
+"""The file form of a run's configuration: TOML, one table per section.
+
+```toml
+method = "decoupled"
+learners = 4
+steps = 600
+
+[sync]
+H = 24
+quorum = 1
+```
+
+Every run directory holds its resolved ``config.toml``; ``ddiloco train --config
+runs/X/config.toml`` replays the run. A file may give any subset of fields: the rest take
+their defaults. Unset optional fields (``sync.history``, ``runtime.tls_cert``...) are left
+out of the file, as TOML has no null.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from ddiloco.config.run import TrainConfig
+from ddiloco.config.sections import SECTIONS
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+__all__ = ["load_config", "loads_config", "dump_config", "dumps_config", "CONFIG_FILE"]
+
+CONFIG_FILE = "config.toml"
+"""Name of the resolved configuration in a run directory."""
+
+
+def loads_config(text: str, *, source: str = "<string>") -> TrainConfig:
+    """Parse TOML text into a ``TrainConfig``; errors name ``source`` and the field."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{source}: not valid TOML: {e}") from None
+    try:
+        return from_nested(data)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{source}: {e}") from None
+
+
+def load_config(path: str | os.PathLike) -> TrainConfig:
+    """Read a TOML configuration file (a run directory's ``config.toml`` replays that run)."""
+    p = Path(path)
+    if p.is_dir() and (p / CONFIG_FILE).is_file():
+        p = p / CONFIG_FILE
+    if not p.is_file():
+        raise ValueError(f"configuration file {str(path)!r} does not exist")
+    return loads_config(p.read_text(encoding="utf-8"), source=str(path))
+
+
+def from_nested(data: dict[str, Any]) -> TrainConfig:
+    """A ``TrainConfig`` from ``{top-level field: value, section: {field: value}}``; only
+    nested section tables are accepted (the file form), unknown names are errors."""
+    top = {f for f in TrainConfig.__dataclass_fields__ if f not in SECTIONS}
+    for k, v in data.items():
+        if k in SECTIONS:
+            if not isinstance(v, dict):
+                raise ValueError(f"{k} must be a table ([{k}]), got {v!r}")
+        elif k not in top:
+            raise ValueError(f"unknown field {k!r}; top-level fields are "
+                             f"{', '.join(sorted(top))}, sections are {', '.join(SECTIONS)}")
+    if isinstance(data.get("world", {}).get("speeds"), list):
+        data = {**data, "world": {**data["world"], "speeds": tuple(data["world"]["speeds"])}}
+    return TrainConfig.from_flat(data)
+
+
+def dumps_config(cfg: TrainConfig) -> str:
+    """TOML text of every field of ``cfg`` (unset optional ones left out)."""
+    import tomli_w
+
+    nested = cfg.to_nested()
+
+    def clean(d: dict) -> dict:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items() if v is not None}
+
+    doc = clean({k: v for k, v in nested.items() if k not in SECTIONS})
+    for sec in SECTIONS:
+        doc[sec] = clean(nested[sec])
+    return tomli_w.dumps(doc)
+
+
+def dump_config(cfg: TrainConfig, path: str | os.PathLike) -> Path:
+    """Write ``cfg`` as TOML to ``path`` atomically (a directory gets ``config.toml``)."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / CONFIG_FILE
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(f".{p.name}.tmp")
+    tmp.write_text(dumps_config(cfg), encoding="utf-8")
+    os.replace(tmp, p)
+    return p
