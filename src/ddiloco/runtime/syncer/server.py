@@ -293,13 +293,18 @@ class SyncerServer(ControlHandlers, DataHandlers, Durability, Liveness):
         self._server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(wire.SERVICE, handlers),))
         addr = f"{self.config.host}:{self.config.port}"
-        if self.config.tls_cert:
-            self.port = self._server.add_secure_port(
-                addr, server_credentials(self.config.tls_cert, self.config.tls_key))
-        else:
-            self.port = self._server.add_insecure_port(addr)
+        try:
+            if self.config.tls_cert:
+                self.port = self._server.add_secure_port(
+                    addr, server_credentials(self.config.tls_cert, self.config.tls_key))
+            else:
+                self.port = self._server.add_insecure_port(addr)
+        except RuntimeError:
+            self.port = 0
         if self.port == 0:
-            raise RuntimeError(f"could not bind {addr}")
+            raise RuntimeError(f"could not bind {addr}: the port is in use (another syncer?) "
+                               f"or the address is not this host's; choose another port "
+                               f"(0: a free one) or stop the process holding it")
         if self.config.bulk_port is not None:
             self._start_data_port()
         for target, name in ((self._timer_loop, "syncer-timer"), (self._ckpt_loop, "syncer-ckpt")):

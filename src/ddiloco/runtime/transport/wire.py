@@ -49,6 +49,10 @@ GRPC_SERVER_OPTIONS = GRPC_OPTIONS + [
     # accept the clients' keepalive pings on an idle connection (gRPC's default minimum is
     # 5 minutes; faster pings earn a GOAWAY "too_many_pings" and a reconnect)
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    # gRPC binds with SO_REUSEPORT by default: a second syncer on the same port would also
+    # "listen" and the kernel would split learners between the two. Off: a port in use is
+    # an error.
+    ("grpc.so_reuseport", 0),
 ]
 _LEN = struct.Struct(">I")
 

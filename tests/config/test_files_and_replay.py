@@ -1,0 +1,90 @@
+"""The TOML form of the run configuration: round trip, errors, and replay of a run from
+its directory's ``config.toml``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ddiloco.cli import main
+from ddiloco.config import TrainConfig, dumps_config, load_config, loads_config
+from ddiloco.config.flags import ConfigError, parse_syncer, parse_train
+
+
+def test_every_field_round_trips_through_toml():
+    cfg = TrainConfig(method="streaming", engine="inproc", learners=3, steps=77, seed=5,
+                      model="moe_tiny", batch_size=4, block_size=16, vocab_size=40,
+                      inner_optimizer="sgd", lr_schedule="constant", fragments=3, H=9, tau=1,
+                      quorum=2, grace=False, codec="int4/256", down_codec="bf16",
+                      fragmentation="strided", schedule="steps", scale_partial=False,
+                      anchor="base", history=20, speeds=(1.0, 0.5, 0.75), mtbi_s=30.0,
+                      downtime_s=4.0, chaos="kill30", port=5000, bulk_port=-1,
+                      tls_cert="c.pem", tls_key="k.pem", step_budget=0, island_size=2,
+                      log_level="debug", device="cpu", autocast="bf16")
+    assert loads_config(dumps_config(cfg)) == cfg
+    assert loads_config(dumps_config(TrainConfig())) == TrainConfig()
+
+
+@pytest.mark.parametrize("text,msg", [
+    ("[sync]\nHH = 3\n", "unknown field sync.HH; sync has"),
+    ("nope = 1\n", "unknown field 'nope'; top-level fields are"),
+    ("[sync]\nquorum = 0\n", "sync.quorum must be >= 1, got 0"),
+    ("sync = 3\n", "sync must be a table ([sync])"),
+    ("[world]\nspeeds = [1.0, 0.0, 1.0, 1.0]\n", "world.speeds must all be > 0"),
+    ("[sync\n", "not valid TOML"),
+])
+def test_bad_files_say_which_field(text, msg):
+    with pytest.raises(ValueError, match=msg.replace("[", r"\[").replace("(", r"\(")
+                       .replace(")", r"\)").replace("]", r"\]")):
+        loads_config(text, source="run.toml")
+
+
+def test_file_then_preset_then_flags(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text("learners = 6\nsteps = 50\n[sync]\nH = 12\nquorum = 2\n")
+    cfg = parse_train(["--config", str(path), "--preset", "hetero", "-K", "3"]).run
+    assert (cfg.learners, cfg.steps, cfg.H, cfg.quorum) == (6, 50, 12, 3)
+    assert len(cfg.speeds) == 6 and cfg.step_noise == 0.1  # the preset, sized by the file's M
+    assert parse_train(["--preset", "hetero", "-M", "2"]).run.speeds == (1.0, 1 / 1.18)
+    with pytest.raises(ConfigError, match="does not exist"):
+        parse_train(["--config", str(tmp_path / "missing.toml")])
+
+
+def test_the_syncer_reads_its_sections_and_the_budget_from_the_file(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text("learners = 3\nsteps = 40\n[sync]\nquorum = 2\nscale_partial = false\n"
+                    "[runtime]\nheartbeat_timeout_s = 7.5\n")
+    from ddiloco.runtime.cli import syncer_from_args
+
+    args = parse_syncer(["--config", str(path), "--gamma", "0.25"])
+    monkey = pytest.MonkeyPatch()
+    monkey.setenv("DDILOCO_TOKEN", "t")
+    try:
+        server = syncer_from_args(args)
+        bare = syncer_from_args(parse_syncer(["-K", "6"]))
+    finally:
+        monkey.undo()
+    assert server.syncer.policy.quorum == 2 and server.syncer.policy.gamma == 0.25
+    assert server.syncer.scale_partial is False and server.heartbeat_timeout_s == 7.5
+    assert server.step_budget == 3 * 40
+    assert bare.step_budget == 0 and bare.syncer.policy.quorum == 6  # a bare syncer: no M
+
+
+@pytest.mark.timeout(240)
+def test_a_run_replays_from_its_config_toml(tmp_path, capsys):
+    first, again = tmp_path / "first", tmp_path / "again"
+    argv = ["train", "--engine", "inproc", "--steps", "12", "-M", "2", "-H", "6", "-P", "2",
+            "--batch-size", "4", "--block-size", "32", "--codec", "int4", "--mtbi-s", "8",
+            "--downtime-s", "2", "--seed", "3", "--no-progress", "--out", str(first)]
+    assert main(argv) == 0
+    saved = load_config(first / "config.toml")
+    assert saved.engine == "inproc" and saved.codec == "int4" and saved.mtbi_s == 8.0
+    assert main(["train", "--config", str(first / "config.toml"), "--out", str(again)]) == 0
+    a, b = (json.loads((d / "summary.json").read_text()) for d in (first, again))
+    for s in (a, b):
+        s.pop("wall_s")
+        s["config"].pop("out")
+    assert a == b
+    assert (again / "config.toml").read_text() == (first / "config.toml").read_text().replace(
+        str(first), str(again))
