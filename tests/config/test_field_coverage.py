@@ -135,7 +135,8 @@ ROWS: dict[str, tuple[list[str], Probe, Probe]] = {
     "outer_lr": (["0.5"], lambda e: e.syncer.outer_lr, lambda p: p.server.syncer.outer_lr),
     "outer_momentum": (["0.5"], lambda e: e.syncer.outer_momentum,
                        lambda p: p.server.syncer.outer_momentum),
-    "merge_rule": (["average"], lambda e: e.syncer.merge_rule, lambda p: p.server.syncer.merge_rule),
+    "merge_rule": (["average"], lambda e: e.syncer.merge_rule,
+                   lambda p: p.server.syncer.merge_rule),
     "alpha": (["0.5"], lambda e: e.cfg.alpha, lambda p: p.learner["alpha"]),
     "codec": (["int4"], lambda e: e.world.up_codec.name, lambda p: p.learner["codec"]),
     "down_codec": (["int8"], lambda e: e.world.down_codec.name, lambda p: p.server.downlink_codec),
@@ -243,7 +244,8 @@ def test_a_non_default_value_reaches_its_component(name, defaults, tmp_path, mon
     base_in, base_proc = defaults
     if in_probe is not None:
         changed = inproc(_argv(name, tmp_path, values, canonical=True))
-        assert in_probe(changed) != in_probe(base_in), f"{name} does not reach the in-process engine"
+        assert in_probe(changed) != in_probe(base_in), \
+            f"{name} does not reach the in-process engine"
     if proc_probe is not None:
         if name == "schedule" and not _hook_takes_schedule():
             pytest.xfail("the learner hook has no time-driven schedule to pass it to")

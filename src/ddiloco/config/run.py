@@ -158,11 +158,12 @@ class TrainConfig:
 
 _TOP = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.name not in SECTIONS)
 
+_RENAMED = {("model", "name"): "model", ("data", "source"): "data"}
 FLAT: dict[str, tuple[str, str]] = {}
 """Flat name -> (section, field) for every section field."""
 for _sec, _cls in SECTIONS.items():
     for _f in dataclasses.fields(_cls):
-        _flat = {("model", "name"): "model", ("data", "source"): "data"}.get((_sec, _f.name), _f.name)
+        _flat = _RENAMED.get((_sec, _f.name), _f.name)
         assert _flat not in FLAT and _flat not in _TOP, f"flat name {_flat} is ambiguous"
         FLAT[_flat] = (_sec, _f.name)
 
@@ -188,7 +189,8 @@ def _nest(fields: dict[str, Any]) -> dict[str, Any]:
         if k in SECTIONS and not isinstance(v, (str, SECTIONS[k])):
             out.setdefault(k, {}).update(v)
         elif k in SECTIONS and isinstance(v, SECTIONS[k]):
-            out.setdefault(k, {}).update({f.name: getattr(v, f.name) for f in dataclasses.fields(v)})
+            out.setdefault(k, {}).update(
+                {f.name: getattr(v, f.name) for f in dataclasses.fields(v)})
         elif k in FLAT and k not in _TOP:
             sec, name = FLAT[k]
             out.setdefault(sec, {})[name] = v

@@ -20,8 +20,8 @@ import numpy as np
 
 from ddiloco.metrics.sinks import JsonlSink
 
-__all__ = ["ChaosConfig", "ChaosEvent", "chaos_schedule", "chaos_preset", "chaos_for_run", "CHAOS_PRESETS",
-           "ChaosLog"]
+__all__ = ["ChaosConfig", "ChaosEvent", "chaos_schedule", "chaos_preset", "chaos_for_run",
+           "CHAOS_PRESETS", "ChaosLog"]
 
 
 @dataclass(kw_only=True, slots=True)
