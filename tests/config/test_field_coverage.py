@@ -230,13 +230,6 @@ def defaults(tmp_path_factory):
     mp.undo()
 
 
-def _hook_takes_schedule() -> bool:
-    import inspect
-
-    from ddiloco.runtime.learner.hook import DecoupledLearner
-    return "schedule" in inspect.signature(DecoupledLearner.__init__).parameters
-
-
 @pytest.mark.parametrize("name", sorted(ROWS))
 def test_a_non_default_value_reaches_its_component(name, defaults, tmp_path, monkeypatch):
     monkeypatch.setenv("DDILOCO_TOKEN", "secret-from-env")
@@ -247,8 +240,6 @@ def test_a_non_default_value_reaches_its_component(name, defaults, tmp_path, mon
         assert in_probe(changed) != in_probe(base_in), \
             f"{name} does not reach the in-process engine"
     if proc_probe is not None:
-        if name == "schedule" and not _hook_takes_schedule():
-            pytest.xfail("the learner hook has no time-driven schedule to pass it to")
         changed = processes(_argv(name, tmp_path, values, canonical=False), tmp_path / "run")
         assert proc_probe(changed) != proc_probe(base_proc), f"{name} does not reach the processes"
     assert in_probe is not None or proc_probe is not None
