@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from ddiloco.runtime.launch.launcher import LaunchOptions, Launcher
+from ddiloco.runtime.launch.launcher import Launcher
 from runtime_helpers import read_jsonl, tiny_config
 
 
@@ -23,8 +23,9 @@ def test_mixed_chaos_loses_no_published_version_and_balances_the_ledger(tmp_path
         "stop_mean_interval_s": 8.0, "stop_duration_s": 4.0, "start_after_s": 3.0,
         "syncer_kill_at_step": 60, "syncer_downtime_s": 1.0,
         "slowdown": {"0": 3.0, "1": 3.0, "2": 3.0}, "link_latency_s": 0.01}))
-    cfg = tiny_config(run, learners=3, steps=120, batch_size=16, block_size=64)
-    with Launcher(cfg, LaunchOptions(chaos=str(chaos), heartbeat_timeout_s=2.0)) as la:
+    cfg = tiny_config(run, learners=3, steps=120, batch_size=16, block_size=64,
+                      chaos=str(chaos), heartbeat_timeout_s=2.0)
+    with Launcher(cfg) as la:
         s = la.run()
     assert s["ok"], s
     kinds = [r["kind"] for r in read_jsonl(run / "chaos.jsonl")]

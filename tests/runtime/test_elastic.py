@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from ddiloco.runtime.launch.launcher import Launcher, LaunchOptions
+from ddiloco.runtime.launch.launcher import Launcher
 from ddiloco.runtime.syncer.membership import MembershipLog, assign_learner_id
 from runtime_helpers import SyncerProcess, init_syncer, read_jsonl, tiny_config, tiny_model
 
@@ -66,8 +66,8 @@ def test_two_learners_a_third_joins_one_leaves_ledger_balances(tmp_path):
     # leaves gracefully at 150. Global budget 2 x 120.
     chaos.write_text(json.dumps({"add_learner_at_step": [60],
                                  "remove_learner_at_step": [[0, 150]]}))
-    cfg = tiny_config(run, learners=2, steps=120)
-    with Launcher(cfg, LaunchOptions(chaos=str(chaos))) as la:
+    cfg = tiny_config(run, learners=2, steps=120, chaos=str(chaos))
+    with Launcher(cfg) as la:
         s = la.run()
     assert s["ok"], s
     assert s["learners"] == 3 and [pl["learner"] for pl in s["per_learner"]] == [0, 1, 2]

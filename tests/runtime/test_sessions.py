@@ -5,7 +5,6 @@ started with a live learner's id is refused and exits non-zero with a clear mess
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
@@ -79,11 +78,13 @@ def test_another_token_holder_cannot_act_as_a_live_learner(syncer_factory):
 @pytest.mark.timeout(120)
 def test_a_second_process_with_a_live_learner_id_exits_non_zero(syncer_factory, tmp_path):
     s = syncer_factory("--heartbeat-timeout", "3")
-    cfg = tmp_path / "cfg.json"
-    cfg.write_text(json.dumps({**TINY, "engine": "processes", "learners": 1, "steps": 100_000,
-                               "eval_every": 1000}))
+    from ddiloco.config import TrainConfig, dump_config
+
+    cfg = tmp_path / "cfg.toml"
+    dump_config(TrainConfig(**{**TINY, "engine": "processes", "learners": 1, "steps": 100_000,
+                               "eval_every": 1000, "speeds": (0.5,)}), cfg)
     cmd = [sys.executable, "-m", "ddiloco.runtime.cli", "learner", "--syncer", s.address,
-           "--learner", "0", "--config", str(cfg), "--slowdown", "2"]
+           "--learner", "0", "--config", str(cfg)]
     first = subprocess.Popen(cmd, env=s.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         client = SyncerClient(s.address, s.token)

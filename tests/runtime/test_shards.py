@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from ddiloco.runtime.launch.launcher import Launcher, LaunchOptions
+from ddiloco.runtime.launch.launcher import Launcher
 from ddiloco.runtime.syncer.shards import ShardMap, aggregate_status, parse_shards
 from runtime_helpers import read_jsonl, tiny_config
 
@@ -55,8 +55,8 @@ def test_two_shards_train_like_one(tmp_path):
     losses = {}
     for S in (1, 2):
         run = tmp_path / f"s{S}"
-        cfg = tiny_config(run, learners=2, steps=80, seed=3)
-        with Launcher(cfg, LaunchOptions(shards=S)) as la:
+        cfg = tiny_config(run, learners=2, steps=80, seed=3, shards=S)
+        with Launcher(cfg) as la:
             s = la.run()
         assert s["ok"], s
         assert s["shards"] == S and s["rejections"] == {}
@@ -87,8 +87,8 @@ def test_a_dead_shard_stalls_only_its_own_fragments(tmp_path):
     # shard 1 is SIGKILLed once the learners are at step 40 and stays down 6 s
     chaos.write_text(json.dumps({"syncer_kill_at_step": 40, "syncer_kill_shard": 1,
                                  "syncer_downtime_s": 6.0}))
-    cfg = tiny_config(run, learners=2, steps=200)
-    with Launcher(cfg, LaunchOptions(shards=2, chaos=str(chaos))) as la:
+    cfg = tiny_config(run, learners=2, steps=200, shards=2, chaos=str(chaos))
+    with Launcher(cfg) as la:
         s = la.run()
     assert s["ok"], s
     ev = read_jsonl(run / "chaos.jsonl")
