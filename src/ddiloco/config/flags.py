@@ -60,7 +60,9 @@ def _speeds(args: list[str]) -> tuple[float, ...]:
                          f"{text!r}") from None
 
 
-def _registry() -> ConstructorRegistry:
+def _registry(taken: frozenset[str] = frozenset()) -> ConstructorRegistry:
+    """tyro's rules for the configuration: flat aliases (but none of the names in ``taken``,
+    which the command's own options use) and the speeds' comma form."""
     reg = ConstructorRegistry()
     by_cls = {cls: sec for sec, cls in SECTIONS.items()}
 
@@ -83,7 +85,7 @@ def _registry() -> ConstructorRegistry:
         fields = []
         for f in spec.fields:
             flat = next((k for k, v in FLAT.items() if v == (by_cls.get(info.type), f.name)), None)
-            if flat is not None:
+            if flat is not None and flat not in taken:
                 f = dataclasses.replace(f, type=Annotated[f.type, tyro.conf.arg(
                     aliases=flag_names(flat))])
             elif info.type is TrainConfig and f.name in SHORT:
@@ -122,8 +124,9 @@ def _base(config: str | None) -> TrainConfig:
 
 
 def _cli(cls: type, argv: list[str], default: Any, prog: str, description: str) -> Any:
+    own = frozenset(f.name for f in dataclasses.fields(cls))  # the command's own options
     return tyro.cli(cls, args=argv, default=default, prog=prog, description=description,
-                    registry=_registry())
+                    registry=_registry(own))
 
 
 # -- ddiloco train ---------------------------------------------------------------------------
