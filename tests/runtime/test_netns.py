@@ -108,8 +108,10 @@ def test_shards_and_learners_in_their_own_namespaces(namespaces, tmp_path):
                 "--metrics-file", str(tmp_path / f"syncer_{k}.jsonl"),
                 "--checkpoint-dir", str(tmp_path / f"ckpt_{k}")],
                 tmp_path / f"syncer_{k}.log", env))
-        cfg = tmp_path / "cfg.json"
-        cfg.write_text(json.dumps({**TINY, "learners": 2, "steps": 60}))
+        from ddiloco.config import TrainConfig, dump_config
+
+        cfg = tmp_path / "cfg.toml"
+        dump_config(TrainConfig(**{**TINY, "learners": 2, "steps": 60}), cfg)
         learners = [_spawn(nss, h, ["learner", "--syncer", f"{nss.addr['s0']}:50051",
                                     "--config", str(cfg),
                                     "--run-dir", str(tmp_path / "learner_{learner}"),
