@@ -1,7 +1,9 @@
 """A chaos run in CI: learner SIGKILL, a SIGSTOP longer than the liveness timeout, syncer
 SIGKILL + resume and a slow, laggy link in one real run. It must end cleanly, lose no
-published version and balance every learner's token ledger. (A duplicate learner id and
-corrupt or NaN checkpoints are in test_sessions.py and test_checkpoint_integrity.py.)"""
+published version and balance every learner's token ledger. A second run cuts one learner's
+link for longer than the liveness timeout: it trains on, is declared dead and rejoins. (A
+duplicate learner id and corrupt or NaN checkpoints are in test_sessions.py and
+test_checkpoint_integrity.py.)"""
 
 from __future__ import annotations
 
@@ -43,4 +45,35 @@ def test_mixed_chaos_loses_no_published_version_and_balances_the_ledger(tmp_path
     for pl in s["per_learner"]:
         assert pl["ledger_balance_error"] < 1e-6, pl
     assert s["syncer_counters"].get("resumes") == 1
+    assert s.get("syncer_rejections", {}).get("E_INTERNAL", 0) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_cut_link_trains_on_is_declared_dead_and_rejoins(tmp_path):
+    run = tmp_path / "run"
+    chaos = tmp_path / "chaos.json"
+    chaos.write_text(json.dumps({"link_cut": [[1, 10, 3.0]], "slowdown": {"1": 2.0}}))
+    cfg = tiny_config(run, learners=2, steps=64, batch_size=16, block_size=64,
+                      chaos=str(chaos), heartbeat_timeout_s=1.0)
+    with Launcher(cfg) as la:
+        s = la.run()
+    assert s["ok"], s
+    chaos_rows = read_jsonl(run / "chaos.jsonl")
+    cut = next(r["wall"] for r in chaos_rows if r["kind"] == "cut-link")
+    back = next(r["wall"] for r in chaos_rows if r["kind"] == "restore-link")
+    assert back - cut >= 3.0
+    steps = [r["step"] for r in read_jsonl(run / "learner_1" / "metrics.jsonl")
+             if r["kind"] == "step" and cut < r["wall"] < back]
+    assert len(steps) >= 2 and steps[-1] > steps[0], ("no training while cut", steps)
+    syncer_rows = read_jsonl(run / "syncer.metrics.jsonl")
+    assert any(r["kind"] == "dead" and r["learner"] == 1 and cut < r["wall"] < back
+               for r in syncer_rows), "the cut learner was declared dead during the cut"
+    assert not any(r["kind"] == "dead" and r["learner"] == 0 for r in syncer_rows)
+    assert any(r["kind"] == "join" and r["learner"] == 1 and r["wall"] > back
+               for r in syncer_rows), "the cut learner rejoined once its link was back"
+    assert any(r["kind"] == "merge" and 1 in r["learners"] and r["wall"] > back
+               for r in syncer_rows), "the cut learner's pushes were merged after the cut"
+    for pl in s["per_learner"]:
+        assert pl["ledger_balance_error"] < 1e-6, pl
     assert s.get("syncer_rejections", {}).get("E_INTERNAL", 0) == 0

@@ -151,3 +151,28 @@ def test_learner_state_file_roundtrip_and_damage(tmp_path):
     path.write_bytes(b"truncated")
     assert load_learner_state(path) is None
     assert load_learner_state(tmp_path / "none.pt") is None
+
+
+@pytest.mark.timeout(60)
+def test_a_cut_link_fails_every_call_as_unavailable_until_restored(syncer_factory):
+    from ddiloco.runtime.learner.client import LINK_CUT
+    sp = syncer_factory()
+    c = SyncerClient(sp.address, sp.token)
+    try:
+        assert c.status()["initialised"] is False
+        LINK_CUT.cut()
+        try:
+            for call in (c.status, lambda: c.unary("Heartbeat", {"learner": 0}),
+                         lambda: c.push({"learner": 0}, b"x"), lambda: c.fetch(None)):
+                with pytest.raises(grpc.RpcError) as e:
+                    call()
+                assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert "link" in e.value.details()
+        finally:
+            LINK_CUT.restore()
+        assert c.status()["initialised"] is False
+    finally:
+        c.close()
+    with pytest.raises(ValueError, match="link_cut"):
+        ChaosConfig(link_cut=[[0, 5, 0.0]])
+    assert ChaosConfig(link_cut=[[0, 5, 2]]).to_dict()["link_cut"] == [[0, 5, 2.0]]

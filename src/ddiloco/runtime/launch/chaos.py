@@ -2,11 +2,13 @@
 
 Faults: SIGKILL of a learner (exponential inter-arrival over the whole job, fixed downtime
 before its restart), SIGSTOP/SIGCONT of a learner (a straggler frozen for a while), a
-per-learner slow-down factor, SIGKILL and restart of the syncer, and emulated per-link
-bandwidth and latency. The schedule is a pure function of the config (times and random
-draws); which learner a draw hits is decided at fire time among the learners then running,
-from the same draw, so a run is reproducible given the same progress. Every injected event
-is appended to ``chaos.jsonl`` in the run directory with its time.
+per-learner slow-down factor, SIGKILL and restart of the syncer, emulated per-link
+bandwidth and latency, and a cut of one learner's link to the syncer for a while (the
+learner trains on; every call it starts fails as unreachable until the link comes back).
+The schedule is a pure function of the config (times and random draws); which learner a
+draw hits is decided at fire time among the learners then running, from the same draw, so a
+run is reproducible given the same progress. Every injected event is appended to
+``chaos.jsonl`` in the run directory with its time.
 """
 
 from __future__ import annotations
@@ -62,6 +64,11 @@ class ChaosConfig:
     """Emulated learner <-> syncer bandwidth, bytes/s (0: unlimited)."""
     link_latency_s: float = 0.0
     """Emulated one-way latency added to each bulk transfer."""
+    link_cut: tuple[tuple[int, int, float], ...] = ()
+    """Link cuts: ``(learner, step, duration_s)`` triples; once the learner has reported
+    ``step``, its link to the syncer is cut for ``duration_s`` (the launcher sends it SIGUSR1,
+    then SIGUSR2): it trains on, every call it starts fails as UNAVAILABLE, and past the
+    syncer's heartbeat timeout it is declared dead and rejoins when the link is back."""
 
     def __post_init__(self) -> None:
         for name in ("kill_mean_interval_s", "kill_downtime_s", "stop_mean_interval_s",
@@ -77,13 +84,16 @@ class ChaosConfig:
         self.add_learner_at_step = tuple(int(s) for s in self.add_learner_at_step)
         self.remove_learner_at_step = tuple((int(m), int(s))
                                             for m, s in self.remove_learner_at_step)
+        self.link_cut = tuple((int(m), int(s), float(d)) for m, s, d in self.link_cut)
+        if any(d <= 0 for _, _, d in self.link_cut):
+            raise ValueError(f"chaos link_cut durations must be > 0, got {self.link_cut}")
 
     @property
     def active(self) -> bool:
         return bool(self.kill_mean_interval_s or self.stop_mean_interval_s or self.slowdown
                     or self.syncer_kill_at_s or self.kill_at_step or self.syncer_kill_at_step
                     or self.add_learner_at_step or self.remove_learner_at_step
-                    or self.link_bandwidth_Bps or self.link_latency_s)
+                    or self.link_bandwidth_Bps or self.link_latency_s or self.link_cut)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -91,6 +101,7 @@ class ChaosConfig:
         d["kill_at_step"] = [list(x) for x in self.kill_at_step]
         d["add_learner_at_step"] = list(self.add_learner_at_step)
         d["remove_learner_at_step"] = [list(x) for x in self.remove_learner_at_step]
+        d["link_cut"] = [list(x) for x in self.link_cut]
         return d
 
 

@@ -70,6 +70,8 @@ class _Proc:
     first_start_s: float | None = None
     removed_s: float | None = None
     """When the launcher told it to leave (elastic membership)."""
+    link_cut: tuple[int, float] | None = None
+    """(pid, restore time) of the process whose link to the syncer is cut now."""
 
 
 def _free_ports(n: int) -> list[int]:
@@ -111,6 +113,9 @@ class Launcher:
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "logs").mkdir(exist_ok=True)
         self.chaos = chaos_for_run(config)
+        if self.chaos.link_cut and config.runtime.island_size > 1:
+            raise ValueError("chaos link_cut needs single-process learners (island_size 1): "
+                             "the cut is signalled to the learner process")
         self.procs: dict[str, _Proc] = {}
         self.port = config.runtime.port
         # a free observability port chosen once, so that a restarted syncer serves the same
@@ -382,6 +387,12 @@ class Launcher:
                 if p.state == "down" and p.restart_at is not None and now >= p.restart_at:
                     self._spawn(p)
                     self.chaos_log.write("restart-learner", target=p.name)
+                if p.link_cut is not None and now >= p.link_cut[1]:
+                    if p.popen is not None and p.popen.pid == p.link_cut[0]:
+                        self._signal(p, signal.SIGUSR2)  # a restarted process has its link
+                        self.chaos_log.write("restore-link", target=p.name,
+                                             step=self._step_of(p.name))
+                    p.link_cut = None
                 if p.state == "stopped" and p.cont_at is not None and now >= p.cont_at:
                     self._signal(p, signal.SIGCONT)
                     p.state, p.cont_at = "running", None
@@ -421,6 +432,16 @@ class Launcher:
                 self._fired.add(key)
                 self._inject(ChaosEvent(0.0, "kill-learner", 0.0, self.chaos.kill_downtime_s),
                              lambda draw, pool: p)
+        for m, step, dur in self.chaos.link_cut:
+            key = ("cut", m, step)
+            p = self.procs.get(f"learner_{m}")
+            if key not in self._fired and p is not None and p.state == "running" \
+                    and p.link_cut is None and steps.get(m, 0) >= step:
+                self._fired.add(key)
+                self._signal(p, signal.SIGUSR1)
+                p.link_cut = (p.popen.pid, self._now() + dur)
+                self.chaos_log.write("cut-link", target=p.name, duration_s=dur,
+                                     step=self._step_of(p.name))
         self._elastic_triggers(int(st.get("steps_done") or 0))
         s = self.chaos.syncer_kill_at_step
         if s and "syncer" not in self._fired and steps and \

@@ -1,6 +1,6 @@
 """The learner's connection to a syncer: ``SyncerClient`` (gRPC control plane, data-port
-pushes and fetches, retries), ``LinkLimits`` (emulated bandwidth and latency) and
-``SyncerError`` (a call the syncer rejected for good)."""
+pushes and fetches, retries), ``LinkLimits`` (emulated bandwidth and latency), ``LINK_CUT``
+(the process's emulated link cut) and ``SyncerError`` (a call the syncer rejected for good)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from ddiloco.runtime.transport import session, wire
 from ddiloco.runtime.transport.auth import channel_credentials, client_ssl_context
 from ddiloco.runtime.transport.bulk import BulkClient, BulkError, split_host
 
-__all__ = ["LinkLimits", "SyncerClient", "SyncerError", "RETRYABLE", "rpc_code", "rpc_details"]
+__all__ = ["LinkLimits", "LinkCut", "LinkCutError", "LINK_CUT", "SyncerClient", "SyncerError", "RETRYABLE", "rpc_code", "rpc_details"]
 
 log = logging.getLogger("ddiloco.learner")
 
@@ -60,6 +60,47 @@ class LinkLimits:
     def delay_s(self, nbytes: int) -> float:
         bw = nbytes / self.bandwidth_bytes_per_s if self.bandwidth_bytes_per_s > 0 else 0.0
         return self.latency_s + bw
+
+
+class LinkCutError(grpc.RpcError):
+    """A call made while the link is cut: it fails as UNAVAILABLE without sending a byte."""
+
+    def __init__(self, address: str) -> None:
+        super().__init__(f"link to {address} cut")
+        self._details = f"link to {address} cut (chaos)"
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return self._details
+
+
+class LinkCut:
+    """The emulated cut of this process's link to the syncer (chaos ``link_cut``). While it
+    is cut, every call a ``SyncerClient`` starts (control, gRPC bulk, data port) fails as
+    UNAVAILABLE before any byte is sent, so the syncer hears nothing from this learner."""
+
+    def __init__(self) -> None:
+        self._cut = threading.Event()
+
+    @property
+    def is_cut(self) -> bool:
+        return self._cut.is_set()
+
+    def cut(self) -> None:
+        self._cut.set()
+
+    def restore(self) -> None:
+        self._cut.clear()
+
+    def check(self, address: str) -> None:
+        if self._cut.is_set():
+            raise LinkCutError(address)
+
+
+LINK_CUT = LinkCut()
+"""The process-wide link switch (one learner per process)."""
 
 
 class SyncerClient:
@@ -123,6 +164,7 @@ class SyncerClient:
 
     def unary(self, name: str, header: dict, timeout_s: float = 10.0, control: bool = False
               ) -> dict:
+        LINK_CUT.check(self.address)
         ch = self.control if control else self.bulk
         if name in _SIGNED:
             if name == "Heartbeat":
@@ -143,6 +185,7 @@ class SyncerClient:
         return r
 
     def stream(self, name: str, frames, timeout_s: float = 60.0) -> dict:
+        LINK_CUT.check(self.address)
         resp = self.bulk.stream_unary(wire.method(name))(frames, timeout=timeout_s,
                                                          metadata=self._md)
         return wire.unpack(resp)[0]
@@ -167,6 +210,7 @@ class SyncerClient:
 
     def push(self, header: dict, data: bytes | memoryview, timeout_s: float = 60.0) -> dict:
         """Push one fragment (``header`` as the Push call's); returns the syncer's reply."""
+        LINK_CUT.check(self.address)
         header = self.sign(header)
         r = self._data_request({"op": "push", **header}, [data], timeout_s)
         if r is not None:
@@ -187,6 +231,7 @@ class SyncerClient:
                 off += nb
             out[h["fragment"]] = (h["version"], ts, len(buf))
 
+        LINK_CUT.check(self.address)
         r = self._data_request({"op": "fetch", "fragments": fragments}, [], timeout_s,
                                fetch=True)
         if r is not None:

@@ -28,7 +28,7 @@ from ddiloco.config import TrainConfig
 from ddiloco.data import build_stream
 from ddiloco.metrics.sinks import open_sinks, parse_sinks
 from ddiloco.recipe import data_config, new_model, new_optimizer, set_lr
-from ddiloco.runtime.learner.client import LinkLimits
+from ddiloco.runtime.learner.client import LINK_CUT, LinkLimits
 from ddiloco.runtime.learner.device import learner_device
 from ddiloco.runtime.learner.hook import DecoupledLearner
 
@@ -166,6 +166,9 @@ def run_learner(cfg: TrainConfig, *, syncer: str, learner: int | None = None,
         # SIGTERM: leave the run gracefully (finish the step, flush the pushes, Leave), as a
         # member of an elastic run does when its capacity is taken back
         signal.signal(signal.SIGTERM, lambda *_: leave.set())
+        # SIGUSR1 / SIGUSR2: cut / restore the link to the syncer (chaos ``link_cut``)
+        signal.signal(signal.SIGUSR1, lambda *_: LINK_CUT.cut())
+        signal.signal(signal.SIGUSR2, lambda *_: LINK_CUT.restore())
     t_start = time.time()
     with dl:
         if resume is None:  # the syncer's choice of id is known now
