@@ -1,6 +1,6 @@
 # Two commands do everything:
 #   make train   set up .venv (idempotent) and run the main job: ddiloco train on built-in defaults
-#   make test    set up .venv (idempotent) and run the whole test suite
+#   make test    set up .venv (idempotent), lint, type-check, build the docs, run the whole test suite
 PYTHON ?= python3
 VENV   ?= .venv
 STAMP  := $(VENV)/.installed
@@ -10,7 +10,7 @@ TORCH  ?= torch==2.13.0
 # that need them skip and say so.
 APT_PKGS ?= chromium chromium-driver iproute2
 
-.PHONY: setup sysdeps train test bench clean
+.PHONY: setup sysdeps check train test bench clean
 setup: $(STAMP)
 
 sysdeps:
@@ -28,17 +28,24 @@ $(STAMP): pyproject.toml setup.py src/ddiloco/_kernels.c
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
 	$(VENV)/bin/python -m pip install -q $(TORCH)
-	$(VENV)/bin/python -m pip install -q -e '.[test,integrations]'
+	$(VENV)/bin/python -m pip install -q -e '.[test,integrations,lint,docs]'
 	touch $(STAMP)
 
 train: $(STAMP)
 	$(VENV)/bin/ddiloco train $(ARGS)
 
-test: $(STAMP) sysdeps
+# Lint, format check, type check and the docs build (strict) first: seconds, not minutes.
+check: $(STAMP)
+	$(VENV)/bin/ruff check src tests bench examples
+	$(VENV)/bin/ruff format --check src tests bench examples
+	$(VENV)/bin/mypy
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+
+test: $(STAMP) sysdeps check
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(VENV)/bin/python bench/run_all.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache build/site

@@ -37,6 +37,7 @@ OUT = ROOT / "bench" / "results"
 def _setup(opts: dict, device: torch.device):
     """Model, fused AdamW and one resident batch on ``device``; a train_step closure."""
     from ddiloco.models import build_model
+
     torch.manual_seed(0)
     model = build_model(opts["model"]).to(device)
     fused = device.type == "cuda"
@@ -65,18 +66,20 @@ def _sync_device(device: torch.device) -> None:
 def _worker(m: int, address: str, opts: dict, barrier, results) -> None:
     """One learner process: warm up, then ``pairs`` pairs of on/off blocks."""
     from ddiloco.runtime.learner.hook import DecoupledLearner
+
     torch.set_num_threads(1)
     device = torch.device(opts["device"])
     model, train_step, tokens = _setup(opts, device)
     for _ in range(3):
         train_step()
     _sync_device(device)
-    with DecoupledLearner(model, syncer=address, learner=m, P=opts["P"], H=opts["P"], tau=2,
-                          codec="bf16", token=TOKEN) as dl:
+    with DecoupledLearner(
+        model, syncer=address, learner=m, P=opts["P"], H=opts["P"], tau=2, codec="bf16", token=TOKEN
+    ) as dl:
         ratios, on_tps, off_tps = [], [], []
         for pair in range(opts["pairs"]):
             tps = {}
-            for mode in (("on", "off") if pair % 2 == 0 else ("off", "on")):
+            for mode in ("on", "off") if pair % 2 == 0 else ("off", "on"):
                 barrier.wait()
                 step = dl.step if mode == "on" else None
                 # every timed on-step overlaps the communication of one push (P = H)
@@ -103,8 +106,10 @@ def measure(opts: dict) -> dict:
     barrier = ctx.Barrier(opts["learners"])
     results = ctx.Queue()
     with SyncerProc(threads=4, heartbeat_timeout_s=60.0) as sy:
-        procs = [ctx.Process(target=_worker, args=(m, sy.address, opts, barrier, results))
-                 for m in range(opts["learners"])]
+        procs = [
+            ctx.Process(target=_worker, args=(m, sy.address, opts, barrier, results))
+            for m in range(opts["learners"])
+        ]
         for p in procs:
             p.start()
         per = [results.get(timeout=opts["timeout_s"]) for _ in procs]
@@ -114,10 +119,15 @@ def measure(opts: dict) -> dict:
     medians = [statistics.median(r["ratios"]) for r in per]
     on = sum(statistics.median(r["on"]) for r in per)
     off = sum(statistics.median(r["off"]) for r in per)
-    return {"device": (torch.cuda.get_device_name(0) if opts["device"].startswith("cuda")
-                       else "cpu"), **opts, "ratio": statistics.median(medians),
-            "ratio_per_learner": medians, "tokens_per_s_on": on, "tokens_per_s_off": off,
-            "per_learner": per}
+    return {
+        "device": (torch.cuda.get_device_name(0) if opts["device"].startswith("cuda") else "cpu"),
+        **opts,
+        "ratio": statistics.median(medians),
+        "ratio_per_learner": medians,
+        "tokens_per_s_on": on,
+        "tokens_per_s_off": off,
+        "per_learner": per,
+    }
 
 
 def profile_overlap(opts: dict, out_dir: Path) -> dict:
@@ -129,15 +139,26 @@ def profile_overlap(opts: dict, out_dir: Path) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     from ddiloco.runtime.learner.hook import DecoupledLearner
+
     device = torch.device("cuda")
     model, train_step, tokens = _setup(opts, device)
     for _ in range(3):
         train_step()
     torch.cuda.synchronize()
     trace = out_dir / "gpu_snapshot_trace.json"
-    with SyncerProc(threads=4, heartbeat_timeout_s=60.0) as sy, DecoupledLearner(
-            model, syncer=sy.address, learner=0, P=opts["P"], H=opts["P"], tau=2,
-            codec="bf16", token=TOKEN) as dl:
+    with (
+        SyncerProc(threads=4, heartbeat_timeout_s=60.0) as sy,
+        DecoupledLearner(
+            model,
+            syncer=sy.address,
+            learner=0,
+            P=opts["P"],
+            H=opts["P"],
+            tau=2,
+            codec="bf16",
+            token=TOKEN,
+        ) as dl,
+    ):
         for _ in range(opts["P"]):  # one round of every fragment before profiling
             train_step()
             dl.step(tokens)
@@ -166,8 +187,9 @@ def profile_overlap(opts: dict, out_dir: Path) -> dict:
     busy = overlap = 0.0
     for a, b, stream in d2h:
         busy += b - a
-        spans = sorted((max(a, ka), min(b, kb)) for ka, kb, ks in kernels
-                       if ks != stream and ka < b and kb > a)
+        spans = sorted(
+            (max(a, ka), min(b, kb)) for ka, kb, ks in kernels if ks != stream and ka < b and kb > a
+        )
         end = a
         for s, t in spans:  # union of the kernel intervals inside [a, b]
             s = max(s, end)
@@ -175,16 +197,31 @@ def profile_overlap(opts: dict, out_dir: Path) -> dict:
                 overlap += t - s
                 end = t
     # the final torch.cuda.synchronize() above is the profiler's, not the learner's
-    return {"trace": trace.name, "d2h_copies": len(d2h), "d2h_us": round(busy, 1),
-            "d2h_overlapped_share": (overlap / busy) if busy else None,
-            "host_syncs": syncs, "note": "the training thread's last cudaDeviceSynchronize "
-            "closes the profiled window and is the bench's own"}
+    return {
+        "trace": trace.name,
+        "d2h_copies": len(d2h),
+        "d2h_us": round(busy, 1),
+        "d2h_overlapped_share": (overlap / busy) if busy else None,
+        "host_syncs": syncs,
+        "note": "the training thread's last cudaDeviceSynchronize "
+        "closes the profiled window and is the bench's own",
+    }
 
 
 def main(quick: bool = False, **kw) -> dict:
-    opts = {"learners": 2, "pairs": 6, "steps": 8, "batch": 8, "block": 1024,
-            "model": "gpt_125m", "device": "cuda", "P": 24, "timeout_s": 900.0,
-            "profile": False, "out": str(OUT)}
+    opts = {
+        "learners": 2,
+        "pairs": 6,
+        "steps": 8,
+        "batch": 8,
+        "block": 1024,
+        "model": "gpt_125m",
+        "device": "cuda",
+        "P": 24,
+        "timeout_s": 900.0,
+        "profile": False,
+        "out": str(OUT),
+    }
     opts.update({k: v for k, v in kw.items() if v is not None})
     if quick:
         opts.update(pairs=2, steps=4)
@@ -194,16 +231,27 @@ def main(quick: bool = False, **kw) -> dict:
     target = "6. GPU: gpt_125m tokens/s with / without sync (bf16 autocast)"
     if opts["device"] == "cuda" and not torch.cuda.is_available():
         out = {"skipped": "skipped: no CUDA device"}
-        r = row(target, "skipped: no CUDA device", ">= 99%", None,
-                "run `bash bench/gpu_check.sh` on a CUDA machine")
+        r = row(
+            target,
+            "skipped: no CUDA device",
+            ">= 99%",
+            None,
+            "run `bash bench/gpu_check.sh` on a CUDA machine",
+        )
     else:
         out = measure(opts)
         if want_profile and opts["device"] == "cuda":
             out["profile"] = profile_overlap(opts, out_dir)
-        r = row(target, f"{out['ratio']:.1%} ({out['tokens_per_s_on']:.0f} vs "
-                f"{out['tokens_per_s_off']:.0f} tokens/s, M = {opts['learners']}) on "
-                f"{out['device']}", ">= 99%", out["ratio"] >= 0.99,
-                "median of adjacent on/off block pairs", ratio=out["ratio"])
+        r = row(
+            target,
+            f"{out['ratio']:.1%} ({out['tokens_per_s_on']:.0f} vs "
+            f"{out['tokens_per_s_off']:.0f} tokens/s, M = {opts['learners']}) on "
+            f"{out['device']}",
+            ">= 99%",
+            out["ratio"] >= 0.99,
+            "median of adjacent on/off block pairs",
+            ratio=out["ratio"],
+        )
     (out_dir / "gpu_throughput.json").write_text(json.dumps(out, indent=1))
     return {"rows": [r], "details": out}
 

@@ -24,11 +24,18 @@ PROFILES = ROOT / "docs" / "results" / "profiles"
 TOKEN = "perf-bench-token"
 
 
-def row(target: str, measured: str, threshold: str, met: bool | None, notes: str = "",
-        **values) -> dict:
+def row(
+    target: str, measured: str, threshold: str, met: bool | None, notes: str = "", **values
+) -> dict:
     """One line of the summary table (``met=None``: not measured, e.g. skipped)."""
-    return {"target": target, "measured": measured, "threshold": threshold, "met": met,
-            "notes": notes, "values": values}
+    return {
+        "target": target,
+        "measured": measured,
+        "threshold": threshold,
+        "met": met,
+        "notes": notes,
+        "values": values,
+    }
 
 
 # -- memory ---------------------------------------------------------------------------------
@@ -43,28 +50,38 @@ def proc_status_bytes(pid: int, key: str) -> int:
 # -- a syncer in its own process ------------------------------------------------------------
 def _serve(conn, kw: dict) -> None:
     import logging
+
     logging.disable(logging.WARNING)
     from ddiloco.algorithm.policy import PolicyConfig
     from ddiloco.algorithm.syncer_state import SyncerConfig
     from ddiloco.runtime.syncer.server import SyncerServer, SyncerServerConfig
+
     torch.set_num_threads(int(kw.pop("threads", 1)))
     cpus = kw.pop("cpus", None)
     if cpus:  # before any thread starts: every thread of the syncer inherits it
         os.sched_setaffinity(0, cpus)
     if not kw.pop("kernels", True):
         from ddiloco.algorithm import kernels
+
         kernels.set_enabled(False)
     quorum, grace = kw.pop("quorum", 1), kw.pop("grace", False)
     history = kw.pop("history", 0)
     kw.setdefault("heartbeat_timeout_s", 3600.0)  # synthetic learners send no heartbeats
-    cfg = SyncerServerConfig(token=TOKEN, syncer=SyncerConfig(
-        policy=PolicyConfig(quorum=quorum, grace=grace), history=history), **kw)
+    cfg = SyncerServerConfig(
+        token=TOKEN,
+        syncer=SyncerConfig(policy=PolicyConfig(quorum=quorum, grace=grace), history=history),
+        **kw,
+    )
     with SyncerServer(cfg) as srv:
         conn.send(srv.port)
         conn.recv()  # any message (or EOF) stops the syncer
-        conn.send({"counters": srv.status()["counters"],
-                   "vm_hwm": proc_status_bytes(os.getpid(), "VmHWM"),
-                   "vm_rss": proc_status_bytes(os.getpid(), "VmRSS")})
+        conn.send(
+            {
+                "counters": srv.status()["counters"],
+                "vm_hwm": proc_status_bytes(os.getpid(), "VmHWM"),
+                "vm_rss": proc_status_bytes(os.getpid(), "VmRSS"),
+            }
+        )
 
 
 class SyncerProc:
@@ -109,12 +126,14 @@ class SyncerProc:
 def meta_model(preset: str, **overrides) -> torch.nn.Module:
     """A model of the preset's shapes on the meta device (no memory), for specs."""
     from ddiloco.models import build_model
+
     with torch.device("meta"):
         return build_model(preset, **overrides)
 
 
 def spec_of(model: torch.nn.Module, P: int) -> dict:  # noqa: N803
     from ddiloco.runtime.transport.spec import model_spec
+
     return model_spec(model, P, "balanced")
 
 
@@ -126,6 +145,7 @@ class SyntheticLearner:
     def __init__(self, address: str, learner: int, spec: dict) -> None:
         from ddiloco.runtime.learner.client import SyncerClient
         from ddiloco.runtime.transport.spec import fragmentation_from_spec, spec_fingerprint
+
         self.client = SyncerClient(address, TOKEN)
         self.learner, self.spec = learner, spec
         self.frag = fragmentation_from_spec(spec)
@@ -135,14 +155,24 @@ class SyntheticLearner:
         self.bytes_pushed = self.bytes_fetched = 0
 
     def join(self, init_payload: bytes | None = None) -> dict:
-        h = {"learner": self.learner, "incarnation": -1, "fingerprint": self.fp,
-             "host": "bench", "pid": os.getpid()}
+        h = {
+            "learner": self.learner,
+            "incarnation": -1,
+            "fingerprint": self.fp,
+            "host": "bench",
+            "pid": os.getpid(),
+        }
         r = self.client.unary("Join", h, control=True)
         if r.get("need_init"):
             assert init_payload is not None, "the first learner must bring the initial model"
-            self.client.stream("Init", wire.chunks({"learner": self.learner, "spec": self.spec,
-                                                    "nbytes": len(init_payload)}, init_payload),
-                               timeout_s=600)
+            self.client.stream(
+                "Init",
+                wire.chunks(
+                    {"learner": self.learner, "spec": self.spec, "nbytes": len(init_payload)},
+                    init_payload,
+                ),
+                timeout_s=600,
+            )
             r = self.client.unary("Join", h, control=True)
         self.incarnation = r["incarnation"]
         self.versions = list(r["versions"])
@@ -151,11 +181,20 @@ class SyntheticLearner:
     def push(self, p: int, payload: bytes, c_steps: int = 1) -> dict:
         self.seq += 1
         f = self.frag.fragments[p]
-        header = {"learner": self.learner, "incarnation": self.incarnation, "fragment": p,
-                  "seq": (self.incarnation << 32) + self.seq, "base_version": self.versions[p],
-                  "c_steps": c_steps, "c_tokens": 1024 * c_steps, "codec": "fp32",
-                  "delta": False, "numels": list(f.numels), "nbytes": len(payload),
-                  "step": self.seq}
+        header = {
+            "learner": self.learner,
+            "incarnation": self.incarnation,
+            "fragment": p,
+            "seq": (self.incarnation << 32) + self.seq,
+            "base_version": self.versions[p],
+            "c_steps": c_steps,
+            "c_tokens": 1024 * c_steps,
+            "codec": "fp32",
+            "delta": False,
+            "numels": list(f.numels),
+            "nbytes": len(payload),
+            "step": self.seq,
+        }
         r = self.client.push(header, payload, timeout_s=600)
         self.bytes_pushed += len(payload)
         return r
@@ -167,8 +206,9 @@ class SyntheticLearner:
 
     def close(self) -> None:
         try:
-            self.client.unary("Leave", {"learner": self.learner,
-                                        "incarnation": self.incarnation}, control=True)
+            self.client.unary(
+                "Leave", {"learner": self.learner, "incarnation": self.incarnation}, control=True
+            )
         except Exception:  # noqa: BLE001 - best effort at the end of a bench
             pass
         self.client.close()
@@ -177,13 +217,13 @@ class SyntheticLearner:
 def fragment_payloads(spec: dict, seed: int = 0) -> tuple[bytes, list[bytes]]:
     """(initial model, per-fragment fp32 payloads) with small random values."""
     from ddiloco.runtime.transport.spec import fragmentation_from_spec
+
     frag = fragmentation_from_spec(spec)
     g = torch.Generator().manual_seed(seed)
     numel = dict(zip(spec["names"], (math.prod(s) for s in spec["shapes"])))
     tensors = {n: torch.randn(numel[n], generator=g) * 0.02 for n in spec["names"]}
     init = b"".join(tensors[n].numpy().tobytes() for n in spec["names"])
-    per = [b"".join((tensors[n] + 1e-3).numpy().tobytes() for n in f.names)
-           for f in frag.fragments]
+    per = [b"".join((tensors[n] + 1e-3).numpy().tobytes() for n in f.names) for f in frag.fragments]
     return init, per
 
 
@@ -198,9 +238,26 @@ def pyspy_start(pid: int, duration_s: float, raw_path: Path) -> subprocess.Popen
         return None
     raw_path.parent.mkdir(parents=True, exist_ok=True)
     return subprocess.Popen(
-        ["py-spy", "record", "-p", str(pid), "-d", str(max(1, int(duration_s))), "-r", "50",
-         "-f", "raw", "-o", str(raw_path), "--threads", "--idle", "--nonblocking"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            "py-spy",
+            "record",
+            "-p",
+            str(pid),
+            "-d",
+            str(max(1, int(duration_s))),
+            "-r",
+            "50",
+            "-f",
+            "raw",
+            "-o",
+            str(raw_path),
+            "--threads",
+            "--idle",
+            "--nonblocking",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def summarise_collapsed(raw_path: Path, out_txt: Path, title: str, top: int = 25) -> str:
@@ -223,8 +280,12 @@ def summarise_collapsed(raw_path: Path, out_txt: Path, title: str, top: int = 25
             self_c[fn[-1]] += n
             for f in set(fn):
                 incl_c[f] += n
-    lines = [f"# {title}", f"py-spy samples: {total} (50 Hz, --idle: waiting threads included)",
-             "", "## samples per thread"]
+    lines = [
+        f"# {title}",
+        f"py-spy samples: {total} (50 Hz, --idle: waiting threads included)",
+        "",
+        "## samples per thread",
+    ]
     lines += [f"{n:7d} {100 * n / total:5.1f}%  {t}" for t, n in thread_c.most_common(12)]
     lines += ["", f"## top {top} self (leaf) frames"]
     lines += [f"{n:7d} {100 * n / total:5.1f}%  {f}" for f, n in self_c.most_common(top)]

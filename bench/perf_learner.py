@@ -31,9 +31,7 @@ import time
 from datetime import timedelta
 
 import torch
-
-from perf_common import (PROFILES, SyncerProc, pyspy_start, row, summarise_collapsed,
-                         wait_proc)
+from perf_common import PROFILES, SyncerProc, pyspy_start, row, summarise_collapsed, wait_proc
 
 THRESHOLD = 0.97
 
@@ -66,6 +64,7 @@ def main(quick: bool = False) -> dict:
 def _run(quick: bool, cores) -> dict:
     from ddiloco.models import build_model
     from ddiloco.runtime.learner.hook import DecoupledLearner
+
     H, P, tau = 24, 24, 2  # noqa: N806
     if quick:
         model = build_model("gpt_tiny", n_layer=4)
@@ -91,9 +90,20 @@ def _run(quick: bool, cores) -> dict:
     block_s: dict[str, list[float]] = {"on": [], "off": []}
     in_step_s: list[float] = []  # training-thread time inside DecoupledLearner.step
     spy = None
-    with SyncerProc(threads=1) as sy, DecoupledLearner(
-            model, syncer=sy.address, learner=0, P=P, H=H, tau=tau, codec="bf16",
-            token="perf-bench-token", heartbeat_interval=timedelta(milliseconds=500)) as dl:
+    with (
+        SyncerProc(threads=1) as sy,
+        DecoupledLearner(
+            model,
+            syncer=sy.address,
+            learner=0,
+            P=P,
+            H=H,
+            tau=tau,
+            codec="bf16",
+            token="perf-bench-token",
+            heartbeat_interval=timedelta(milliseconds=500),
+        ) as dl,
+    ):
         if not quick:
             # estimate the run length for the profiler from a few steps
             t = time.perf_counter()
@@ -104,7 +114,7 @@ def _run(quick: bool, cores) -> dict:
         if cores:  # only the training thread moves to the compute core
             os.sched_setaffinity(0, cores[0])
         for i in range(pairs):
-            for mode in (("on", "off") if i % 2 == 0 else ("off", "on")):
+            for mode in ("on", "off") if i % 2 == 0 else ("off", "on"):
                 while not dl._sendq.empty():  # idle between blocks
                     time.sleep(0.01)
                 time.sleep(0.2)
@@ -123,33 +133,56 @@ def _run(quick: bool, cores) -> dict:
     wait_proc(spy, 120)
     prof = ""
     if spy is not None:
-        prof = summarise_collapsed(PROFILES / "learner.raw", PROFILES / "learner.txt",
-                                   f"learner process ({name}, P=H={H}, tau={tau}, bf16) "
-                                   f"during perf_learner, sync on and off blocks")
+        prof = summarise_collapsed(
+            PROFILES / "learner.raw",
+            PROFILES / "learner.txt",
+            f"learner process ({name}, P=H={H}, tau={tau}, bf16) "
+            f"during perf_learner, sync on and off blocks",
+        )
     ratios = sorted(off / on for on, off in zip(block_s["on"], block_s["off"]))
     q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
     ratio = statistics.median(ratios)
     on, off = statistics.median(block_s["on"]), statistics.median(block_s["off"])
     direct = statistics.mean(in_step_s)
-    return {"rows": [row("1. learner throughput with sync / without (P=H=24, tau=2, bf16)",
-                         f"{ratio:.1%} (median of {pairs} pairs; quartiles {q[0]:.1%} / "
-                         f"{q[2]:.1%}; step {on * 1e3:.0f} ms on, {off * 1e3:.0f} ms off)",
-                         f">= {THRESHOLD:.0%}", ratio >= THRESHOLD,
-                         f"{name}, batch {B}x{T}; {pairs} pairs of adjacent on and off blocks of "
-                         f"{n} timed steps, order alternating; time inside "
-                         f"DecoupledLearner.step {direct * 1e3:.2f} ms per step "
-                         f"({direct / on:.2%} of a step); pushes {stats['pushes']}, installs "
-                         f"{stats['installs']}; fp32 compute on CPU (bf16 = wire codec); "
-                         + (f"training thread on core {sorted(cores[0])}, 1 torch thread; "
-                            f"communication threads and syncer on cores {sorted(cores[1])}"
-                            if cores else "one core shared by everything"),
-                         ratio=ratio, quartiles=[q[0], q[2]], in_step_s=direct)],
-            "details": {"block_step_s": block_s, "pair_ratios": ratios, "stats": stats,
-                        "model": name, "profile": bool(prof), "in_step_s_mean": direct,
-                        "cores": None if not cores else {"compute": sorted(cores[0]),
-                                                         "communication": sorted(cores[1])}}}
+    return {
+        "rows": [
+            row(
+                "1. learner throughput with sync / without (P=H=24, tau=2, bf16)",
+                f"{ratio:.1%} (median of {pairs} pairs; quartiles {q[0]:.1%} / "
+                f"{q[2]:.1%}; step {on * 1e3:.0f} ms on, {off * 1e3:.0f} ms off)",
+                f">= {THRESHOLD:.0%}",
+                ratio >= THRESHOLD,
+                f"{name}, batch {B}x{T}; {pairs} pairs of adjacent on and off blocks of "
+                f"{n} timed steps, order alternating; time inside "
+                f"DecoupledLearner.step {direct * 1e3:.2f} ms per step "
+                f"({direct / on:.2%} of a step); pushes {stats['pushes']}, installs "
+                f"{stats['installs']}; fp32 compute on CPU (bf16 = wire codec); "
+                + (
+                    f"training thread on core {sorted(cores[0])}, 1 torch thread; "
+                    f"communication threads and syncer on cores {sorted(cores[1])}"
+                    if cores
+                    else "one core shared by everything"
+                ),
+                ratio=ratio,
+                quartiles=[q[0], q[2]],
+                in_step_s=direct,
+            )
+        ],
+        "details": {
+            "block_step_s": block_s,
+            "pair_ratios": ratios,
+            "stats": stats,
+            "model": name,
+            "profile": bool(prof),
+            "in_step_s_mean": direct,
+            "cores": None
+            if not cores
+            else {"compute": sorted(cores[0]), "communication": sorted(cores[1])},
+        },
+    }
 
 
 if __name__ == "__main__":
     import json
+
     print(json.dumps(main(quick=True), indent=1))

@@ -23,8 +23,15 @@ from __future__ import annotations
 
 import threading
 
-from perf_common import (SyncerProc, SyntheticLearner, fragment_payloads, meta_model,
-                         proc_status_bytes, row, spec_of)
+from perf_common import (
+    SyncerProc,
+    SyntheticLearner,
+    fragment_payloads,
+    meta_model,
+    proc_status_bytes,
+    row,
+    spec_of,
+)
 
 
 def _run(M: int, spec: dict, init: bytes, payloads: list[bytes], rounds: int) -> dict:  # noqa: N803
@@ -54,8 +61,13 @@ def _run(M: int, spec: dict, init: bytes, payloads: list[bytes], rounds: int) ->
         for lr in learners:
             lr.close()
         hwm = proc_status_bytes(sy.pid, "VmHWM")
-    return {"M": M, "rss_start": base, "rss_after_init": after_init, "peak_rss": hwm,
-            "pushes": M * rounds * P}
+    return {
+        "M": M,
+        "rss_start": base,
+        "rss_after_init": after_init,
+        "peak_rss": hwm,
+        "pushes": M * rounds * P,
+    }
 
 
 def main(quick: bool = False) -> dict:
@@ -71,20 +83,27 @@ def main(quick: bool = False) -> dict:
     per_learner = (r16["peak_rss"] - r4["peak_rss"]) / 12
     over = (r16["peak_rss"] - r16["rss_start"]) / model_bytes
     met = per_learner <= 2 * frag_bytes
-    return {"rows": [row(
-        "4. syncer memory, M=16, ~100M params" if not quick else "4. syncer memory (quick)",
-        f"peak {r16['peak_rss'] / 2**30:.2f} GiB = start + {over:.1f} x model; "
-        f"+{per_learner / 2**20:.1f} MiB per extra learner (fragment {frag_bytes / 2**20:.1f} MiB, "
-        f"model {model_bytes / 2**20:.0f} MiB)",
-        "per extra learner <= 2 x fragment (O(M x fragment), not O(M x model))", met,
-        f"M=4 peak {r4['peak_rss'] / 2**30:.2f} GiB; M=16 peak {r16['peak_rss'] / 2**30:.2f} "
-        f"GiB; each learner pushed every fragment {rounds}x on the schedule (one fragment "
-        f"per slot, all learners), K=M/2",
-        per_learner_bytes=per_learner, model_multiple=over)],
-        "details": {"model_bytes": model_bytes, "fragment_bytes": frag_bytes, "M4": r4,
-                    "M16": r16}}
+    return {
+        "rows": [
+            row(
+                "4. syncer memory, M=16, ~100M params" if not quick else "4. syncer memory (quick)",
+                f"peak {r16['peak_rss'] / 2**30:.2f} GiB = start + {over:.1f} x model; "
+                f"+{per_learner / 2**20:.1f} MiB per extra learner (fragment {frag_bytes / 2**20:.1f} MiB, "
+                f"model {model_bytes / 2**20:.0f} MiB)",
+                "per extra learner <= 2 x fragment (O(M x fragment), not O(M x model))",
+                met,
+                f"M=4 peak {r4['peak_rss'] / 2**30:.2f} GiB; M=16 peak {r16['peak_rss'] / 2**30:.2f} "
+                f"GiB; each learner pushed every fragment {rounds}x on the schedule (one fragment "
+                f"per slot, all learners), K=M/2",
+                per_learner_bytes=per_learner,
+                model_multiple=over,
+            )
+        ],
+        "details": {"model_bytes": model_bytes, "fragment_bytes": frag_bytes, "M4": r4, "M16": r16},
+    }
 
 
 if __name__ == "__main__":
     import json
+
     print(json.dumps(main(quick=True), indent=1))

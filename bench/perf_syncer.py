@@ -38,8 +38,19 @@ import statistics
 import time
 from pathlib import Path
 
-from perf_common import (PROFILES, SyncerProc, SyntheticLearner, _serve, fragment_payloads,
-                         meta_model, pyspy_start, row, spec_of, summarise_collapsed, wait_proc)
+from perf_common import (
+    PROFILES,
+    SyncerProc,
+    SyntheticLearner,
+    _serve,
+    fragment_payloads,
+    meta_model,
+    pyspy_start,
+    row,
+    spec_of,
+    summarise_collapsed,
+    wait_proc,
+)
 
 CHUNK = 4 << 20
 
@@ -96,17 +107,28 @@ def _cpu_s(pid: int) -> float:
 def _serve_transport_only(conn, kw: dict) -> None:
     """A syncer process whose pushes are acknowledged without merging."""
     from ddiloco.runtime.syncer.server import SyncerServer
-    SyncerServer._push_apply = lambda self, pc, buf: {"status": "accepted", "message": "",
-                                                      "target_version": 1}
+
+    SyncerServer._push_apply = lambda self, pc, buf: {
+        "status": "accepted",
+        "message": "",
+        "target_version": 1,
+    }
     _serve(conn, kw)
 
 
-def _learner_proc(conn, addresses: list[str], m: int, M: int, spec: dict,  # noqa: N803
-                  cpus: set[int] | None = None) -> None:
+def _learner_proc(
+    conn,
+    addresses: list[str],
+    m: int,
+    M: int,
+    spec: dict,  # noqa: N803
+    cpus: set[int] | None = None,
+) -> None:
     """One synthetic learner process: joins every shard, then, in each window between "go"
     and "stop", pushes and fetches its way through the fragments (fragment p to shard
     p mod S) and reports the bytes moved; "end" closes it."""
     import torch
+
     if cpus:
         os.sched_setaffinity(0, cpus)
     torch.set_num_threads(1)
@@ -133,17 +155,20 @@ def _learner_proc(conn, addresses: list[str], m: int, M: int, spec: dict,  # noq
         c.close()
 
 
-def _start_learners(addresses: list[str], M: int, spec: dict,  # noqa: N803
-                    cpus: set[int] | None) -> list:
+def _start_learners(
+    addresses: list[str],
+    M: int,
+    spec: dict,  # noqa: N803
+    cpus: set[int] | None,
+) -> list:
     ctx = mp.get_context("spawn")
     procs = []
     for m in range(M):
         a, b = ctx.Pipe()
-        pr = ctx.Process(target=_learner_proc, daemon=True,
-                         args=(b, addresses, m, M, spec, cpus))
+        pr = ctx.Process(target=_learner_proc, daemon=True, args=(b, addresses, m, M, spec, cpus))
         pr.start()
         procs.append((pr, a))
-    for pr, a in procs:
+    for _pr, a in procs:
         if not a.poll(300) or a.recv() != "ready":
             raise RuntimeError("a synthetic learner did not start")
     return procs
@@ -166,7 +191,7 @@ def _window(procs: list, duration_s: float) -> tuple[int, float]:
 
 
 def _end_learners(procs: list) -> None:
-    for pr, a in procs:
+    for _pr, a in procs:
         try:
             a.send("end")
         except (BrokenPipeError, OSError):
@@ -183,14 +208,25 @@ def _init_model(address: str, M: int, spec: dict, init: bytes) -> None:  # noqa:
     first.close()
 
 
-def syncer_bytes_per_s(S: int, M: int, duration_s: float, spec: dict, init: bytes,  # noqa: N803
-                       profile: str | None = None, transport_only: bool = False,
-                       kernels: bool = True) -> dict:
+def syncer_bytes_per_s(
+    S: int,
+    M: int,
+    duration_s: float,
+    spec: dict,
+    init: bytes,  # noqa: N803
+    profile: str | None = None,
+    transport_only: bool = False,
+    kernels: bool = True,
+) -> dict:
     """M synthetic learner processes (a real learner is a process of its own) against S
     syncer processes; bytes pushed + fetched per second, and the cores each side kept
     busy."""
-    syncers = [SyncerProc(threads=1, serve=_serve_transport_only if transport_only else None,
-                          kernels=kernels) for _ in range(S)]
+    syncers = [
+        SyncerProc(
+            threads=1, serve=_serve_transport_only if transport_only else None, kernels=kernels
+        )
+        for _ in range(S)
+    ]
     procs: list = []
     try:
         for sy in syncers:
@@ -207,18 +243,30 @@ def syncer_bytes_per_s(S: int, M: int, duration_s: float, spec: dict, init: byte
         wait_proc(spy)
         text = ""
         if profile:
-            text = summarise_collapsed(PROFILES / f"{profile}.raw", PROFILES / f"{profile}.txt",
-                                       f"syncer process (S={S}, M={M}) during perf_syncer")
+            text = summarise_collapsed(
+                PROFILES / f"{profile}.raw",
+                PROFILES / f"{profile}.txt",
+                f"syncer process (S={S}, M={M}) during perf_syncer",
+            )
         busy = [(b - a) / dt for a, b in zip(cpu0, cpu1)]
         counters = [sy.close().get("counters", {}) for sy in syncers]
         pushes = sum(c.get("push_accepted", 0) for c in counters) or 1
-        per_push_ms = {k: 1e3 * sum(c.get(k, 0.0) for c in counters) / pushes
-                       for k in ("push_apply_s", "merge_s", "merge_cpu_s")}
-        return {"S": S, "M": M, "seconds": dt, "bytes_moved": moved,
-                "bytes_per_s": moved / dt, "profile": bool(text),
-                "syncer_cores": sum(busy[:S]), "client_cores": sum(busy[S:]),
-                "syncer_cpu_ms_per_push": 1e3 * sum(busy[:S]) * dt / pushes,
-                "per_push_ms": per_push_ms}
+        per_push_ms = {
+            k: 1e3 * sum(c.get(k, 0.0) for c in counters) / pushes
+            for k in ("push_apply_s", "merge_s", "merge_cpu_s")
+        }
+        return {
+            "S": S,
+            "M": M,
+            "seconds": dt,
+            "bytes_moved": moved,
+            "bytes_per_s": moved / dt,
+            "profile": bool(text),
+            "syncer_cores": sum(busy[:S]),
+            "client_cores": sum(busy[S:]),
+            "syncer_cpu_ms_per_push": 1e3 * sum(busy[:S]) * dt / pushes,
+            "per_push_ms": per_push_ms,
+        }
     finally:
         for pr, _ in procs:
             if pr.is_alive():
@@ -246,8 +294,14 @@ def _tcp_source(conn, port: int, cpus: set[int] | None) -> None:
     s.close()
 
 
-def paired_windows(M: int, spec: dict, init: bytes, pairs: int, window_s: float,  # noqa: N803
-                   profile: str | None = None) -> dict:
+def paired_windows(
+    M: int,
+    spec: dict,
+    init: bytes,
+    pairs: int,
+    window_s: float,  # noqa: N803
+    profile: str | None = None,
+) -> dict:
     """The headline: raw TCP and the syncer, each set up once and kept running, measured in
     adjacent windows of ``window_s`` that alternate raw-syncer, syncer-raw, ...; both pinned
     alike (receiving side on the last core). Ratio per pair, median over pairs."""
@@ -272,12 +326,11 @@ def paired_windows(M: int, spec: dict, init: bytes, pairs: int, window_s: float,
         procs = _start_learners([sy.address], M, spec, send_cpus)
         spy = None
         if profile:
-            spy = pyspy_start(sy.pid, pairs * 2 * (window_s + 0.3) + 5,
-                              PROFILES / f"{profile}.raw")
+            spy = pyspy_start(sy.pid, pairs * 2 * (window_s + 0.3) + 5, PROFILES / f"{profile}.raw")
         pids = [sy.pid] + [pr.pid for pr, _ in procs]
         raw, syn, busy_s, dt_s = [], [], [0.0] * len(pids), 0.0
         for i in range(pairs):
-            for what in (("raw", "syncer") if i % 2 == 0 else ("syncer", "raw")):
+            for what in ("raw", "syncer") if i % 2 == 0 else ("syncer", "raw"):
                 if what == "raw":
                     sa.send("go")
                     time.sleep(window_s)
@@ -294,9 +347,12 @@ def paired_windows(M: int, spec: dict, init: bytes, pairs: int, window_s: float,
         wait_proc(spy)
         text = ""
         if profile:
-            text = summarise_collapsed(PROFILES / f"{profile}.raw", PROFILES / f"{profile}.txt",
-                                       f"syncer process (S=1, M={M}) during perf_syncer's "
-                                       f"paired windows (idle between its windows included)")
+            text = summarise_collapsed(
+                PROFILES / f"{profile}.raw",
+                PROFILES / f"{profile}.txt",
+                f"syncer process (S=1, M={M}) during perf_syncer's "
+                f"paired windows (idle between its windows included)",
+            )
         counters = sy.close().get("counters", {})
     finally:
         for pr, _ in procs:
@@ -311,23 +367,35 @@ def paired_windows(M: int, spec: dict, init: bytes, pairs: int, window_s: float,
                 pr.kill()
     pushes = counters.get("push_accepted", 0) or 1
     ratios = [x / r for x, r in zip(syn, raw)]
-    return {"pairs": pairs, "window_s": window_s, "raw": raw, "syncer": syn, "ratios": ratios,
-            "ratio": statistics.median(ratios), "profile": bool(text),
-            "syncer_cores": busy_s[0] / dt_s, "client_cores": sum(busy_s[1:]) / dt_s,
-            "syncer_cpu_ms_per_push": 1e3 * busy_s[0] / pushes,
-            "per_push_ms": {k: 1e3 * counters.get(k, 0.0) / pushes
-                            for k in ("push_apply_s", "merge_s", "merge_cpu_s")},
-            "place": None if not place else [sorted(recv_cpus), sorted(send_cpus)]}
+    return {
+        "pairs": pairs,
+        "window_s": window_s,
+        "raw": raw,
+        "syncer": syn,
+        "ratios": ratios,
+        "ratio": statistics.median(ratios),
+        "profile": bool(text),
+        "syncer_cores": busy_s[0] / dt_s,
+        "client_cores": sum(busy_s[1:]) / dt_s,
+        "syncer_cpu_ms_per_push": 1e3 * busy_s[0] / pushes,
+        "per_push_ms": {
+            k: 1e3 * counters.get(k, 0.0) / pushes
+            for k in ("push_apply_s", "merge_s", "merge_cpu_s")
+        },
+        "place": None if not place else [sorted(recv_cpus), sorted(send_cpus)],
+    }
 
 
 def merge_step_ms(spec: dict, repeats: int = 40) -> dict:
     """The outer step alone (one learner's push, K = 1) on the largest fragment: the C kernel
     against the torch operations, median ms, in this process."""
+    import torch
+
     from ddiloco.algorithm import kernels
     from ddiloco.algorithm.merge import OuterNesterov
-    from ddiloco.runtime.transport.spec import fragmentation_from_spec
     from ddiloco.runtime.syncer.server import tune_malloc
-    import torch
+    from ddiloco.runtime.transport.spec import fragmentation_from_spec
+
     tune_malloc()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -343,12 +411,13 @@ def merge_step_ms(spec: dict, repeats: int = 40) -> dict:
         try:
             for i in range(repeats):
                 t0 = time.perf_counter()
-                OuterNesterov().stepped_checked(theta, buf, 0.25, anchors=theta,
-                                                pushes=pushes[i % 4])
+                OuterNesterov().stepped_checked(
+                    theta, buf, 0.25, anchors=theta, pushes=pushes[i % 4]
+                )
                 ts.append(time.perf_counter() - t0)
         finally:
             kernels.set_enabled(prev)
-        out[name] = 1e3 * statistics.median(ts[repeats // 4:])
+        out[name] = 1e3 * statistics.median(ts[repeats // 4 :])
     torch.set_num_threads(threads)
     return out
 
@@ -361,9 +430,14 @@ def main(quick: bool = False) -> dict:
     P = 8 if quick else 24  # noqa: N806
     spec = spec_of(model, P)
     init, _ = fragment_payloads(spec)
-    head = paired_windows(M, spec, init, pairs=2 if quick else 20,
-                          window_s=0.5 if quick else 1.5,
-                          profile=None if quick else "syncer_s1")
+    head = paired_windows(
+        M,
+        spec,
+        init,
+        pairs=2 if quick else 20,
+        window_s=0.5 if quick else 1.5,
+        profile=None if quick else "syncer_s1",
+    )
     runs: dict[str, list] = {k: [] for k in ("raw", "s1", "s2", "wire", "torch")}
     for _ in range(rounds):
         # raw TCP: the best of three short runs (interference only ever slows it down)
@@ -377,66 +451,85 @@ def main(quick: bool = False) -> dict:
         return statistics.median(
             (x["bytes_per_s"] if isinstance(x, dict) else x)
             / (y["bytes_per_s"] if isinstance(y, dict) else y)
-            for x, y in zip(runs[a], runs[b]))
+            for x, y in zip(runs[a], runs[b])
+        )
 
     frac, frac_free = head["ratio"], median_ratio("s1", "raw")
     q = statistics.quantiles(head["ratios"], n=4) if len(head["ratios"]) > 1 else [frac] * 3
     scale2 = median_ratio("s2", "s1")
     wire_frac, torch_frac = median_ratio("wire", "raw"), median_ratio("torch", "raw")
-    mid = sorted(range(rounds), key=lambda i: runs["s1"][i]["bytes_per_s"]
-                 / runs["raw"][i])[rounds // 2]
+    mid = sorted(range(rounds), key=lambda i: runs["s1"][i]["bytes_per_s"] / runs["raw"][i])[
+        rounds // 2
+    ]
     s1, s2 = runs["s1"][mid], runs["s2"][mid]
     pp = head["per_push_ms"]
     step = merge_step_ms(spec)
     cores = os.cpu_count() or 1
     place = head["place"]
-    where = (f"syncer / raw TCP sink on core {place[0]}, learners / source on cores "
-             f"{place[1]}" if place else "one core: nothing to pin")
+    where = (
+        f"syncer / raw TCP sink on core {place[0]}, learners / source on cores {place[1]}"
+        if place
+        else "one core: nothing to pin"
+    )
     syn_mb, raw_mb = statistics.median(head["syncer"]) / 1e6, statistics.median(head["raw"]) / 1e6
     best = max(head["syncer"]) / max(head["raw"])
-    return {"rows": [
-        row("2a. syncer ingest+merge+send-back vs raw loopback TCP (1 process)",
-            f"{frac:.1%} (median of {head['pairs']} pairs; quartiles {q[0]:.1%} / {q[2]:.1%}; "
-            f"{syn_mb:.0f} MB/s vs {raw_mb:.0f} MB/s raw); unpinned {frac_free:.1%}",
-            ">= 50%", frac >= 0.5,
-            f"syncer and raw TCP each set up once and measured in {head['pairs']} pairs of "
-            f"adjacent {head['window_s']:.1f} s windows, order alternating, both placed alike "
-            f"({where}); ratio per pair, median over pairs (the fastest syncer window "
-            f"against the fastest raw TCP window: {best:.0%}; raw TCP windows vary more "
-            f"than the syncer's: {min(head['raw']) / 1e6:.0f}-{max(head['raw']) / 1e6:.0f} "
-            f"against {min(head['syncer']) / 1e6:.0f}-{max(head['syncer']) / 1e6:.0f} MB/s). "
-            f"Unpinned: median of {rounds} "
-            f"rounds (raw TCP best of 3 runs), per round: "
-            + ", ".join(f"{x['bytes_per_s'] / q_:.0%}"
-                        for x, q_ in zip(runs["s1"], runs["raw"]))
-            + f". References, unpinned: the data port without merging reaches {wire_frac:.0%} "
-            f"of raw TCP, the merge in torch operations instead of the C kernel "
-            f"{torch_frac:.0%}; the outer step alone on the largest fragment "
-            f"({step['fragment_bytes'] / 1e6:.1f} MB) takes {step['kernel_ms']:.2f} ms with the "
-            f"kernel, {step['torch_ms']:.2f} ms in torch. The pinned syncer keeps "
-            f"{head['syncer_cores']:.2f} cores busy and the {M} learner processes "
-            f"{head['client_cores']:.2f}, of {cores}; per push the syncer spends "
-            f"{head['syncer_cpu_ms_per_push']:.2f} ms of CPU, {pp['merge_cpu_s']:.2f} ms of it "
-            f"in the merge arithmetic (wall {pp['merge_s']:.2f} ms; decode, checks and merge "
-            f"{pp['push_apply_s']:.2f} ms wall); unpinned: {s1['syncer_cores']:.2f} + "
-            f"{s1['client_cores']:.2f} cores; model {'gpt_tiny' if quick else 'gpt_small'}, "
-            f"P={P}, M={M}, fp32 pushes, K=1",
-            fraction=frac, quartiles=[q[0], q[2]], fraction_best_windows=best,
-            fraction_unpinned=frac_free,
-            transport_only_fraction=wire_frac, torch_merge_fraction=torch_frac,
-            merge_step=step),
-        row(f"2b. syncer sharded by fragment, S=2 (core count {cores})",
-            f"{scale2:.2f}x of S=1 ({s2['bytes_per_s'] / 1e6:.0f} MB/s)", ">= 0.8 x S = 1.6x",
-            scale2 >= 1.6, f"median of {rounds} rounds, unpinned; busy cores S=1: syncer "
-            f"{s1['syncer_cores']:.2f} + clients {s1['client_cores']:.2f}, S=2: syncers "
-            f"{s2['syncer_cores']:.2f} + clients {s2['client_cores']:.2f} (of {cores}): a "
-            "second shard can only use what S=1 leaves idle; shards are unmodified "
-            "SyncerServer processes, the synthetic learners route fragment p to shard p mod S",
-            scaling=scale2)],
-        "details": {**runs, "paired": head, "merge_step": step,
-                    "model_bytes": len(init), "P": P}}
+    return {
+        "rows": [
+            row(
+                "2a. syncer ingest+merge+send-back vs raw loopback TCP (1 process)",
+                f"{frac:.1%} (median of {head['pairs']} pairs; quartiles {q[0]:.1%} / {q[2]:.1%}; "
+                f"{syn_mb:.0f} MB/s vs {raw_mb:.0f} MB/s raw); unpinned {frac_free:.1%}",
+                ">= 50%",
+                frac >= 0.5,
+                f"syncer and raw TCP each set up once and measured in {head['pairs']} pairs of "
+                f"adjacent {head['window_s']:.1f} s windows, order alternating, both placed alike "
+                f"({where}); ratio per pair, median over pairs (the fastest syncer window "
+                f"against the fastest raw TCP window: {best:.0%}; raw TCP windows vary more "
+                f"than the syncer's: {min(head['raw']) / 1e6:.0f}-{max(head['raw']) / 1e6:.0f} "
+                f"against {min(head['syncer']) / 1e6:.0f}-{max(head['syncer']) / 1e6:.0f} MB/s). "
+                f"Unpinned: median of {rounds} "
+                f"rounds (raw TCP best of 3 runs), per round: "
+                + ", ".join(
+                    f"{x['bytes_per_s'] / q_:.0%}" for x, q_ in zip(runs["s1"], runs["raw"])
+                )
+                + f". References, unpinned: the data port without merging reaches {wire_frac:.0%} "
+                f"of raw TCP, the merge in torch operations instead of the C kernel "
+                f"{torch_frac:.0%}; the outer step alone on the largest fragment "
+                f"({step['fragment_bytes'] / 1e6:.1f} MB) takes {step['kernel_ms']:.2f} ms with the "
+                f"kernel, {step['torch_ms']:.2f} ms in torch. The pinned syncer keeps "
+                f"{head['syncer_cores']:.2f} cores busy and the {M} learner processes "
+                f"{head['client_cores']:.2f}, of {cores}; per push the syncer spends "
+                f"{head['syncer_cpu_ms_per_push']:.2f} ms of CPU, {pp['merge_cpu_s']:.2f} ms of it "
+                f"in the merge arithmetic (wall {pp['merge_s']:.2f} ms; decode, checks and merge "
+                f"{pp['push_apply_s']:.2f} ms wall); unpinned: {s1['syncer_cores']:.2f} + "
+                f"{s1['client_cores']:.2f} cores; model {'gpt_tiny' if quick else 'gpt_small'}, "
+                f"P={P}, M={M}, fp32 pushes, K=1",
+                fraction=frac,
+                quartiles=[q[0], q[2]],
+                fraction_best_windows=best,
+                fraction_unpinned=frac_free,
+                transport_only_fraction=wire_frac,
+                torch_merge_fraction=torch_frac,
+                merge_step=step,
+            ),
+            row(
+                f"2b. syncer sharded by fragment, S=2 (core count {cores})",
+                f"{scale2:.2f}x of S=1 ({s2['bytes_per_s'] / 1e6:.0f} MB/s)",
+                ">= 0.8 x S = 1.6x",
+                scale2 >= 1.6,
+                f"median of {rounds} rounds, unpinned; busy cores S=1: syncer "
+                f"{s1['syncer_cores']:.2f} + clients {s1['client_cores']:.2f}, S=2: syncers "
+                f"{s2['syncer_cores']:.2f} + clients {s2['client_cores']:.2f} (of {cores}): a "
+                "second shard can only use what S=1 leaves idle; shards are unmodified "
+                "SyncerServer processes, the synthetic learners route fragment p to shard p mod S",
+                scaling=scale2,
+            ),
+        ],
+        "details": {**runs, "paired": head, "merge_step": step, "model_bytes": len(init), "P": P},
+    }
 
 
 if __name__ == "__main__":
     import json
+
     print(json.dumps(main(quick=True), indent=1))

@@ -22,8 +22,14 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 ROOT = HERE.parent
-BENCHES = {"learner": "perf_learner", "syncer": "perf_syncer", "codecs": "perf_codecs",
-           "memory": "perf_memory", "bytes": "perf_bytes", "gpu": "gpu_throughput"}
+BENCHES = {
+    "learner": "perf_learner",
+    "syncer": "perf_syncer",
+    "codecs": "perf_codecs",
+    "memory": "perf_memory",
+    "bytes": "perf_bytes",
+    "gpu": "gpu_throughput",
+}
 
 
 def _fmt_met(m) -> str:
@@ -31,14 +37,20 @@ def _fmt_met(m) -> str:
 
 
 def write_markdown(res: dict, path: Path) -> None:
-    lines = ["# Performance", "",
-             f"Measured by `{res['command']}` in {res['wall_s'] / 60:.1f} min on "
-             f"{res['machine']}. Every ratio compares figures measured in the same run "
-             "(the machine is shared; absolute numbers move between runs).", "",
-             "| target | measured | threshold | met? |", "|---|---|---|---|"]
+    lines = [
+        "# Performance",
+        "",
+        f"Measured by `{res['command']}` in {res['wall_s'] / 60:.1f} min on "
+        f"{res['machine']}. Every ratio compares figures measured in the same run "
+        "(the machine is shared; absolute numbers move between runs).",
+        "",
+        "| target | measured | threshold | met? |",
+        "|---|---|---|---|",
+    ]
     for r in res["rows"]:
-        lines.append(f"| {r['target']} | {r['measured']} | {r['threshold']} | "
-                     f"{_fmt_met(r['met'])} |")
+        lines.append(
+            f"| {r['target']} | {r['measured']} | {r['threshold']} | {_fmt_met(r['met'])} |"
+        )
     lines += ["", "## Notes per target", ""]
     for r in res["rows"]:
         if r["notes"]:
@@ -79,15 +91,31 @@ def main(argv: list[str] | None = None) -> dict:
         walls[n] = time.perf_counter() - t
         print(f"[perf] {n}: {walls[n]:.0f} s", file=sys.stderr, flush=True)
     rows.sort(key=lambda r: r["target"])
-    cmd = "python bench/run_all.py" + (" --quick" if a.quick else "") + \
-        (f" --only {a.only}" if a.only else "")
+    cmd = (
+        "python bench/run_all.py"
+        + (" --quick" if a.quick else "")
+        + (f" --only {a.only}" if a.only else "")
+    )
     import os
-    res = {"command": cmd, "wall_s": time.perf_counter() - t0, "bench_wall_s": walls,
-           "machine": f"{platform.machine()}, {os.cpu_count()} cores (shared), "
-                      f"Python {platform.python_version()}",
-           "rows": rows, "details": details, "errors": errors}
-    out = Path(a.out) if a.out else ROOT / "bench" / "results" / (
-        "performance_quick.json" if a.quick else "performance.json")
+
+    res = {
+        "command": cmd,
+        "wall_s": time.perf_counter() - t0,
+        "bench_wall_s": walls,
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores (shared), "
+        f"Python {platform.python_version()}",
+        "rows": rows,
+        "details": details,
+        "errors": errors,
+    }
+    out = (
+        Path(a.out)
+        if a.out
+        else ROOT
+        / "bench"
+        / "results"
+        / ("performance_quick.json" if a.quick else "performance.json")
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1, default=str))
     if not a.quick or a.md:

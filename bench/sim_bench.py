@@ -52,8 +52,16 @@ def benchmark() -> dict:
         cfg = paper_config(system, 2_400_000, m, horizon_s=24 * 3600.0)
         t0 = time.perf_counter()
         s = simulate(cfg, seeds=5, target_ci95=0.005, max_seeds=400)
-        rows.append({"system": system, "learners": m, "chips": 2_400_000,
-                     "hours_per_seed": 24, "wall_s": time.perf_counter() - t0, **s.as_dict()})
+        rows.append(
+            {
+                "system": system,
+                "learners": m,
+                "chips": 2_400_000,
+                "hours_per_seed": 24,
+                "wall_s": time.perf_counter() - t0,
+                **s.as_dict(),
+            }
+        )
     return {"rows": rows, "wall_s_total": time.perf_counter() - t_all}
 
 
@@ -74,17 +82,34 @@ def sensitivity() -> list[dict]:
 def heterogeneous() -> list[dict]:
     costs = dataclasses.replace(paper_costs(), step_time_cv=0.10)
     out = []
-    for mtbi, (k, grace) in [(y, kg) for y in (1e9, 1.0)
-                             for kg in ((8, True), (1, False), (1, True))]:
-        cfg = SimConfig(system="decoupled", n_chips=1_200_000, learners=8, quorum=k,
-                        grace=grace, speed_factors=(1.0,) * 4 + (1.18,) * 4, costs=costs,
-                        failures=FailureConfig(mtbi_years=mtbi), horizon_s=3 * 3600.0,
-                        warmup_s=1800.0)
+    for mtbi, (k, grace) in [
+        (y, kg) for y in (1e9, 1.0) for kg in ((8, True), (1, False), (1, True))
+    ]:
+        cfg = SimConfig(
+            system="decoupled",
+            n_chips=1_200_000,
+            learners=8,
+            quorum=k,
+            grace=grace,
+            speed_factors=(1.0,) * 4 + (1.18,) * 4,
+            costs=costs,
+            failures=FailureConfig(mtbi_years=mtbi),
+            horizon_s=3 * 3600.0,
+            warmup_s=1800.0,
+        )
         s = simulate(cfg, seeds=3)
         size = sum(r.mean_merge_size for r in s.runs) / len(s.runs)
-        out.append({"mtbi_years": mtbi, "quorum": k, "grace": grace, "goodput": s.goodput,
-                    "goodput_ci95": s.goodput_ci95, "uptime": s.uptime,
-                    "mean_merge_size": size})
+        out.append(
+            {
+                "mtbi_years": mtbi,
+                "quorum": k,
+                "grace": grace,
+                "goodput": s.goodput,
+                "goodput_ci95": s.goodput_ci95,
+                "uptime": s.uptime,
+                "mean_merge_size": size,
+            }
+        )
     return out
 
 
@@ -104,48 +129,82 @@ def main() -> int:
     sens = sensitivity()
     het = heterogeneous()
     result = {
-        "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
-                    "platform": platform.platform()},
+        "machine": {
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+        },
         "benchmark_2_4M": bench,
-        "grid": [c.as_dict() for c in cells], "worst_error_pp": worst,
+        "grid": [c.as_dict() for c in cells],
+        "worst_error_pp": worst,
         "grid_field_costs": [c.as_dict() for c in field_cells],
         "paper_costs": dataclasses.asdict(paper_costs()),
         "field_costs": dataclasses.asdict(field_costs()),
-        "sensitivity_1_2M": sens, "heterogeneous": het,
+        "sensitivity_1_2M": sens,
+        "heterogeneous": het,
     }
     (RESULTS / "sim.json").write_text(json.dumps(result, indent=1))
 
-    md = ["# Simulator benchmark", "",
-          "Produced by `python bench/sim_bench.py` (raw numbers: `bench/results/sim.json`).", "",
-          "## 2.4M chips, 95% CI half-width <= 0.5 pp", "",
-          "| system | goodput | CI95 (pp) | uptime | seeds x 24 h | failures/seed | wall (s) |",
-          "|---|---|---|---|---|---|---|"]
+    md = [
+        "# Simulator benchmark",
+        "",
+        "Produced by `python bench/sim_bench.py` (raw numbers: `bench/results/sim.json`).",
+        "",
+        "## 2.4M chips, 95% CI half-width <= 0.5 pp",
+        "",
+        "| system | goodput | CI95 (pp) | uptime | seeds x 24 h | failures/seed | wall (s) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in bench["rows"]:
-        md.append(f"| {r['system']} (M = {r['learners']}) | {_pct(r['goodput'])} | "
-                  f"{100 * r['goodput_ci95']:.2f} | {_pct(r['uptime'])} | {r['seeds']} | "
-                  f"{r['failures_per_seed']:.0f} | {r['wall_s']:.2f} |")
-    md += ["", f"Total wall time: **{bench['wall_s_total']:.1f} s** "
-           f"({os.cpu_count()} CPUs, Python {platform.python_version()}).", "",
-           "## Reproduction of the published cells (20 seeds x 6 h)", "", repro, "",
-           f"Worst error: {worst:.1f} pp.", "",
-           "## Predicted full grid, calibrated costs (goodput %, ± 95% CI)", "",
-           format_grid(cells), "",
-           "## Full grid with field-typical costs (`field_costs()`, 10 seeds x 6 h)", "",
-           format_grid(field_cells), "",
-           "## Sensitivity at 1.2M chips (goodput %, one cost changed at a time, 6 seeds)", "",
-           "| cost | value | DP | elastic DP | Decoupled M = 8 |", "|---|---|---|---|---|"]
+        md.append(
+            f"| {r['system']} (M = {r['learners']}) | {_pct(r['goodput'])} | "
+            f"{100 * r['goodput_ci95']:.2f} | {_pct(r['uptime'])} | {r['seeds']} | "
+            f"{r['failures_per_seed']:.0f} | {r['wall_s']:.2f} |"
+        )
+    md += [
+        "",
+        f"Total wall time: **{bench['wall_s_total']:.1f} s** "
+        f"({os.cpu_count()} CPUs, Python {platform.python_version()}).",
+        "",
+        "## Reproduction of the published cells (20 seeds x 6 h)",
+        "",
+        repro,
+        "",
+        f"Worst error: {worst:.1f} pp.",
+        "",
+        "## Predicted full grid, calibrated costs (goodput %, ± 95% CI)",
+        "",
+        format_grid(cells),
+        "",
+        "## Full grid with field-typical costs (`field_costs()`, 10 seeds x 6 h)",
+        "",
+        format_grid(field_cells),
+        "",
+        "## Sensitivity at 1.2M chips (goodput %, one cost changed at a time, 6 seeds)",
+        "",
+        "| cost | value | DP | elastic DP | Decoupled M = 8 |",
+        "|---|---|---|---|---|",
+    ]
     for r in sens:
         mark = " (calibrated)" if r["calibrated"] else ""
-        md.append(f"| {r['field']} | {r['value']}{mark} | {_pct(r['dp-1'])} | "
-                  f"{_pct(r['elastic-dp-1'])} | {_pct(r['decoupled-8'])} |")
-    md += ["", "## Heterogeneous learners at 1.2M chips (4 x speed 1, 4 x 1/1.18, 10% noise)",
-           "", "| failures | K | grace | goodput | uptime | learners per merge |",
-           "|---|---|---|---|---|---|"]
+        md.append(
+            f"| {r['field']} | {r['value']}{mark} | {_pct(r['dp-1'])} | "
+            f"{_pct(r['elastic-dp-1'])} | {_pct(r['decoupled-8'])} |"
+        )
+    md += [
+        "",
+        "## Heterogeneous learners at 1.2M chips (4 x speed 1, 4 x 1/1.18, 10% noise)",
+        "",
+        "| failures | K | grace | goodput | uptime | learners per merge |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in het:
         fail = "none" if r["mtbi_years"] > 1e6 else f"MTBI {r['mtbi_years']:g} y"
-        md.append(f"| {fail} | {r['quorum']} | {r['grace']} | {_pct(r['goodput'])} ± "
-                  f"{100 * r['goodput_ci95']:.1f} | {_pct(r['uptime'])} | "
-                  f"{r['mean_merge_size']:.2f} |")
+        md.append(
+            f"| {fail} | {r['quorum']} | {r['grace']} | {_pct(r['goodput'])} ± "
+            f"{100 * r['goodput_ci95']:.1f} | {_pct(r['uptime'])} | "
+            f"{r['mean_merge_size']:.2f} |"
+        )
     DOC.write_text("\n".join(md) + "\n")
     print("\n".join(md))
     return 0

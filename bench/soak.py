@@ -31,9 +31,9 @@ CHAOS = {
     "kill_mean_interval_s": 60.0,
     "kill_downtime_s": 2.0,
     "stop_mean_interval_s": 45.0,
-    "stop_duration_s": 6.0,      # longer than the launcher's 3 s heartbeat timeout
+    "stop_duration_s": 6.0,  # longer than the launcher's 3 s heartbeat timeout
     "slowdown": {2: 1.5},
-    "syncer_kill_at_s": [],      # filled in from --minutes: every 5 minutes
+    "syncer_kill_at_s": [],  # filled in from --minutes: every 5 minutes
     "syncer_downtime_s": 2.0,
     "link_latency_s": 0.005,
     "start_after_s": 10.0,
@@ -98,13 +98,35 @@ def main() -> int:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     horizon_s = args.minutes * 60
-    chaos = dict(CHAOS, syncer_kill_at_s=[t for t in range(300, int(horizon_s) - 30, 300)]
-                 or [horizon_s / 2])
+    chaos = dict(
+        CHAOS, syncer_kill_at_s=[t for t in range(300, int(horizon_s) - 30, 300)] or [horizon_s / 2]
+    )
     (out / "chaos.json").write_text(json.dumps(chaos))
-    cmd = [sys.executable, "-m", "ddiloco.cli", "train", "--engine", "processes",
-           "--method", "decoupled", "--learners", str(args.learners), "--steps", "10000000",
-           "--model", "gpt_tiny", "--batch-size", "8", "--eval-every", "1000000",
-           "--chaos", str(out / "chaos.json"), "--out", str(out / "run"), "--no-progress"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ddiloco.cli",
+        "train",
+        "--engine",
+        "processes",
+        "--method",
+        "decoupled",
+        "--learners",
+        str(args.learners),
+        "--steps",
+        "10000000",
+        "--model",
+        "gpt_tiny",
+        "--batch-size",
+        "8",
+        "--eval-every",
+        "1000000",
+        "--chaos",
+        str(out / "chaos.json"),
+        "--out",
+        str(out / "run"),
+        "--no-progress",
+    ]
     log = open(out / "train.log", "wb")
     t0 = time.monotonic()
     train = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -114,8 +136,14 @@ def main() -> int:
             pid = _syncer_pid(out / "run")
             st = _proc_stats(pid) if pid else None
             if st:
-                samples.append({"t_s": round(time.monotonic() - t0, 1), "pid": pid,
-                                "rss_bytes": st[0], "threads": st[1]})
+                samples.append(
+                    {
+                        "t_s": round(time.monotonic() - t0, 1),
+                        "pid": pid,
+                        "rss_bytes": st[0],
+                        "threads": st[1],
+                    }
+                )
             time.sleep(args.sample_s)
     finally:
         if train.poll() is None:
@@ -134,21 +162,33 @@ def main() -> int:
         per_pid.setdefault(s["pid"], []).append(s)
     procs = []
     for pid, ss in per_pid.items():
-        rss0, rss1 = _fifths([s["rss_bytes"] / 2 ** 20 for s in ss])
-        procs.append({"pid": pid, "samples": len(ss), "from_s": ss[0]["t_s"],
-                      "to_s": ss[-1]["t_s"], "rss_mib_first_fifth": round(rss0, 1),
-                      "rss_mib_last_fifth": round(rss1, 1),
-                      "threads_min": min(s["threads"] for s in ss),
-                      "threads_max": max(s["threads"] for s in ss)})
+        rss0, rss1 = _fifths([s["rss_bytes"] / 2**20 for s in ss])
+        procs.append(
+            {
+                "pid": pid,
+                "samples": len(ss),
+                "from_s": ss[0]["t_s"],
+                "to_s": ss[-1]["t_s"],
+                "rss_mib_first_fifth": round(rss0, 1),
+                "rss_mib_last_fifth": round(rss1, 1),
+                "threads_min": min(s["threads"] for s in ss),
+                "threads_max": max(s["threads"] for s in ss),
+            }
+        )
     events: dict[str, int] = {}
     chaos_log = out / "run" / "chaos.jsonl"
     if chaos_log.is_file():
         for line in chaos_log.read_text().splitlines():
             kind = json.loads(line).get("kind", "?")
             events[kind] = events.get(kind, 0) + 1
-    result = {"command": " ".join([sys.executable, *sys.argv]), "minutes": args.minutes,
-              "wall_s": round(time.monotonic() - t0, 1), "train_returncode": train.returncode,
-              "syncer_processes": procs, "chaos_events": events}
+    result = {
+        "command": " ".join([sys.executable, *sys.argv]),
+        "minutes": args.minutes,
+        "wall_s": round(time.monotonic() - t0, 1),
+        "train_returncode": train.returncode,
+        "syncer_processes": procs,
+        "chaos_events": events,
+    }
     (out / "soak.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
     return 0

@@ -77,9 +77,18 @@ def worker(a: argparse.Namespace) -> None:
     model = mlp(a.seed)  # every learner builds the same initial model
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.0)
     g = torch.Generator().manual_seed(a.seed * 1000 + a.learner * 97 + os.getpid())
-    with ddiloco.DecoupledLearner(model, opt, syncer=a.syncer, learner=a.learner, P=a.P, H=a.H,
-                                  tau=2, codec="bf16", tokens_per_step=a.batch,
-                                  heartbeat_interval=timedelta(milliseconds=250)) as dl:
+    with ddiloco.DecoupledLearner(
+        model,
+        opt,
+        syncer=a.syncer,
+        learner=a.learner,
+        P=a.P,
+        H=a.H,
+        tau=2,
+        codec="bf16",
+        tokens_per_step=a.batch,
+        heartbeat_interval=timedelta(milliseconds=250),
+    ) as dl:
         start = dl.global_step
         while not dl.should_stop:
             t = min(dl.global_step / a.steps, 1.0)
@@ -95,9 +104,17 @@ def worker(a: argparse.Namespace) -> None:
         local = eval_mse(model, x_eval, y_eval)
         torch.save(model.state_dict(), Path(a.result).with_suffix(".pt"))
         steps = dl.global_step
-    Path(a.result).write_text(json.dumps({"learner": a.learner, "local_eval_mse": local,
-                                          "start_step": start, "global_step": steps,
-                                          "incarnation": dl.incarnation}))
+    Path(a.result).write_text(
+        json.dumps(
+            {
+                "learner": a.learner,
+                "local_eval_mse": local,
+                "start_step": start,
+                "global_step": steps,
+                "incarnation": dl.incarnation,
+            }
+        )
+    )
 
 
 # -- the supervisor ------------------------------------------------------------------------------
@@ -117,13 +134,31 @@ def one_run(name: str, a: argparse.Namespace, out: Path) -> dict:
     quorum = a.learners if name == "sync" else 1
     kills = name == "kill"
     syncer_log = open(run / "syncer.log", "wb")
-    syncer = subprocess.Popen(_cli("syncer", "--port", "0", "--port-file", str(run / "port"),
-                                   "--quorum", str(quorum), "--step-budget",
-                                   str(a.learners * a.steps), "--heartbeat-timeout", "3",
-                                   "--metrics-file", str(run / "syncer.jsonl"),
-                                   "--outer-lr", str(a.outer_lr), "--log-level", "warning",
-                                   *a.syncer_args.split()),
-                              env=env, stdout=syncer_log, stderr=subprocess.STDOUT)
+    syncer = subprocess.Popen(
+        _cli(
+            "syncer",
+            "--port",
+            "0",
+            "--port-file",
+            str(run / "port"),
+            "--quorum",
+            str(quorum),
+            "--step-budget",
+            str(a.learners * a.steps),
+            "--heartbeat-timeout",
+            "3",
+            "--metrics-file",
+            str(run / "syncer.jsonl"),
+            "--outer-lr",
+            str(a.outer_lr),
+            "--log-level",
+            "warning",
+            *a.syncer_args.split(),
+        ),
+        env=env,
+        stdout=syncer_log,
+        stderr=subprocess.STDOUT,
+    )
     while not (run / "port").is_file():
         if syncer.poll() is not None:
             raise RuntimeError((run / "syncer.log").read_text())
@@ -134,9 +169,22 @@ def one_run(name: str, a: argparse.Namespace, out: Path) -> dict:
 
     def start(m: int) -> None:
         procs[m] = subprocess.Popen(
-            [sys.executable, __file__, "--worker", "--syncer", address, "--learner", str(m),
-             "--result", str(run / f"learner_{m}.json"), *a.worker_args],
-            env=env, stdout=logs[m], stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                __file__,
+                "--worker",
+                "--syncer",
+                address,
+                "--learner",
+                str(m),
+                "--result",
+                str(run / f"learner_{m}.json"),
+                *a.worker_args,
+            ],
+            env=env,
+            stdout=logs[m],
+            stderr=subprocess.STDOUT,
+        )
 
     t0 = time.monotonic()
     for m in range(a.learners):
@@ -174,6 +222,7 @@ def one_run(name: str, a: argparse.Namespace, out: Path) -> dict:
     time.sleep(1.0)  # the last merges of the leaving learners publish
     sd, meta = state_dict_from_syncer(address, token="bench-token")
     from ddiloco.runtime.learner.client import SyncerClient
+
     st = SyncerClient(address, "bench-token").status()
     syncer.send_signal(signal.SIGTERM)
     syncer.wait(30)
@@ -190,16 +239,24 @@ def one_run(name: str, a: argparse.Namespace, out: Path) -> dict:
     sds = [torch.load(run / f"learner_{m}.pt") for m in range(a.learners)]
     model.load_state_dict({n: sum(sd[n] for sd in sds) / len(sds) for n in sds[0]})
     avg_mse = eval_mse(model, x_eval, y_eval)  # the local models' parameters averaged
-    res = {"run": name, "quorum": quorum, "kills": n_kills, "wall_s": round(wall, 1),
-           "initial_eval_mse": round(init_mse, 5), "global_eval_mse": round(global_mse, 5),
-           "local_eval_mse": [round(v, 5) for v in local],
-           "mean_local_eval_mse": round(statistics.mean(local), 5),
-           "global_over_mean_local": round(global_mse / statistics.mean(local), 4),
-           "averaged_locals_eval_mse": round(avg_mse, 5),
-           "merges": len(sizes), "learners_per_merge": round(statistics.mean(sizes), 3) if sizes else None,
-           "steps_total": sum(r["global_step"] for r in learners),
-           "samples_total": sum(r["global_step"] for r in learners) * a.batch,
-           "syncer_steps_done": st.get("steps_done"), "versions": meta["versions"]}
+    res = {
+        "run": name,
+        "quorum": quorum,
+        "kills": n_kills,
+        "wall_s": round(wall, 1),
+        "initial_eval_mse": round(init_mse, 5),
+        "global_eval_mse": round(global_mse, 5),
+        "local_eval_mse": [round(v, 5) for v in local],
+        "mean_local_eval_mse": round(statistics.mean(local), 5),
+        "global_over_mean_local": round(global_mse / statistics.mean(local), 4),
+        "averaged_locals_eval_mse": round(avg_mse, 5),
+        "merges": len(sizes),
+        "learners_per_merge": round(statistics.mean(sizes), 3) if sizes else None,
+        "steps_total": sum(r["global_step"] for r in learners),
+        "samples_total": sum(r["global_step"] for r in learners) * a.batch,
+        "syncer_steps_done": st.get("steps_done"),
+        "versions": meta["versions"],
+    }
     print(f"  {json.dumps(res)}", file=sys.stderr, flush=True)
     return res
 
@@ -225,36 +282,67 @@ def main() -> None:
     ap.add_argument("--out", default="runs/user_loop")
     ap.add_argument("--tag", default="", help="suffix of the result files")
     a = ap.parse_args()
-    a.worker_args = ["--steps", str(a.steps), "--batch", str(a.batch), "--lr", str(a.lr),
-                     "-P", str(a.P), "-H", str(a.H), "--seed", str(a.seed)]
+    a.worker_args = [
+        "--steps",
+        str(a.steps),
+        "--batch",
+        str(a.batch),
+        "--lr",
+        str(a.lr),
+        "-P",
+        str(a.P),
+        "-H",
+        str(a.H),
+        "--seed",
+        str(a.seed),
+    ]
     if a.worker:
         worker(a)
         return
     cmd = "python bench/user_loop.py " + " ".join(sys.argv[1:])
     runs = [one_run(name, a, Path(a.out)) for name in a.runs.split(",")]
     n_params = sum(p.numel() for p in mlp(0).parameters())
-    result = {"command": cmd, "task": {"model": f"MLP {D_IN}-{WIDTH}x{DEPTH}-1 (GELU)",
-                                        "parameters": n_params, "batch": a.batch,
-                                        "noise_std": NOISE, "lr": a.lr, "P": a.P, "H": a.H,
-                                        "tau": 2, "outer_lr": a.outer_lr,
-                                        "learners": a.learners, "steps_per_learner": a.steps},
-              "runs": runs}
+    result = {
+        "command": cmd,
+        "task": {
+            "model": f"MLP {D_IN}-{WIDTH}x{DEPTH}-1 (GELU)",
+            "parameters": n_params,
+            "batch": a.batch,
+            "noise_std": NOISE,
+            "lr": a.lr,
+            "P": a.P,
+            "H": a.H,
+            "tau": 2,
+            "outer_lr": a.outer_lr,
+            "learners": a.learners,
+            "steps_per_learner": a.steps,
+        },
+        "runs": runs,
+    }
     by = {r["run"]: r for r in runs}
     if "kill" in by and "sync" in by:
         result["kill_global_vs_sync_global"] = round(
-            by["kill"]["global_eval_mse"] / by["sync"]["global_eval_mse"] - 1, 4)
+            by["kill"]["global_eval_mse"] / by["sync"]["global_eval_mse"] - 1, 4
+        )
     tag = f"_{a.tag}" if a.tag else ""
     (ROOT / "bench" / "results").mkdir(parents=True, exist_ok=True)
     (ROOT / "bench" / "results" / f"user_loop{tag}.json").write_text(json.dumps(result, indent=2))
-    lines = [f"| run | K | kills | learners per merge | samples | global eval MSE | mean local "
-             f"eval MSE | global / mean local | wall s |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| run | K | kills | learners per merge | samples | global eval MSE | mean local "
+        "eval MSE | global / mean local | wall s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in runs:
-        lines.append(f"| {r['run']} | {r['quorum']} | {r['kills']} | {r['learners_per_merge']} | "
-                     f"{r['samples_total']:,} | {r['global_eval_mse']} | {r['mean_local_eval_mse']}"
-                     f" | {r['global_over_mean_local']} | {r['wall_s']} |")
+        lines.append(
+            f"| {r['run']} | {r['quorum']} | {r['kills']} | {r['learners_per_merge']} | "
+            f"{r['samples_total']:,} | {r['global_eval_mse']} | {r['mean_local_eval_mse']}"
+            f" | {r['global_over_mean_local']} | {r['wall_s']} |"
+        )
     if "kill_global_vs_sync_global" in result:
-        lines.append(f"\nkill run's global model vs the synchronous run's: "
-                     f"{100 * result['kill_global_vs_sync_global']:+.2f}% eval MSE")
+        lines.append(
+            f"\nkill run's global model vs the synchronous run's: "
+            f"{100 * result['kill_global_vs_sync_global']:+.2f}% eval MSE"
+        )
     print(f"command: {cmd}\n" + "\n".join(lines))
 
 

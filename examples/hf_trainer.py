@@ -30,8 +30,10 @@ class CountingData(torch.utils.data.Dataset):
 
     def __init__(self, n: int, seed: int) -> None:
         g = torch.Generator().manual_seed(seed)
-        self.ids = (torch.randint(0, VOCAB, (n, 1), generator=g)
-                    + torch.randint(1, 4, (n, 1), generator=g) * torch.arange(SEQ)) % VOCAB
+        self.ids = (
+            torch.randint(0, VOCAB, (n, 1), generator=g)
+            + torch.randint(1, 4, (n, 1), generator=g) * torch.arange(SEQ)
+        ) % VOCAB
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -49,23 +51,46 @@ def main() -> None:
     args = ap.parse_args()
 
     torch.manual_seed(0)  # every learner starts from the same model (the syncer keeps one)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        vocab_size=VOCAB, n_positions=SEQ, n_embd=64, n_layer=2, n_head=2))
+    model = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=64, n_layer=2, n_head=2)
+    )
     training_args = transformers.TrainingArguments(
-        output_dir=f"{args.out}/learner_{args.learner}", max_steps=args.steps,
-        per_device_train_batch_size=16, learning_rate=3e-3, logging_steps=10,
-        report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True)
-    sync = DecoupledDiLoCoCallback(syncer=args.syncer, learner=args.learner,  # Decoupled DiLoCo
-                                   H=8, tau=2)  # token from $DDILOCO_TOKEN
-    trainer = transformers.Trainer(model=model, args=training_args,
-                                   train_dataset=CountingData(4096, seed=args.learner),
-                                   callbacks=[sync])  # Decoupled DiLoCo
+        output_dir=f"{args.out}/learner_{args.learner}",
+        max_steps=args.steps,
+        per_device_train_batch_size=16,
+        learning_rate=3e-3,
+        logging_steps=10,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    sync = DecoupledDiLoCoCallback(
+        syncer=args.syncer,
+        learner=args.learner,  # Decoupled DiLoCo
+        H=8,
+        tau=2,
+    )  # token from $DDILOCO_TOKEN
+    trainer = transformers.Trainer(
+        model=model,
+        args=training_args,
+        train_dataset=CountingData(4096, seed=args.learner),
+        callbacks=[sync],
+    )  # Decoupled DiLoCo
     trainer.train()
     losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
-    print(json.dumps({"learner": args.learner, "steps": sync.learner.sync.step,
-                      "installed": sync.installed, "first_loss": losses[0],
-                      "last_loss": losses[-1], **{k: sync.learner.stats[k] for k in (
-                          "pushes", "pushes_accepted", "installs")}}))
+    print(
+        json.dumps(
+            {
+                "learner": args.learner,
+                "steps": sync.learner.sync.step,
+                "installed": sync.installed,
+                "first_loss": losses[0],
+                "last_loss": losses[-1],
+                **{k: sync.learner.stats[k] for k in ("pushes", "pushes_accepted", "installs")},
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -45,10 +45,16 @@ class GPTModule(pl.LightningModule):
 def counting_data(n: int, seed: int) -> torch.utils.data.DataLoader:
     """Sequences x_{i+1} = x_i + k (mod VOCAB) as (x, y); each learner gets its own seed."""
     g = torch.Generator().manual_seed(seed)
-    ids = (torch.randint(0, VOCAB, (n, 1), generator=g)
-           + torch.randint(1, 4, (n, 1), generator=g) * torch.arange(SEQ + 1)) % VOCAB
-    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids[:, :-1], ids[:, 1:]),
-                                       batch_size=16, shuffle=True, generator=g)
+    ids = (
+        torch.randint(0, VOCAB, (n, 1), generator=g)
+        + torch.randint(1, 4, (n, 1), generator=g) * torch.arange(SEQ + 1)
+    ) % VOCAB
+    return torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(ids[:, :-1], ids[:, 1:]),
+        batch_size=16,
+        shuffle=True,
+        generator=g,
+    )
 
 
 def main() -> None:
@@ -60,17 +66,29 @@ def main() -> None:
 
     module = GPTModule()
     sync = DecoupledDiLoCo(syncer=args.syncer, learner=args.learner, H=8, tau=2)  # DDiLoCo
-    trainer = pl.Trainer(max_steps=args.steps, accelerator="cpu", devices=1, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False,
-                         callbacks=[sync])  # Decoupled DiLoCo
+    trainer = pl.Trainer(
+        max_steps=args.steps,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        callbacks=[sync],
+    )  # Decoupled DiLoCo
     trainer.fit(module, counting_data(4096, seed=args.learner))
     n = min(20, len(module.losses))
-    print(json.dumps({"learner": args.learner, "steps": sync.learner.sync.step,
-                      "installed": sync.installed,
-                      "first_loss": sum(module.losses[:n]) / n,
-                      "last_loss": sum(module.losses[-n:]) / n,
-                      **{k: sync.learner.stats[k] for k in ("pushes", "pushes_accepted",
-                                                            "installs")}}))
+    print(
+        json.dumps(
+            {
+                "learner": args.learner,
+                "steps": sync.learner.sync.step,
+                "installed": sync.installed,
+                "first_loss": sum(module.losses[:n]) / n,
+                "last_loss": sum(module.losses[-n:]) / n,
+                **{k: sync.learner.stats[k] for k in ("pushes", "pushes_accepted", "installs")},
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

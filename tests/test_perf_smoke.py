@@ -19,6 +19,7 @@ def test_run_all_quick_writes_rows(tmp_path):
     sys.path.insert(0, str(BENCH))
     try:
         import run_all
+
         out = tmp_path / "perf.json"
         only = "codecs" if torch.cuda.is_available() else "codecs,gpu"  # gpu: the skip entry
         res = run_all.main(["--quick", "--only", only, "--out", str(out)])

@@ -17,8 +17,18 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_quality_quick(tmp_path: Path) -> None:
-    subprocess.run([sys.executable, str(ROOT / "bench" / "quality" / "run.py"), "--quick",
-                    "--out", str(tmp_path)], check=True, timeout=230, cwd=ROOT)
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "quality" / "run.py"),
+            "--quick",
+            "--out",
+            str(tmp_path),
+        ],
+        check=True,
+        timeout=230,
+        cwd=ROOT,
+    )
     md = (tmp_path / "quality.md").read_text()
     for s in "abcdefgh":
         assert f"## ({s}) " in md, f"section ({s}) missing"
@@ -31,5 +41,6 @@ def test_quality_quick(tmp_path: Path) -> None:
         assert c["curve"], c["name"]
     assert all(c["eval_accuracy"] is not None for c in res["cells"] if c["section"] == "h")
     assert all(c["peak_bytes"] > 0 for c in res["cells"] if c["section"] == "f")
-    assert sorted(p.name for p in (tmp_path / "quality").glob("*.png")) == \
-        [f"{s}.png" for s in "abcdefgh"]
+    assert sorted(p.name for p in (tmp_path / "quality").glob("*.png")) == [
+        f"{s}.png" for s in "abcdefgh"
+    ]

@@ -11,8 +11,16 @@ from ddiloco.cli import main
 from ddiloco.report import goodput_timeline, learner_states, load_run, make_report
 
 PNGS = ("loss.png", "goodput.png", "learners.png", "bytes.png")
-TINY = dict(steps=30, batch_size=4, block_size=16, vocab_size=16, learners=2, eval_every=10,
-            eval_batches=2, progress=False)
+TINY = dict(
+    steps=30,
+    batch_size=4,
+    block_size=16,
+    vocab_size=16,
+    learners=2,
+    eval_every=10,
+    eval_batches=2,
+    progress=False,
+)
 
 
 @pytest.fixture(scope="module")
@@ -41,13 +49,27 @@ def _write_run(d: Path, summary: dict, rows: list, extra_lines: tuple = ()) -> P
 def _processes_run(d: Path) -> Path:
     """A run directory shaped like the process runtime's: wall clock, learner_start rows,
     chaos-* rows, an unknown row kind and rows with missing fields."""
-    summary = {"method": "decoupled", "engine": "processes", "learners": 2, "steps": 10,
-               "tokens": 1280, "final_eval_loss": 2.5, "entropy_floor": 1.2, "goodput": 0.5,
-               "uptime": 1.0, "bytes_up": 4 << 20, "bytes_down": 8 << 20, "merges": 3,
-               "wall_s": 14.0, "train_wall_s": 10.0, "config": {"fragments": 1},
-               "per_learner": [{"learner": 0, "ledger_steps": {"computed": 10, "merged": 6,
-                                                               "dropped": 1, "lost": 3}},
-                               {"learner": 1}]}
+    summary = {
+        "method": "decoupled",
+        "engine": "processes",
+        "learners": 2,
+        "steps": 10,
+        "tokens": 1280,
+        "final_eval_loss": 2.5,
+        "entropy_floor": 1.2,
+        "goodput": 0.5,
+        "uptime": 1.0,
+        "bytes_up": 4 << 20,
+        "bytes_down": 8 << 20,
+        "merges": 3,
+        "wall_s": 14.0,
+        "train_wall_s": 10.0,
+        "config": {"fragments": 1},
+        "per_learner": [
+            {"learner": 0, "ledger_steps": {"computed": 10, "merged": 6, "dropped": 1, "lost": 3}},
+            {"learner": 1},
+        ],
+    }
     rows = [
         {"kind": "config", "fragments": 1},
         {"kind": "eval", "t_s": 0.0, "step": 0, "eval_loss": 2.8},
@@ -62,9 +84,9 @@ def _processes_run(d: Path) -> Path:
         {"kind": "chaos-stop-learner", "t_s": 6.0, "target": "learner_0", "duration_s": 1},
         {"kind": "chaos-cont-learner", "t_s": 7.0, "target": "learner_0"},
         {"kind": "merge", "t_s": 10.0, "fragment": 0, "version": 2, "learners": [0, 1]},
-        {"kind": "merge", "t_s": 11.0},                       # no learners: ignored
+        {"kind": "merge", "t_s": 11.0},  # no learners: ignored
         {"kind": "a-row-kind-from-the-future", "t_s": 11.5},
-        {"kind": "eval", "eval_loss": 9.9},                   # no step: ignored
+        {"kind": "eval", "eval_loss": 9.9},  # no step: ignored
         {"no_kind": True},
         {"kind": "learner_end", "learner": 0, "t_s": 12.0},
         {"kind": "learner_end", "learner": 1, "t_s": 12.0},
@@ -107,8 +129,7 @@ def test_report_default_out_dir_for_one_run(two_runs, capsys, monkeypatch, tmp_p
     assert (dec / "report" / "index.html").is_file()
     monkeypatch.chdir(tmp_path)  # several runs: ./report
     assert main(["report", str(dec), str(dec)]) == 0
-    assert sorted(p.name for p in (tmp_path / "report").iterdir()) == sorted(
-        (*PNGS, "index.html"))
+    assert sorted(p.name for p in (tmp_path / "report").iterdir()) == sorted((*PNGS, "index.html"))
 
 
 def test_inproc_timeline_matches_failure_and_rejoin_rows(two_runs):
@@ -128,20 +149,29 @@ def test_inproc_timeline_matches_failure_and_rejoin_rows(two_runs):
 def test_goodput_timeline_exact(tmp_path):
     # one learner, one fragment: up 0-4, down 4-6, up 6-10; merges at t=2 and t=8.
     # credits: 2 s (0-2) and 2 s (6-8, the work of 2-4 was lost at the failure)
-    d = _write_run(tmp_path / "r", {"method": "decoupled", "learners": 1, "fragments": 1,
-                                    "virtual_time_s": 10.0, "goodput": 0.4}, [
-        {"kind": "merge", "t_s": 2.0, "fragment": 0, "learners": [0]},
-        {"kind": "failure", "t_s": 4.0, "learner": 0},
-        {"kind": "rejoin", "t_s": 6.0, "learner": 0},
-        {"kind": "merge", "t_s": 8.0, "fragment": 0, "learners": [0]},
-    ])
+    d = _write_run(
+        tmp_path / "r",
+        {
+            "method": "decoupled",
+            "learners": 1,
+            "fragments": 1,
+            "virtual_time_s": 10.0,
+            "goodput": 0.4,
+        },
+        [
+            {"kind": "merge", "t_s": 2.0, "fragment": 0, "learners": [0]},
+            {"kind": "failure", "t_s": 4.0, "learner": 0},
+            {"kind": "rejoin", "t_s": 6.0, "learner": 0},
+            {"kind": "merge", "t_s": 8.0, "fragment": 0, "learners": [0]},
+        ],
+    )
     run = load_run(d)
     assert learner_states(run) == {0: [(0.0, 4.0, "up"), (4.0, 6.0, "down"), (6.0, 10.0, "up")]}
     tl = goodput_timeline(run, n=10)
     assert tl["t"] == pytest.approx([1.0 * i for i in range(1, 11)])
     assert tl["goodput"][-1] == pytest.approx(0.4)
-    assert tl["goodput"][1] == pytest.approx(2.0 / 2.0)      # t=2: credited 0-2
-    assert tl["goodput"][6] == pytest.approx(2.0 / 7.0)      # t=7: nothing since
+    assert tl["goodput"][1] == pytest.approx(2.0 / 2.0)  # t=2: credited 0-2
+    assert tl["goodput"][6] == pytest.approx(2.0 / 7.0)  # t=7: nothing since
     assert tl["available"][-1] == pytest.approx(0.8)
 
 
@@ -165,17 +195,27 @@ def test_processes_run_rows_and_tolerance(tmp_path, caplog):
 
 
 def test_chaos_jsonl_is_read_when_metrics_lack_chaos_rows(tmp_path):
-    d = _write_run(tmp_path / "r", {"method": "decoupled", "learners": 1}, [
-        {"kind": "learner_start", "learner": 0, "t_s": 0.0},
-        {"kind": "learner_end", "learner": 0, "t_s": 10.0},
-    ])
+    d = _write_run(
+        tmp_path / "r",
+        {"method": "decoupled", "learners": 1},
+        [
+            {"kind": "learner_start", "learner": 0, "t_s": 0.0},
+            {"kind": "learner_end", "learner": 0, "t_s": 10.0},
+        ],
+    )
     (d / "chaos.jsonl").write_text(
-        json.dumps({"t_s": 3.0, "kind": "kill-learner", "target": "learner_0"}) + "\n"
-        + json.dumps({"t_s": 4.0, "kind": "restart-learner", "target": "learner_0"}) + "\n")
+        json.dumps({"t_s": 3.0, "kind": "kill-learner", "target": "learner_0"})
+        + "\n"
+        + json.dumps({"t_s": 4.0, "kind": "restart-learner", "target": "learner_0"})
+        + "\n"
+    )
     with open(d / "metrics.jsonl", "a") as f:
         f.write(json.dumps({"kind": "learner_start", "learner": 0, "t_s": 5.0}) + "\n")
-    assert learner_states(load_run(d))[0] == [(0.0, 3.0, "up"), (3.0, 5.0, "down"),
-                                              (5.0, 10.0, "up")]
+    assert learner_states(load_run(d))[0] == [
+        (0.0, 3.0, "up"),
+        (3.0, 5.0, "down"),
+        (5.0, 10.0, "up"),
+    ]
 
 
 def test_errors_are_user_errors(tmp_path, capsys):

@@ -16,16 +16,46 @@ from dataclasses import dataclass, field
 # (lr 1, no momentum), the best of a small pilot; (a) also runs the paper's defaults.
 # V = 16 and 32-token sequences keep the whole study within the CPU budget.
 BASE: dict = dict(
-    method="decoupled", engine="inproc", learners=4, steps=400,
-    model="gpt_tiny", data="synthetic", batch_size=16, block_size=32, vocab_size=16,
-    inner_optimizer="adamw", inner_lr=1e-2, weight_decay=0.0, lr_schedule="cosine",
-    warmup_steps=30, min_lr_frac=0.1, eval_every=50, eval_batches=8,
-    fragments=4, H=8, tau=1, quorum=1, grace=True, gamma=0.5,
-    outer_lr=1.0, outer_momentum=0.0, merge_rule="rda", alpha=0.0,
-    codec="bf16", down_codec="fp32", fragmentation="balanced", max_staleness=16,
+    method="decoupled",
+    engine="inproc",
+    learners=4,
+    steps=400,
+    model="gpt_tiny",
+    data="synthetic",
+    batch_size=16,
+    block_size=32,
+    vocab_size=16,
+    inner_optimizer="adamw",
+    inner_lr=1e-2,
+    weight_decay=0.0,
+    lr_schedule="cosine",
+    warmup_steps=30,
+    min_lr_frac=0.1,
+    eval_every=50,
+    eval_batches=8,
+    fragments=4,
+    H=8,
+    tau=1,
+    quorum=1,
+    grace=True,
+    gamma=0.5,
+    outer_lr=1.0,
+    outer_momentum=0.0,
+    merge_rule="rda",
+    alpha=0.0,
+    codec="bf16",
+    down_codec="fp32",
+    fragmentation="balanced",
+    max_staleness=16,
     anchor="current",
-    step_time_s=1.0, speeds=(), step_noise=0.0, mtbi_s=0.0, downtime_s=0.0,
-    latency_s=0.05, bandwidth_Bps=0.0, merge_time_s=0.01,
+    step_time_s=1.0,
+    speeds=(),
+    step_noise=0.0,
+    mtbi_s=0.0,
+    downtime_s=0.0,
+    latency_s=0.05,
+    bandwidth_Bps=0.0,
+    merge_time_s=0.01,
 )
 
 # Learner failures: mean up-time 170 s, down 30 s per failure (step = 1 s): each learner
@@ -82,15 +112,24 @@ def cells(quick: bool = False) -> list[Cell]:
     add("a", "decoupled, paper defaults", dict(PAPER_DEFAULTS, method="decoupled"), one)
     # ... and the same pair with 4x the batch per learner step (the gap's trend with batch)
     for m in ("dp", "decoupled"):
-        add("a", f"{m}, batch x{BATCH_SCALE}", dict(method=m, batch_size=BASE["batch_size"] * BATCH_SCALE),
-            two, batch_scale=BATCH_SCALE)
+        add(
+            "a",
+            f"{m}, batch x{BATCH_SCALE}",
+            dict(method=m, batch_size=BASE["batch_size"] * BATCH_SCALE),
+            two,
+            batch_scale=BATCH_SCALE,
+        )
     # b) failures (a synchronous method's loss does not change with failures, only its time)
     for m in ("dp", "diloco", "streaming"):
         add("b", f"{m}+failures", dict(method=m, **FAILURES), one)
     add("b", "decoupled+failures", dict(method="decoupled", **FAILURES), two)
-    add("b", f"decoupled+failures, batch x{BATCH_SCALE}",
-        dict(method="decoupled", batch_size=BASE["batch_size"] * BATCH_SCALE, **FAILURES), two,
-        batch_scale=BATCH_SCALE)
+    add(
+        "b",
+        f"decoupled+failures, batch x{BATCH_SCALE}",
+        dict(method="decoupled", batch_size=BASE["batch_size"] * BATCH_SCALE, **FAILURES),
+        two,
+        batch_scale=BATCH_SCALE,
+    )
     # c) heterogeneous speeds
     add("c", "K=M", dict(HETERO, quorum=M, grace=False), one)
     add("c", "K=1", dict(HETERO, quorum=1, grace=False), one)
@@ -98,8 +137,14 @@ def cells(quick: bool = False) -> list[Cell]:
     # d) merge rule at M = 8 and 16, equal total tokens (fewer steps per learner)
     for m in (8, 16):
         for rule in ("rda", "average"):
-            add("d", f"M={m} {rule}", dict(learners=m, steps=steps * M // m, merge_rule=rule),
-                two if m == 8 else one, M=m, rule=rule)
+            add(
+                "d",
+                f"M={m} {rule}",
+                dict(learners=m, steps=steps * M // m, merge_rule=rule),
+                two if m == 8 else one,
+                M=m,
+                rule=rule,
+            )
     # e) codecs (bf16 is the base decoupled run of (a))
     for c in ("bf16", "int4", "int2", "1bit"):
         add("e", c, dict(codec=c), one if c == "1bit" else two, codec=c)
@@ -107,8 +152,14 @@ def cells(quick: bool = False) -> list[Cell]:
     add("e", "int2/4096", dict(codec="int2/4096"), two, codec="int2/4096")
     # ... and at the paper's DiLoCo-family defaults (bf16 there is (a)'s paper-defaults run)
     for c in ("bf16", "int2", "1bit", "int2/4096"):
-        add("e", f"{c}, paper defaults", dict(PAPER_DEFAULTS, method="decoupled", codec=c), one,
-            codec=c, paper_defaults=True)
+        add(
+            "e",
+            f"{c}, paper defaults",
+            dict(PAPER_DEFAULTS, method="decoupled", codec=c),
+            one,
+            codec=c,
+            paper_defaults=True,
+        )
     # f) fragmentation
     for s in ("balanced", "per-layer", "strided", "per-tensor"):
         P = 29 if s == "per-tensor" else FRAG_P  # noqa: N806
@@ -116,8 +167,13 @@ def cells(quick: bool = False) -> list[Cell]:
     # g) MoE vs dense (the dense pair is (a)'s)
     for model in ("gpt_tiny", "moe_tiny"):
         for m in ("dp", "decoupled"):
-            add("g", f"{model} {m}", dict(model=model, method=m), one if model != "gpt_tiny" else two,
-                model=model)
+            add(
+                "g",
+                f"{model} {m}",
+                dict(model=model, method=m),
+                one if model != "gpt_tiny" else two,
+                model=model,
+            )
     # h) vision
     vis = dict(model="vit_digits", data="digits", eval_batches=22)
     add("h", "dp", dict(vis, method="dp"), two)
@@ -126,8 +182,16 @@ def cells(quick: bool = False) -> list[Cell]:
     return out
 
 
-QUICK = dict(steps=12, batch_size=4, block_size=16, eval_every=6, eval_batches=2, warmup_steps=2,
-             H=8, fragments=4)
+QUICK = dict(
+    steps=12,
+    batch_size=4,
+    block_size=16,
+    eval_every=6,
+    eval_batches=2,
+    warmup_steps=2,
+    H=8,
+    fragments=4,
+)
 
 
 def base_config(quick: bool = False) -> dict:

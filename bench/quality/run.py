@@ -81,10 +81,12 @@ def peak_bytes_per_step(config: dict) -> dict:
     from ddiloco.models import build_model, embedding_param_names
 
     torch.manual_seed(0)
-    model = build_model(config["model"], vocab_size=config["vocab_size"],
-                        block_size=config["block_size"])
-    frag = fragment_model(model, config["fragments"], config["fragmentation"],
-                          embedding_param_names(model))
+    model = build_model(
+        config["model"], vocab_size=config["vocab_size"], block_size=config["block_size"]
+    )
+    frag = fragment_model(
+        model, config["fragments"], config["fragmentation"], embedding_param_names(model)
+    )
     sched = FragmentSchedule(P=frag.P, H=config["H"], tau=config["tau"])
     codec = get_codec(config["codec"])
     per_phase: dict[int, int] = {}
@@ -92,8 +94,13 @@ def peak_bytes_per_step(config: dict) -> dict:
         o = sched.offset(f.index)
         per_phase[o] = per_phase.get(o, 0) + codec.nbytes(f.numel)
     total = codec.nbytes(sum(f.numel for f in frag.fragments))
-    return {"P": frag.P, "peak_bytes": max(per_phase.values()), "ideal_bytes": total / frag.P,
-            "model_bytes": total, "imbalance": frag.imbalance()}
+    return {
+        "P": frag.P,
+        "peak_bytes": max(per_phase.values()),
+        "ideal_bytes": total / frag.P,
+        "model_bytes": total,
+        "imbalance": frag.imbalance(),
+    }
 
 
 def aggregate(cell, summaries: list[dict], dirs: list[Path]) -> dict:
@@ -103,12 +110,30 @@ def aggregate(cell, summaries: list[dict], dirs: list[Path]) -> dict:
             return None, None
         return statistics.fmean(vals), (statistics.stdev(vals) if len(vals) > 1 else 0.0)
 
-    out = {"section": cell.section, "name": cell.name, "seeds": cell.seeds,
-           "overrides": _jsonable(cell.overrides), **cell.extra,
-           "runs": [str(d) for d in dirs]}
-    for k in ("final_eval_loss", "gap_to_floor", "eval_accuracy", "goodput", "goodput_available",
-              "uptime", "merges", "mean_quorum", "bytes_up", "bytes_down", "tokens", "wall_s",
-              "failures", "virtual_time_s"):
+    out = {
+        "section": cell.section,
+        "name": cell.name,
+        "seeds": cell.seeds,
+        "overrides": _jsonable(cell.overrides),
+        **cell.extra,
+        "runs": [str(d) for d in dirs],
+    }
+    for k in (
+        "final_eval_loss",
+        "gap_to_floor",
+        "eval_accuracy",
+        "goodput",
+        "goodput_available",
+        "uptime",
+        "merges",
+        "mean_quorum",
+        "bytes_up",
+        "bytes_down",
+        "tokens",
+        "wall_s",
+        "failures",
+        "virtual_time_s",
+    ):
         m, sd = stat(k)
         out[k] = m
         if k in ("final_eval_loss", "eval_accuracy", "goodput"):
@@ -123,10 +148,14 @@ def aggregate(cell, summaries: list[dict], dirs: list[Path]) -> dict:
 
     curves = [eval_curve(d) for d in dirs]
     n = min(len(c) for c in curves)
-    out["curve"] = [[statistics.fmean(c[i][0] for c in curves), statistics.fmean(c[i][1] for c in curves)]
-                    for i in range(n)]
+    out["curve"] = [
+        [statistics.fmean(c[i][0] for c in curves), statistics.fmean(c[i][1] for c in curves)]
+        for i in range(n)
+    ]
     steps_total = summaries[0]["steps"] * summaries[0]["learners"]
-    out["bytes_up_per_learner_step"] = out["bytes_up"] / steps_total if out["bytes_up"] is not None else None
+    out["bytes_up_per_learner_step"] = (
+        out["bytes_up"] / steps_total if out["bytes_up"] is not None else None
+    )
     return out
 
 
@@ -137,10 +166,13 @@ def _pinning(base: dict) -> dict:
 
     default = TrainConfig().to_dict()  # flat: every field by its flat name
     fields = set(default)
-    unpinned = {n: default[n] for n in fields
-                if n not in base and n not in ("seed", "out", "progress")}
-    return {"unpinned_defaults": _jsonable(unpinned),
-            "unknown_base_keys": sorted(k for k in base if k not in fields)}
+    unpinned = {
+        n: default[n] for n in fields if n not in base and n not in ("seed", "out", "progress")
+    }
+    return {
+        "unpinned_defaults": _jsonable(unpinned),
+        "unknown_base_keys": sorted(k for k in base if k not in fields),
+    }
 
 
 def _git_state() -> str:
@@ -148,10 +180,20 @@ def _git_state() -> str:
     import subprocess
 
     try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                             text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "src"], cwd=ROOT,
-                               capture_output=True, text=True, check=True).stdout.split()
+        rev = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "src"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return rev + (f" (uncommitted changes in {', '.join(dirty[1::2])})" if dirty else "")
@@ -165,16 +207,28 @@ def _display(p: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--quick", action="store_true", help="tiny runs: a smoke test (< 2 min)")
-    ap.add_argument("--out", type=Path, default=None,
-                    help="write everything under DIR (default: bench/results + docs/results)")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="write everything under DIR (default: bench/results + docs/results)",
+    )
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--resume", action="store_true",
-                    help="reuse finished runs whose summary.json matches the cell's config")
+    ap.add_argument(
+        "--resume",
+        action="store_true",
+        help="reuse finished runs whose summary.json matches the cell's config",
+    )
     ap.add_argument("--only", default="abcdefgh", help="sections to run, e.g. abe")
-    ap.add_argument("--render-only", action="store_true",
-                    help="rewrite the markdown and plots from the existing quality.json (no runs)")
+    ap.add_argument(
+        "--render-only",
+        action="store_true",
+        help="rewrite the markdown and plots from the existing quality.json (no runs)",
+    )
     args = ap.parse_args(argv)
 
     if args.out is None:
@@ -207,7 +261,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = resolve(c, args.quick)
         ident = json.dumps(_jsonable(cfg), sort_keys=True)
         if ident not in names:
-            names[ident] = f"{c.section}-{c.name}".replace(" ", "_").replace("=", "").replace("+", "_")
+            names[ident] = (
+                f"{c.section}-{c.name}".replace(" ", "_").replace("=", "").replace("+", "_")
+            )
         keys = []
         for s in c.seeds:
             key = f"{names[ident]}-s{s}"
@@ -225,9 +281,14 @@ def main(argv: list[str] | None = None) -> int:
         else:
             todo.append(j)
     # longest first so the two workers finish together
-    todo.sort(key=lambda j: -j["config"]["steps"] * j["config"]["learners"]
-              * (2.5 if j["config"]["model"].startswith("moe") else 1.0)
-              * (0.3 if j["config"]["model"].startswith("vit") else 1.0))
+    todo.sort(
+        key=lambda j: (
+            -j["config"]["steps"]
+            * j["config"]["learners"]
+            * (2.5 if j["config"]["model"].startswith("moe") else 1.0)
+            * (0.3 if j["config"]["model"].startswith("vit") else 1.0)
+        )
+    )
     bar = tqdm(total=len(todo), desc="quality runs", unit="run", file=sys.stderr)
     with ProcessPoolExecutor(max_workers=args.workers) as ex:
         futs = {ex.submit(_run_one, j): j for j in todo}
@@ -247,24 +308,44 @@ def main(argv: list[str] | None = None) -> int:
             a.update(peak_bytes_per_step(a["config"]))
         agg.append(a)
 
-    cmd = "python bench/quality/run.py" + (" --quick" if args.quick else "") + \
-        (f" --out {args.out}" if args.out is not None else "")
+    cmd = (
+        "python bench/quality/run.py"
+        + (" --quick" if args.quick else "")
+        + (f" --out {args.out}" if args.out is not None else "")
+    )
     res = {
-        "command": cmd, "quick": args.quick, "wall_s": round(wall_s, 1),
-        "runs": len(jobs), "runs_executed": len(todo), "workers": args.workers,
-        "cpu_count": os.cpu_count(), "loadavg_end": list(os.getloadavg()),
+        "command": cmd,
+        "quick": args.quick,
+        "wall_s": round(wall_s, 1),
+        "runs": len(jobs),
+        "runs_executed": len(todo),
+        "workers": args.workers,
+        "cpu_count": os.cpu_count(),
+        "loadavg_end": list(os.getloadavg()),
         "run_cpu_s": round(sum(results[k].get("wall_s", 0.0) for k in jobs), 1),
-        "base": _jsonable(base_config(args.quick)), "cells": agg,
-        "git": _git_state(), **_pinning(base_config(args.quick)),
-        "sections": SECTIONS, "json_name": _display(json_path), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "base": _jsonable(base_config(args.quick)),
+        "cells": agg,
+        "git": _git_state(),
+        **_pinning(base_config(args.quick)),
+        "sections": SECTIONS,
+        "json_name": _display(json_path),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(res, indent=2))
     from report import write_report
 
     write_report(res, md_path, png_dir)
-    print(json.dumps({"wall_s": res["wall_s"], "json": str(json_path), "markdown": str(md_path),
-                      "plots": str(png_dir)}))
+    print(
+        json.dumps(
+            {
+                "wall_s": res["wall_s"],
+                "json": str(json_path),
+                "markdown": str(md_path),
+                "plots": str(png_dir),
+            }
+        )
+    )
     return 0
 
 

@@ -39,16 +39,27 @@ def main() -> None:
     cfg = TrainConfig(**json.loads(Path(a.config).read_text()))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    dist.init_process_group("gloo", init_method=f"tcp://{a.master}", rank=a.rank,
-                            world_size=a.world, timeout=timedelta(minutes=10))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://{a.master}",
+        rank=a.rank,
+        world_size=a.world,
+        timeout=timedelta(minutes=10),
+    )
     model = new_model(cfg)
     params = [p for p in model.parameters()]
     with torch.no_grad():
         for p in params:
             dist.broadcast(p.data, src=0)
     opt = new_optimizer(cfg, model)
-    stream = build_stream(data_config(cfg), learner=a.rank, n_learners=a.world,
-                          batch_size=cfg.batch_size, block_size=cfg.block_size, seed=cfg.seed)
+    stream = build_stream(
+        data_config(cfg),
+        learner=a.rank,
+        n_learners=a.world,
+        batch_size=cfg.batch_size,
+        block_size=cfg.block_size,
+        seed=cfg.seed,
+    )
     numel = sum(p.numel() for p in params)
     flat = torch.zeros(numel + 1)  # gradients, then the stop flag
     metrics = open(out / f"rank_{a.rank}.jsonl", "w")
@@ -73,16 +84,18 @@ def main() -> None:
         t1 = time.perf_counter()
         off = 0
         for p in params:
-            flat[off:off + p.numel()].copy_(p.grad.reshape(-1))
+            flat[off : off + p.numel()].copy_(p.grad.reshape(-1))
             off += p.numel()
-        flat[numel] = float(a.rank == 0 and a.max_wall_s > 0
-                            and time.time() - t_first >= a.max_wall_s) * a.world
+        flat[numel] = (
+            float(a.rank == 0 and a.max_wall_s > 0 and time.time() - t_first >= a.max_wall_s)
+            * a.world
+        )
         dist.all_reduce(flat)
         flat.div_(a.world)
         t2 = time.perf_counter()
         off = 0
         for p in params:
-            p.grad.copy_(flat[off:off + p.numel()].view_as(p))
+            p.grad.copy_(flat[off : off + p.numel()].view_as(p))
             off += p.numel()
         set_lr(opt, cfg.lr_at(step))
         opt.step()
@@ -90,9 +103,18 @@ def main() -> None:
         compute_s += (t1 - t0) + (t3 - t2)
         comm_s += t2 - t1
         step += 1
-        metrics.write(json.dumps({"step": step, "wall": time.time(), "loss": round(loss.item(), 5),
-                                  "compute_s": round(compute_s, 4), "comm_s": round(comm_s, 4)})
-                      + "\n")
+        metrics.write(
+            json.dumps(
+                {
+                    "step": step,
+                    "wall": time.time(),
+                    "loss": round(loss.item(), 5),
+                    "compute_s": round(compute_s, 4),
+                    "comm_s": round(comm_s, 4),
+                }
+            )
+            + "\n"
+        )
         metrics.flush()  # the harness times the link cut from the first step
         if flat[numel] > 0.5:
             break

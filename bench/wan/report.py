@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 
-from ddiloco.bandwidth import BandwidthConfig, period
+from ddiloco.bandwidth import BandwidthConfig, period  # noqa: E402
 
 CODEC_BITS = {"fp32": 32.0, "bf16": 16.0, "int8": 8.5, "int4": 4.5, "int2": 2.5}
 """Bits per parameter on the wire, per-block fp32 scales included (64-element blocks)."""
@@ -71,8 +71,11 @@ def bytes_per_step(r: dict) -> dict:
         w = r["link_bytes_window"][k]
         ups.append(w["up_bytes"] / reg["steps"])
         downs.append(w["down_bytes"] / reg["steps"])
-    return {"up": sum(ups) / len(ups), "down": sum(downs) / len(downs),
-            "total": (sum(ups) + sum(downs)) / len(ups)}
+    return {
+        "up": sum(ups) / len(ups),
+        "down": sum(downs) / len(downs),
+        "total": (sum(ups) + sum(downs)) / len(ups),
+    }
 
 
 def _bits(name: str) -> float:
@@ -82,13 +85,20 @@ def _bits(name: str) -> float:
 def _planner(r: dict, **extra) -> BandwidthConfig:
     c = r["config"]
     steps = r["total_steps"] / len(r["regions"])
-    common = dict(params=r["n_params"], step_time_s=r["train_s"] / steps,
-                  datacenters=c["learners"])
+    common = dict(params=r["n_params"], step_time_s=r["train_s"] / steps, datacenters=c["learners"])
     if r["method"] == "dp":
         return BandwidthConfig(method="dp", grad_bits=32, **common)
-    return BandwidthConfig(method=r["method"], up_bits=_bits(c["codec"]),
-                           down_bits=_bits(c["down_codec"]), fragments=c["fragments"],
-                           inner_steps=c["H"], tau=c["tau"], syncer="hub", **common, **extra)
+    return BandwidthConfig(
+        method=r["method"],
+        up_bits=_bits(c["codec"]),
+        down_bits=_bits(c["down_codec"]),
+        fragments=c["fragments"],
+        inner_steps=c["H"],
+        tau=c["tau"],
+        syncer="hub",
+        **common,
+        **extra,
+    )
 
 
 def planner_bytes_per_step(r: dict, **extra) -> float:
@@ -128,8 +138,11 @@ def calibrate(res: dict) -> dict | None:
     det = a1 * b2 - a2 * b1
     control = (o1 * b2 - o2 * b1) / det
     per_push = (a1 * o2 - a2 * o1) / det
-    return {"control_bytes_per_s": control, "bytes_per_push": per_push,
-            "pulls_per_push_k1": pulls_per_push(res["decoupled"])}
+    return {
+        "control_bytes_per_s": control,
+        "bytes_per_push": per_push,
+        "pulls_per_push_k1": pulls_per_push(res["decoupled"]),
+    }
 
 
 def utilisation(r: dict) -> list[float]:
@@ -154,31 +167,52 @@ def cut_progress(out: Path, name: str, r: dict) -> dict | None:
     a, b = ev["cut"]["wall"], ev["restore"]["wall"]
     steps = {}
     for k in r["regions"]:
-        f = (out / name / f"rank_{k}.jsonl") if r["method"] == "dp" else \
-            (out / name / f"learner_{k}" / "metrics.jsonl")
-        walls = [json.loads(x)["wall"] for x in f.read_text().splitlines()
-                 if x.strip() and json.loads(x).get("kind", "step") == "step"]
+        f = (
+            (out / name / f"rank_{k}.jsonl")
+            if r["method"] == "dp"
+            else (out / name / f"learner_{k}" / "metrics.jsonl")
+        )
+        walls = [
+            json.loads(x)["wall"]
+            for x in f.read_text().splitlines()
+            if x.strip() and json.loads(x).get("kind", "step") == "step"
+        ]
         steps[k] = sum(1 for w in walls if a <= w <= b)
-    return {"cut_region": ev["cut"]["region"], "cut_s": round(b - a, 1),
-            "cut_at_s": ev["cut"]["t_s"], "steps_during_cut": steps}
+    return {
+        "cut_region": ev["cut"]["region"],
+        "cut_s": round(b - a, 1),
+        "cut_at_s": ev["cut"]["t_s"],
+        "steps_during_cut": steps,
+    }
 
 
 def plot(res: dict, target: float, path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    styles = {"dp": ("DP (Gloo all-reduce)", "C3", "-"), "diloco": ("DiLoCo (sync, H=24)", "C1", "-"),
-              "decoupled": ("Decoupled (int4 up, int8 down)", "C0", "-"),
-              "dp_free": ("DP, unshaped links", "C3", ":"),
-              "decoupled_1m": ("Decoupled, 1 Mbit/s links", "C0", "--"),
-              "dp_1m": ("DP, 1 Mbit/s links", "C3", "--")}
+    styles = {
+        "dp": ("DP (Gloo all-reduce)", "C3", "-"),
+        "diloco": ("DiLoCo (sync, H=24)", "C1", "-"),
+        "decoupled": ("Decoupled (int4 up, int8 down)", "C0", "-"),
+        "dp_free": ("DP, unshaped links", "C3", ":"),
+        "decoupled_1m": ("Decoupled, 1 Mbit/s links", "C0", "--"),
+        "dp_1m": ("DP, 1 Mbit/s links", "C3", "--"),
+    }
     for name, (label, color, ls) in styles.items():
         if name in res:
             c = [x for x in res[name]["curve"] if x["t_s"] >= 0]
-            ax.plot([x["t_s"] for x in c], [x["eval_loss"] for x in c], ls, color=color,
-                    label=label, marker=".", markersize=3)
+            ax.plot(
+                [x["t_s"] for x in c],
+                [x["eval_loss"] for x in c],
+                ls,
+                color=color,
+                label=label,
+                marker=".",
+                markersize=3,
+            )
     ax.axhline(target, color="grey", lw=0.8, ls="--", label=f"target {target:g}")
     ax.set_xscale("symlog", linthresh=10)
     ax.set_xlim(left=0)
@@ -194,44 +228,64 @@ def plot(res: dict, target: float, path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="runs/wan")
-    ap.add_argument("--target", type=float, default=None,
-                   help="eval loss target (default: the worst best loss of DiLoCo and Decoupled)")
+    ap.add_argument(
+        "--target",
+        type=float,
+        default=None,
+        help="eval loss target (default: the worst best loss of DiLoCo and Decoupled)",
+    )
     ap.add_argument("--docs", default=str(ROOT / "docs" / "results"))
     a = ap.parse_args()
     out = Path(a.out)
     res = load(out)
     target = a.target
     if target is None:
-        target = max(min(c["eval_loss"] for c in res[m]["curve"])
-                     for m in ("diloco", "decoupled") if m in res)
+        target = max(
+            min(c["eval_loss"] for c in res[m]["curve"])
+            for m in ("diloco", "decoupled")
+            if m in res
+        )
         target = round(target + 0.005, 2)
     summary: dict = {"target_eval_loss": target, "runs": {}}
     print(f"target eval loss {target}\n")
-    print("| run | train s | steps (all regions) | s per step | final eval | time to target s | "
-          "utilisation per region | goodput |")
+    print(
+        "| run | train s | steps (all regions) | s per step | final eval | time to target s | "
+        "utilisation per region | goodput |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for name, r in res.items():
         t = time_to(r["curve"], target)
         sps = r["train_s"] / (r["total_steps"] / len(r["regions"]))
         g = goodput(r)
-        row = {"method": r["method"], "train_s": r["train_s"], "total_steps": r["total_steps"],
-               "s_per_step": sps, "final_eval": final_loss(r), "time_to_target_s": t,
-               "utilisation": utilisation(r), "goodput": g,
-               "bytes_per_step": bytes_per_step(r),
-               "planner_bytes_per_step": planner_bytes_per_step(r),
-               "cut": cut_progress(out, name, r)}
+        row = {
+            "method": r["method"],
+            "train_s": r["train_s"],
+            "total_steps": r["total_steps"],
+            "s_per_step": sps,
+            "final_eval": final_loss(r),
+            "time_to_target_s": t,
+            "utilisation": utilisation(r),
+            "goodput": g,
+            "bytes_per_step": bytes_per_step(r),
+            "planner_bytes_per_step": planner_bytes_per_step(r),
+            "cut": cut_progress(out, name, r),
+        }
         summary["runs"][name] = row
-        print(f"| {name} | {r['train_s']:.1f} | {r['total_steps']} | {sps:.3f} | "
-              f"{final_loss(r):.4f} | {'not reached' if t is None else f'{t:.1f}'} | "
-              f"{row['utilisation']} | {'-' if g is None else f'{g:.3f}'} |")
+        print(
+            f"| {name} | {r['train_s']:.1f} | {r['total_steps']} | {sps:.3f} | "
+            f"{final_loss(r):.4f} | {'not reached' if t is None else f'{t:.1f}'} | "
+            f"{row['utilisation']} | {'-' if g is None else f'{g:.3f}'} |"
+        )
     if "dp" in res and "dp_free" in res:
         s = steps_to(res["dp_free"]["curve"], target)
         dp = summary["runs"]["dp"]
         proj = None if s is None else s * dp["s_per_step"]
         summary["dp_projected_time_to_target_s"] = proj
         summary["dp_steps_to_target"] = s
-        print(f"\nDP: {s} steps to target (unshaped run) x {dp['s_per_step']:.3f} s per shaped "
-              f"step = {proj} s")
+        print(
+            f"\nDP: {s} steps to target (unshaped run) x {dp['s_per_step']:.3f} s per shaped "
+            f"step = {proj} s"
+        )
         for m in ("diloco", "decoupled"):
             tm = summary["runs"].get(m, {}).get("time_to_target_s")
             dp_t = dp["time_to_target_s"] or proj
@@ -239,8 +293,10 @@ def main() -> None:
                 summary[f"speedup_{m}_vs_dp"] = dp_t / tm
                 print(f"speed-up {m} vs DP: {dp_t / tm:.1f}x")
     if "dp" in res and "dp_free" in res:
-        print("\n| target eval loss | DP s (measured or projected) | DiLoCo s | Decoupled s | "
-              "DiLoCo speed-up | Decoupled speed-up |")
+        print(
+            "\n| target eval loss | DP s (measured or projected) | DiLoCo s | Decoupled s | "
+            "DiLoCo speed-up | Decoupled speed-up |"
+        )
         print("|---|---|---|---|---|---|")
         summary["targets"] = []
         for tgt in sorted({2.3, 2.1, 2.0, 1.9, 1.8, 1.7, target}, reverse=True):
@@ -258,28 +314,39 @@ def main() -> None:
                 row[f"{m}_speedup"] = dp_t / tm if dp_t and tm else None
                 cells.append(tm)
             summary["targets"].append(row)
-            fmt = lambda v, f="{:.1f}": "-" if v is None else f.format(v)
-            print(f"| {tgt:g} | {fmt(dp_t)} ({kind}) | {fmt(cells[0])} | {fmt(cells[1])} | "
-                  f"{fmt(row['diloco_speedup'], '{:.1f}x')} | "
-                  f"{fmt(row['decoupled_speedup'], '{:.1f}x')} |")
+            fmt = lambda v, f="{:.1f}": "-" if v is None else f.format(v)  # noqa: E731
+            print(
+                f"| {tgt:g} | {fmt(dp_t)} ({kind}) | {fmt(cells[0])} | {fmt(cells[1])} | "
+                f"{fmt(row['diloco_speedup'], '{:.1f}x')} | "
+                f"{fmt(row['decoupled_speedup'], '{:.1f}x')} |"
+            )
     if all(n in res for n in ("dp_1m", "decoupled_1m", "dp_free")):
         s = steps_to(res["dp_free"]["curve"], target)
         dp_sps = summary["runs"]["dp_1m"]["s_per_step"]
         tm = time_to(res["decoupled_1m"]["curve"], target)
         proj = None if s is None else s * dp_sps
-        summary["at_1mbit"] = {"dp_s_per_step": dp_sps, "dp_projected_s": proj,
-                               "decoupled_s": tm,
-                               "speedup": proj / tm if proj and tm else None}
-        print(f"\n1 Mbit/s links: DP {dp_sps:.2f} s per step, projected {proj} s to target; "
-              f"Decoupled {tm} s; speed-up {summary['at_1mbit']['speedup']}")
+        summary["at_1mbit"] = {
+            "dp_s_per_step": dp_sps,
+            "dp_projected_s": proj,
+            "decoupled_s": tm,
+            "speedup": proj / tm if proj and tm else None,
+        }
+        print(
+            f"\n1 Mbit/s links: DP {dp_sps:.2f} s per step, projected {proj} s to target; "
+            f"Decoupled {tm} s; speed-up {summary['at_1mbit']['speedup']}"
+        )
     cal = calibrate(res)
     summary["planner_calibration"] = cal
     if cal:
-        print(f"\nprotocol traffic (from decoupled + diloco): {cal['control_bytes_per_s']:.0f} B/s "
-              f"+ {cal['bytes_per_push']:.0f} B per push; pulls per push with K < M: "
-              f"{cal['pulls_per_push_k1']:.2f}")
-    print("\n| run | up B/step | down B/step | both B/step | pulls/push | planner, idealised | "
-          "error | planner, corrected | error |")
+        print(
+            f"\nprotocol traffic (from decoupled + diloco): {cal['control_bytes_per_s']:.0f} B/s "
+            f"+ {cal['bytes_per_push']:.0f} B per push; pulls per push with K < M: "
+            f"{cal['pulls_per_push_k1']:.2f}"
+        )
+    print(
+        "\n| run | up B/step | down B/step | both B/step | pulls/push | planner, idealised | "
+        "error | planner, corrected | error |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for name, row in summary["runs"].items():
         r = res[name]
@@ -290,15 +357,19 @@ def main() -> None:
         if cal and r["method"] != "dp":
             k_lt_m = r["config"]["quorum"] < r["config"]["learners"] and r["method"] == "decoupled"
             pc = planner_bytes_per_step(
-                r, pulls_per_push=cal["pulls_per_push_k1"] if k_lt_m else 1.0,
+                r,
+                pulls_per_push=cal["pulls_per_push_k1"] if k_lt_m else 1.0,
                 control_bps=8 * cal["control_bytes_per_s"],
-                push_overhead_bits=8 * cal["bytes_per_push"])
+                push_overhead_bits=8 * cal["bytes_per_push"],
+            )
         row["planner_corrected_bytes_per_step"] = pc
         row["planner_corrected_error"] = (pc - b["total"]) / b["total"]
         pulls = "-" if row["pulls_per_push"] is None else f"{row['pulls_per_push']:.2f}"
-        print(f"| {name} | {b['up']:.0f} | {b['down']:.0f} | {b['total']:.0f} | {pulls} | "
-              f"{p:.0f} | {100 * row['planner_error']:+.1f}% | {pc:.0f} | "
-              f"{100 * row['planner_corrected_error']:+.1f}% |")
+        print(
+            f"| {name} | {b['up']:.0f} | {b['down']:.0f} | {b['total']:.0f} | {pulls} | "
+            f"{p:.0f} | {100 * row['planner_error']:+.1f}% | {pc:.0f} | "
+            f"{100 * row['planner_corrected_error']:+.1f}% |"
+        )
     if "dp" in summary["runs"]:
         dpb = summary["runs"]["dp"]["bytes_per_step"]["total"]
         print("\n| run | DP bytes / its bytes per inner step | eval vs DP unshaped final |")
@@ -313,20 +384,24 @@ def main() -> None:
             print(f"| {name} | {row['ratio_vs_dp']:.0f}x | {cost} |")
     hetero = [n for n in ("hetero_kM", "hetero_k1", "hetero_k1g") if n in res]
     if hetero:
-        print("\n| run | quorum | steps per region | goodput | learners per merge | "
-              "final eval |")
+        print("\n| run | quorum | steps per region | goodput | learners per merge | final eval |")
         print("|---|---|---|---|---|---|")
         for name in hetero:
-            merges = [json.loads(x) for x in (out / name / "syncer.jsonl").read_text().splitlines()
-                      if '"merge"' in x]
+            merges = [
+                json.loads(x)
+                for x in (out / name / "syncer.jsonl").read_text().splitlines()
+                if '"merge"' in x
+            ]
             per = sum(len(m["learners"]) for m in merges) / max(1, len(merges))
             row = summary["runs"][name]
             row["learners_per_merge"] = per
             row["steps_per_region"] = [reg["steps"] for reg in res[name]["regions"].values()]
             k = res[name]["args"]
             label = f"K={k['quorum']}" + ("" if k["no_grace"] else "+grace")
-            print(f"| {name} | {label} | {row['steps_per_region']} | {row['goodput']:.3f} | "
-                  f"{per:.2f} | {row['final_eval']:.4f} |")
+            print(
+                f"| {name} | {label} | {row['steps_per_region']} | {row['goodput']:.3f} | "
+                f"{per:.2f} | {row['final_eval']:.4f} |"
+            )
     for name, row in summary["runs"].items():
         if row["cut"]:
             print(f"\ncut {name}: {row['cut']}")

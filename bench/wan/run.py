@@ -44,15 +44,37 @@ METHODS = ("dp", "diloco", "decoupled")
 
 
 def train_config(a: argparse.Namespace) -> TrainConfig:
-    base = dict(model=a.model, learners=a.regions, steps=a.steps, batch_size=a.batch_size,
-                block_size=a.block_size, seed=a.seed, eval_batches=a.eval_batches,
-                progress=False, engine="processes")
+    base = dict(
+        model=a.model,
+        learners=a.regions,
+        steps=a.steps,
+        batch_size=a.batch_size,
+        block_size=a.block_size,
+        seed=a.seed,
+        eval_batches=a.eval_batches,
+        progress=False,
+        engine="processes",
+    )
     if a.method == "diloco":
-        base.update(fragments=1, H=a.H, tau=0, codec=a.codec, down_codec=a.down_codec,
-                    quorum=a.regions, schedule="steps")
+        base.update(
+            fragments=1,
+            H=a.H,
+            tau=0,
+            codec=a.codec,
+            down_codec=a.down_codec,
+            quorum=a.regions,
+            schedule="steps",
+        )
     elif a.method == "decoupled":
-        base.update(fragments=a.P, H=a.H, tau=a.tau, codec=a.codec, down_codec=a.down_codec,
-                    quorum=a.quorum, schedule="steps")
+        base.update(
+            fragments=a.P,
+            H=a.H,
+            tau=a.tau,
+            codec=a.codec,
+            down_codec=a.down_codec,
+            quorum=a.quorum,
+            schedule="steps",
+        )
     return TrainConfig(**base)
 
 
@@ -80,15 +102,25 @@ class Sampler(threading.Thread):
 
 
 def _env() -> dict:
-    return {**os.environ, "PYTHONPATH": f"{SRC}:{os.environ.get('PYTHONPATH', '')}",
-            "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "wan"}
+    return {
+        **os.environ,
+        "PYTHONPATH": f"{SRC}:{os.environ.get('PYTHONPATH', '')}",
+        "OMP_NUM_THREADS": "1",
+        "GLOO_SOCKET_IFNAME": "wan",
+    }
 
 
-def _spawn(topo: Topology, region: str | int, argv: list[str], log: Path, env: dict
-           ) -> subprocess.Popen:
+def _spawn(
+    topo: Topology, region: str | int, argv: list[str], log: Path, env: dict
+) -> subprocess.Popen:
     f = open(log, "wb")
-    return subprocess.Popen([*topo.exec_prefix(region), *argv], stdout=f, stderr=subprocess.STDOUT,
-                            env=env, start_new_session=True)
+    return subprocess.Popen(
+        [*topo.exec_prefix(region), *argv],
+        stdout=f,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
 
 
 def _stop(procs: list[subprocess.Popen], sig: int = signal.SIGTERM, wait_s: float = 15.0) -> None:
@@ -133,11 +165,33 @@ def run_dp(a, cfg: TrainConfig, topo: Topology, out: Path, events: list) -> tupl
     cfg_path = out / "config.json"
     cfg_path.write_text(json.dumps(cfg.to_dict()))
     master = f"{topo.ip(0)}:{DP_PORT}"
-    procs = [_spawn(topo, r, [sys.executable, str(HERE / "dp_worker.py"), "--rank", str(r),
-                              "--world", str(a.regions), "--master", master, "--config",
-                              str(cfg_path), "--out", str(out), "--max-wall-s", str(a.max_wall_s),
-                              "--snapshot-s", str(a.snapshot_s)], out / f"rank_{r}.log", _env())
-             for r in range(a.regions)]
+    procs = [
+        _spawn(
+            topo,
+            r,
+            [
+                sys.executable,
+                str(HERE / "dp_worker.py"),
+                "--rank",
+                str(r),
+                "--world",
+                str(a.regions),
+                "--master",
+                master,
+                "--config",
+                str(cfg_path),
+                "--out",
+                str(out),
+                "--max-wall-s",
+                str(a.max_wall_s),
+                "--snapshot-s",
+                str(a.snapshot_s),
+            ],
+            out / f"rank_{r}.log",
+            _env(),
+        )
+        for r in range(a.regions)
+    ]
     _wait_start_and_cut(a, topo, lambda: _jsonl(out / "rank_0.jsonl"), procs, events)
     try:
         for p in procs:
@@ -149,11 +203,17 @@ def run_dp(a, cfg: TrainConfig, topo: Topology, out: Path, events: list) -> tupl
     for r, rs in rows.items():
         if not rs:
             raise RuntimeError(f"rank {r} wrote no steps: see {out}/rank_{r}.log")
-        regions[str(r)] = {"steps": rs[-1]["step"], "first_wall": rs[0]["wall"],
-                           "last_wall": rs[-1]["wall"], "compute_s": rs[-1]["compute_s"],
-                           "comm_s": rs[-1]["comm_s"]}
-    snaps = [(s["wall"], s["step"], torch.load(out / s["path"], weights_only=True))
-             for s in _jsonl(out / "snapshots.jsonl")]
+        regions[str(r)] = {
+            "steps": rs[-1]["step"],
+            "first_wall": rs[0]["wall"],
+            "last_wall": rs[-1]["wall"],
+            "compute_s": rs[-1]["compute_s"],
+            "comm_s": rs[-1]["comm_s"],
+        }
+    snaps = [
+        (s["wall"], s["step"], torch.load(out / s["path"], weights_only=True))
+        for s in _jsonl(out / "snapshots.jsonl")
+    ]
     return snaps, regions
 
 
@@ -168,46 +228,107 @@ def _wait_start_and_cut(a, topo: Topology, first_rows, procs, events: list) -> f
         time.sleep(0.2)
     t0 = first_rows()[0]["wall"]
     if a.cut_for_s > 0:
-        threading.Thread(target=_cutter, args=(topo, a.cut_region, a.cut_at_s, a.cut_for_s, t0,
-                                               events), daemon=True).start()
+        threading.Thread(
+            target=_cutter,
+            args=(topo, a.cut_region, a.cut_at_s, a.cut_for_s, t0, events),
+            daemon=True,
+        ).start()
     return t0
 
 
-def run_syncer_method(a, cfg: TrainConfig, topo: Topology, out: Path, events: list
-                      ) -> tuple[list, dict]:
+def run_syncer_method(
+    a, cfg: TrainConfig, topo: Topology, out: Path, events: list
+) -> tuple[list, dict]:
     """Syncer and model saver in the hub region, one learner per region; returns
     (snapshots, per-region stats)."""
     cfg_path = out / "config.toml"
     if a.slowdowns:  # a region's slower device: its steps stretched by the factor
-        cfg = cfg.replace(speeds=tuple(1.0 / a.slowdowns[m] if m < len(a.slowdowns) else 1.0
-                                       for m in range(cfg.learners)))
+        cfg = cfg.replace(
+            speeds=tuple(
+                1.0 / a.slowdowns[m] if m < len(a.slowdowns) else 1.0 for m in range(cfg.learners)
+            )
+        )
     dump_config(cfg, cfg_path)
     env = {**_env(), "DDILOCO_TOKEN": secrets.token_hex(16)}
-    sync_args = ["--config", str(cfg_path), "--host", "0.0.0.0", "--port", str(SYNCER_PORT),
-                 "--bulk-port", str(BULK_PORT),
-                 "--quorum", str(cfg.quorum), "--tau", str(cfg.tau), "--downlink-codec",
-                 cfg.down_codec, "--step-budget", str(a.regions * a.steps),
-                 "--heartbeat-timeout", str(a.heartbeat_timeout_s),
-                 "--metrics-file", str(out / "syncer.jsonl"), "--log-level", "warning"]
+    sync_args = [
+        "--config",
+        str(cfg_path),
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(SYNCER_PORT),
+        "--bulk-port",
+        str(BULK_PORT),
+        "--quorum",
+        str(cfg.quorum),
+        "--tau",
+        str(cfg.tau),
+        "--downlink-codec",
+        cfg.down_codec,
+        "--step-budget",
+        str(a.regions * a.steps),
+        "--heartbeat-timeout",
+        str(a.heartbeat_timeout_s),
+        "--metrics-file",
+        str(out / "syncer.jsonl"),
+        "--log-level",
+        "warning",
+    ]
     if a.method == "diloco" or a.no_grace:
         sync_args.append("--no-grace")
-    syncer = _spawn(topo, "s", [sys.executable, "-m", "ddiloco.runtime.cli", "syncer", *sync_args],
-                    out / "syncer.log", env)
+    syncer = _spawn(
+        topo,
+        "s",
+        [sys.executable, "-m", "ddiloco.runtime.cli", "syncer", *sync_args],
+        out / "syncer.log",
+        env,
+    )
     time.sleep(2.0)
-    snap = _spawn(topo, "s", [sys.executable, str(HERE / "snapshot.py"), "--syncer",
-                              f"127.0.0.1:{SYNCER_PORT}", "--out", str(out / "snaps"),
-                              "--every-s", str(a.snapshot_s)], out / "snapshot.log", env)
+    snap = _spawn(
+        topo,
+        "s",
+        [
+            sys.executable,
+            str(HERE / "snapshot.py"),
+            "--syncer",
+            f"127.0.0.1:{SYNCER_PORT}",
+            "--out",
+            str(out / "snaps"),
+            "--every-s",
+            str(a.snapshot_s),
+        ],
+        out / "snapshot.log",
+        env,
+    )
     learners = []
     for m in range(a.regions):
-        argv = [sys.executable, "-m", "ddiloco.runtime.cli", "learner", "--syncer",
-                f"{topo.ip('s')}:{SYNCER_PORT}", "--learner", str(m), "--config", str(cfg_path),
-                "--run-dir", str(out / f"learner_{m}"), "--log-level", "warning"]
+        argv = [
+            sys.executable,
+            "-m",
+            "ddiloco.runtime.cli",
+            "learner",
+            "--syncer",
+            f"{topo.ip('s')}:{SYNCER_PORT}",
+            "--learner",
+            str(m),
+            "--config",
+            str(cfg_path),
+            "--run-dir",
+            str(out / f"learner_{m}"),
+            "--log-level",
+            "warning",
+        ]
         if a.method == "diloco":
             argv.append("--wait-for-merge")
         learners.append(_spawn(topo, m, argv, out / f"learner_{m}.log", env))
     try:
-        _wait_start_and_cut(a, topo, lambda: [r for r in _jsonl(out / "learner_0" / "metrics.jsonl")
-                                              if r["kind"] == "step"], learners + [syncer], events)
+        _wait_start_and_cut(
+            a,
+            topo,
+            lambda: [r for r in _jsonl(out / "learner_0" / "metrics.jsonl") if r["kind"] == "step"],
+            learners + [syncer],
+            events,
+        )
         for p in learners:
             p.wait(timeout=a.timeout_s)
         time.sleep(a.snapshot_s + 0.5)  # one more snapshot after the last merge
@@ -220,11 +341,16 @@ def run_syncer_method(a, cfg: TrainConfig, topo: Topology, out: Path, events: li
         final = json.loads((out / f"learner_{m}" / "final.json").read_text())
         if not rows:
             raise RuntimeError(f"learner {m} wrote no steps")
-        regions[str(m)] = {"steps": rows[-1]["step"], "first_wall": rows[0]["wall"],
-                           "last_wall": rows[-1]["wall"], "compute_s": final["compute_s"],
-                           "bytes_sent": final["bytes_sent"],
-                           "bytes_received": final["bytes_received"],
-                           "pushes": final["pushes"], "ledger": final["ledger"]}
+        regions[str(m)] = {
+            "steps": rows[-1]["step"],
+            "first_wall": rows[0]["wall"],
+            "last_wall": rows[-1]["wall"],
+            "compute_s": final["compute_s"],
+            "bytes_sent": final["bytes_sent"],
+            "bytes_received": final["bytes_received"],
+            "pushes": final["pushes"],
+            "ledger": final["ledger"],
+        }
     model = new_model(cfg)
     frag = fragmentation_from_spec(model_spec(model, cfg.fragments, cfg.fragmentation))
     shapes = {n: t.shape for n, t in model.named_parameters()}
@@ -246,8 +372,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prefix", default="ddwan", help="namespace name prefix")
     ap.add_argument("--regions", type=int, default=4)
     ap.add_argument("--rate-mbit", type=float, default=3.0, help="each region's link, both ways")
-    ap.add_argument("--hub-mbit", type=float, default=0.0,
-                    help="the syncer region's link (0: regions x rate)")
+    ap.add_argument(
+        "--hub-mbit", type=float, default=0.0, help="the syncer region's link (0: regions x rate)"
+    )
     ap.add_argument("--model", default="gpt_tiny")
     ap.add_argument("--steps", type=int, default=600, help="inner steps per region")
     ap.add_argument("--batch-size", type=int, default=16)
@@ -261,8 +388,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-grace", action="store_true")
     ap.add_argument("--codec", default="int4")
     ap.add_argument("--down-codec", default="int8")
-    ap.add_argument("--slowdowns", type=lambda s: [float(x) for x in s.split(",")], default=None,
-                    help="per-region step stretch factors, e.g. 1,1,2,2 (run-time sleeps)")
+    ap.add_argument(
+        "--slowdowns",
+        type=lambda s: [float(x) for x in s.split(",")],
+        default=None,
+        help="per-region step stretch factors, e.g. 1,1,2,2 (run-time sleeps)",
+    )
     ap.add_argument("--max-wall-s", type=float, default=0.0, help="DP: stop after this long")
     ap.add_argument("--snapshot-s", type=float, default=3.0)
     ap.add_argument("--cut-region", default="1")
@@ -279,8 +410,12 @@ def main(argv: list[str] | None = None) -> dict:
     out.mkdir(parents=True)
     cfg = train_config(a)
     hub = a.hub_mbit or a.regions * a.rate_mbit
-    topo = Topology(a.prefix, [LinkSpec(a.rate_mbit) for _ in range(a.regions)], hub=True,
-                    hub_link=LinkSpec(hub))
+    topo = Topology(
+        a.prefix,
+        [LinkSpec(a.rate_mbit) for _ in range(a.regions)],
+        hub=True,
+        hub_link=LinkSpec(hub),
+    )
     events: list[dict] = []
     with topo:
         sampler = Sampler(topo)
@@ -304,23 +439,36 @@ def main(argv: list[str] | None = None) -> dict:
         with torch.no_grad():
             for n, t in params.items():
                 named[n].copy_(t)
-        curve.append({"t_s": round(wall - t0, 3), "step": step, "eval_loss": evaluate(model, evals)})
+        curve.append(
+            {"t_s": round(wall - t0, 3), "step": step, "eval_loss": evaluate(model, evals)}
+        )
     for r in regions.values():
         span = r["last_wall"] - r["first_wall"]
         r["utilisation"] = r["compute_s"] / span if span > 0 else None
     n_params = sum(p.numel() for p in model.parameters())
-    result = {"method": a.method, "args": vars(a), "config": cfg.to_dict(), "n_params": n_params,
-              "launch_to_first_step_s": round(t0 - t_launch, 2), "train_s": round(t1 - t0, 3),
-              "total_steps": sum(r["steps"] for r in regions.values()),
-              "regions": regions, "link_bytes_window": window, "link_bytes_total": end_counters,
-              "counter_series": [(round(w - t0, 2), c) for w, c in sampler.rows],
-              "events": [{**e, "t_s": round(e["wall"] - t0, 2)} for e in events],
-              "curve": curve}
+    result = {
+        "method": a.method,
+        "args": vars(a),
+        "config": cfg.to_dict(),
+        "n_params": n_params,
+        "launch_to_first_step_s": round(t0 - t_launch, 2),
+        "train_s": round(t1 - t0, 3),
+        "total_steps": sum(r["steps"] for r in regions.values()),
+        "regions": regions,
+        "link_bytes_window": window,
+        "link_bytes_total": end_counters,
+        "counter_series": [(round(w - t0, 2), c) for w, c in sampler.rows],
+        "events": [{**e, "t_s": round(e["wall"] - t0, 2)} for e in events],
+        "curve": curve,
+    }
     (out / "result.json").write_text(json.dumps(result, indent=1))
     last = curve[-1]["eval_loss"] if curve else float("nan")
-    print(f"{a.method}: {result['total_steps']} steps in {result['train_s']:.1f} s, "
-          f"final eval {last:.4f}, link 0 up/down {window['0']['up_bytes']}/"
-          f"{window['0']['down_bytes']} B", flush=True)
+    print(
+        f"{a.method}: {result['total_steps']} steps in {result['train_s']:.1f} s, "
+        f"final eval {last:.4f}, link 0 up/down {window['0']['up_bytes']}/"
+        f"{window['0']['down_bytes']} B",
+        flush=True,
+    )
     return result
 
 

@@ -35,8 +35,12 @@ def main() -> None:
             continue
         path = out / f"snap_{k:05d}.pt"
         torch.save({p: [x.clone() for x in v[1]] for p, v in got.items()}, path)
-        log.write(json.dumps({"wall": t, "versions": {p: v[0] for p, v in got.items()},
-                              "path": path.name}) + "\n")
+        log.write(
+            json.dumps(
+                {"wall": t, "versions": {p: v[0] for p, v in got.items()}, "path": path.name}
+            )
+            + "\n"
+        )
         log.flush()
         k += 1
         time.sleep(max(0.0, a.every_s - (time.time() - t)))

@@ -16,8 +16,10 @@ __all__ = ["__version__", "DecoupledLearner", "TrainConfig"]
 def __getattr__(name: str):
     if name == "DecoupledLearner":
         from ddiloco.runtime.learner.hook import DecoupledLearner
+
         return DecoupledLearner
     if name == "TrainConfig":
         from ddiloco.config import TrainConfig
+
         return TrainConfig
     raise AttributeError(f"module 'ddiloco' has no attribute {name!r}")

@@ -48,6 +48,7 @@ def nonneg_float(text: str) -> float:
 def codec_name(text: str) -> str:
     """A codec name (``bf16``, ``int4``, ... or a block-size variant such as ``int2/4096``)."""
     from ddiloco.algorithm.codecs import get_codec
+
     try:
         return get_codec(text).name
     except ValueError as e:

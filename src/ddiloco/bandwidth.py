@@ -47,8 +47,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-__all__ = ["METHODS", "SYNCER_PLACEMENTS", "BandwidthConfig", "period", "utilisation", "min_bandwidth",
-           "time_to_train", "step_time_from_flops", "with_method"]
+__all__ = [
+    "METHODS",
+    "SYNCER_PLACEMENTS",
+    "BandwidthConfig",
+    "period",
+    "utilisation",
+    "min_bandwidth",
+    "time_to_train",
+    "step_time_from_flops",
+    "with_method",
+]
 
 METHODS = ("dp", "diloco", "streaming", "decoupled")
 SYNCER_PLACEMENTS = ("sharded", "hub")
@@ -108,16 +117,17 @@ class BandwidthConfig:
             if not getattr(self, name) >= 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.syncer not in SYNCER_PLACEMENTS:
-            raise ValueError(f"syncer must be one of {', '.join(SYNCER_PLACEMENTS)}; "
-                             f"got {self.syncer!r}")
+            raise ValueError(
+                f"syncer must be one of {', '.join(SYNCER_PLACEMENTS)}; got {self.syncer!r}"
+            )
         if self.tau < 0 or self.latency_s < 0:
             raise ValueError("tau and latency_s must be >= 0")
         if not self.pulls_per_push >= 1 or self.control_bps < 0 or self.push_overhead_bits < 0:
-            raise ValueError("pulls_per_push must be >= 1; control_bps and push_overhead_bits "
-                             ">= 0")
+            raise ValueError("pulls_per_push must be >= 1; control_bps and push_overhead_bits >= 0")
         if self.method == "streaming" and self.inner_steps % self.fragments:
-            raise ValueError(f"streaming needs H divisible by P (H = {self.inner_steps}, "
-                             f"P = {self.fragments})")
+            raise ValueError(
+                f"streaming needs H divisible by P (H = {self.inner_steps}, P = {self.fragments})"
+            )
 
 
 def period(cfg: BandwidthConfig) -> tuple[float, float, float]:
@@ -131,16 +141,29 @@ def period(cfg: BandwidthConfig) -> tuple[float, float, float]:
         k = float(cfg.inner_steps)
         if not hub:
             return k, ring * cfg.up_bits * n, 0.0
-        return k, ((cfg.up_bits + cfg.down_bits) * n + cfg.push_overhead_bits
-                   + cfg.control_bps * k * cfg.step_time_s), 0.0
+        return (
+            k,
+            (
+                (cfg.up_bits + cfg.down_bits) * n
+                + cfg.push_overhead_bits
+                + cfg.control_bps * k * cfg.step_time_s
+            ),
+            0.0,
+        )
     if cfg.method == "streaming":
-        return (cfg.inner_steps / cfg.fragments, ring * cfg.up_bits * n / cfg.fragments,
-                float(cfg.tau))
+        return (
+            cfg.inner_steps / cfg.fragments,
+            ring * cfg.up_bits * n / cfg.fragments,
+            float(cfg.tau),
+        )
     share = 1.0 if hub else (d - 1) / d
     k = cfg.inner_steps / cfg.fragments
     payload = share * (cfg.up_bits + cfg.pulls_per_push * cfg.down_bits) * n / cfg.fragments
-    return (k, payload + cfg.push_overhead_bits + cfg.control_bps * k * cfg.step_time_s,
-            float(cfg.tau))
+    return (
+        k,
+        payload + cfg.push_overhead_bits + cfg.control_bps * k * cfg.step_time_s,
+        float(cfg.tau),
+    )
 
 
 def utilisation(cfg: BandwidthConfig, bandwidth_bps: float) -> float:
@@ -170,8 +193,9 @@ def min_bandwidth(cfg: BandwidthConfig, target_cu: float) -> float:
     return bits / t_max
 
 
-def time_to_train(cfg: BandwidthConfig, bandwidth_bps: float, tokens: float,
-                  tokens_per_step: float) -> float:
+def time_to_train(
+    cfg: BandwidthConfig, bandwidth_bps: float, tokens: float, tokens_per_step: float
+) -> float:
     """Wall-clock seconds to process ``tokens`` (all datacenters together) at this bandwidth."""
     if not (tokens > 0 and tokens_per_step > 0):
         raise ValueError("tokens and tokens_per_step must be > 0")
@@ -179,8 +203,9 @@ def time_to_train(cfg: BandwidthConfig, bandwidth_bps: float, tokens: float,
     return steps * cfg.step_time_s / utilisation(cfg, bandwidth_bps)
 
 
-def step_time_from_flops(params: float, tokens_per_step: float, chips: int,
-                         flops_per_chip: float, mfu: float = 0.4) -> float:
+def step_time_from_flops(
+    params: float, tokens_per_step: float, chips: int, flops_per_chip: float, mfu: float = 0.4
+) -> float:
     """Step time of a dense transformer: 6 * N * tokens / (chips * peak FLOP/s * MFU)."""
     if min(params, tokens_per_step, chips, flops_per_chip) <= 0 or not 0 < mfu <= 1:
         raise ValueError("params, tokens_per_step, chips, flops_per_chip > 0 and 0 < mfu <= 1")

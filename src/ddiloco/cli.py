@@ -17,8 +17,11 @@ __all__ = ["main", "build_parser", "train_config_from_args", "cmd_train"]
 def add_train_parser(sub) -> argparse.ArgumentParser:
     """``train`` in the command list; its flags are generated from the configuration
     (``ddiloco.config.flags.parse_train``), so ``main`` hands it the raw arguments."""
-    p = sub.add_parser("train", add_help=False,
-                       help="train a model with M learners (main job; --help for every flag)")
+    p = sub.add_parser(
+        "train",
+        add_help=False,
+        help="train a model with M learners (main job; --help for every flag)",
+    )
     p.set_defaults(func=None)
     return p
 
@@ -42,12 +45,14 @@ def cmd_train(argv: Sequence[str]) -> int:
     try:
         cfg, args = train_config_from_args(argv)
         from ddiloco.metrics.sinks import check_available
+
         check_available(cfg.metrics_sinks)
     except (ConfigError, ValueError, ImportError) as e:
         print(f"ddiloco train: error: {e}", file=sys.stderr)
         return 2
     if cfg.engine == "processes":
         from ddiloco.runtime.cli import run_processes
+
         try:
             return run_processes(cfg)
         except ValueError as e:
@@ -72,10 +77,17 @@ def format_summary(s: dict) -> str:
         ("inner steps / learner", f"{s['steps']}"),
         ("tokens", f"{s['tokens']:,}"),
         ("final eval loss", f"{s['final_eval_loss']:.4f}"),
-        ("entropy floor", "n/a" if s.get("entropy_floor") is None else
-         f"{s['entropy_floor']:.4f}  (gap {s['final_eval_loss'] - s['entropy_floor']:.4f})"),
+        (
+            "entropy floor",
+            "n/a"
+            if s.get("entropy_floor") is None
+            else f"{s['entropy_floor']:.4f}  (gap {s['final_eval_loss'] - s['entropy_floor']:.4f})",
+        ),
         ("eval accuracy", "n/a" if s.get("eval_accuracy") is None else f"{s['eval_accuracy']:.3f}"),
-        ("goodput", f"{s['goodput']:.3f}  (of up-time: {s.get('goodput_available', s['goodput']):.3f})"),
+        (
+            "goodput",
+            f"{s['goodput']:.3f}  (of up-time: {s.get('goodput_available', s['goodput']):.3f})",
+        ),
         ("uptime", f"{s['uptime']:.3f}"),
         ("merges", f"{s['merges']}"),
         ("bytes up / down", f"{s['bytes_up'] / gib:.1f} / {s['bytes_down'] / gib:.1f} MiB"),
@@ -93,13 +105,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     add_train_parser(sub)
-    for module, adders in (("ddiloco.sim.cli", ("add_simulate_parser", "add_bandwidth_parser")),
-                           ("ddiloco.runtime.cli", ("add_syncer_parser", "add_learner_parser",
-                                                    "add_status_parser")),
-                           ("ddiloco.runtime.export", ("add_export_parser",)),
-                           ("ddiloco.runtime.observe.cli", ("add_dashboard_parser",)),
-                           ("ddiloco.data.prepare", ("add_prepare_parser",)),
-                           ("ddiloco.report", ("add_report_parser",))):
+    for module, adders in (
+        ("ddiloco.sim.cli", ("add_simulate_parser", "add_bandwidth_parser")),
+        ("ddiloco.runtime.cli", ("add_syncer_parser", "add_learner_parser", "add_status_parser")),
+        ("ddiloco.runtime.export", ("add_export_parser",)),
+        ("ddiloco.runtime.observe.cli", ("add_dashboard_parser",)),
+        ("ddiloco.data.prepare", ("add_prepare_parser",)),
+        ("ddiloco.report", ("add_report_parser",)),
+    ):
         try:
             mod = __import__(module, fromlist=list(adders))
         except ImportError:
@@ -118,6 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_train(argv[1:])
     if argv and argv[0] in ("syncer", "learner"):
         from ddiloco.runtime.cli import RAW_COMMANDS
+
         return RAW_COMMANDS[argv[0]](argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)

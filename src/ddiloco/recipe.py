@@ -12,9 +12,19 @@ from ddiloco.data import DataConfig, build_eval_batches, parse_data_spec
 from ddiloco.data.synthetic import MarkovConfig, MarkovLanguage
 from ddiloco.models import build_model, embedding_param_names
 
-__all__ = ["make_language", "data_config", "eval_setup", "is_image_model", "new_model",
-           "new_optimizer", "set_lr", "evaluate", "evaluate_metrics", "fragmentation_for",
-           "tokens_per_step"]
+__all__ = [
+    "make_language",
+    "data_config",
+    "eval_setup",
+    "is_image_model",
+    "new_model",
+    "new_optimizer",
+    "set_lr",
+    "evaluate",
+    "evaluate_metrics",
+    "fragmentation_for",
+    "tokens_per_step",
+]
 
 
 def make_language(cfg: TrainConfig) -> MarkovLanguage:
@@ -25,8 +35,9 @@ def data_config(cfg: TrainConfig) -> DataConfig:
     """The run's data source; the synthetic language takes its size and seed from ``cfg``."""
     d = parse_data_spec(cfg.data.source)
     if d.kind == "synthetic":
-        return DataConfig(kind="synthetic", markov=MarkovConfig(vocab_size=cfg.vocab_size,
-                                                                seed=cfg.seed))
+        return DataConfig(
+            kind="synthetic", markov=MarkovConfig(vocab_size=cfg.vocab_size, seed=cfg.seed)
+        )
     return d
 
 
@@ -36,8 +47,13 @@ def eval_setup(cfg: TrainConfig) -> tuple[DataConfig, MarkovLanguage | None, flo
     data = data_config(cfg)
     lang = MarkovLanguage(data.markov) if data.kind == "synthetic" else None
     floor = lang.sequence_floor(cfg.block_size) if lang is not None else None
-    evals = build_eval_batches(data, n_batches=cfg.eval_batches, batch_size=cfg.batch_size,
-                               block_size=cfg.block_size, seed=cfg.seed)
+    evals = build_eval_batches(
+        data,
+        n_batches=cfg.eval_batches,
+        batch_size=cfg.batch_size,
+        block_size=cfg.block_size,
+        seed=cfg.seed,
+    )
     return data, lang, floor, evals
 
 
@@ -56,8 +72,9 @@ def new_model(cfg: TrainConfig) -> torch.nn.Module:
 def new_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
     if cfg.inner_optimizer == "sgd":
         return torch.optim.SGD(model.parameters(), lr=cfg.inner_lr)
-    return torch.optim.AdamW(model.parameters(), lr=cfg.inner_lr, betas=(0.9, 0.95),
-                             weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(
+        model.parameters(), lr=cfg.inner_lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
+    )
 
 
 def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
@@ -88,9 +105,15 @@ def evaluate_metrics(model: torch.nn.Module, batches) -> tuple[float, float | No
     return loss / len(batches), (correct / count if classify and count else None)
 
 
-def fragmentation_for(cfg: TrainConfig, model: torch.nn.Module, P: int | None = None) -> Fragmentation:  # noqa: N803
-    return fragment_model(model, P if P is not None else cfg.fragments, cfg.fragmentation,
-                          embedding_param_names(model))
+def fragmentation_for(
+    cfg: TrainConfig, model: torch.nn.Module, P: int | None = None
+) -> Fragmentation:  # noqa: N803
+    return fragment_model(
+        model,
+        P if P is not None else cfg.fragments,
+        cfg.fragmentation,
+        embedding_param_names(model),
+    )
 
 
 def tokens_per_step(cfg: TrainConfig) -> int:

@@ -18,8 +18,16 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["ReportError", "RunData", "load_run", "time_span", "learner_states",
-           "goodput_timeline", "make_report", "add_report_parser"]
+__all__ = [
+    "ReportError",
+    "RunData",
+    "load_run",
+    "time_span",
+    "learner_states",
+    "goodput_timeline",
+    "make_report",
+    "add_report_parser",
+]
 
 log = logging.getLogger("ddiloco.report")
 
@@ -77,8 +85,13 @@ def _read_jsonl(path: Path) -> tuple[list[dict], int]:
                 continue
             rows.append(r)
     if bad:
-        log.warning("warning: %s: skipped %d corrupt line%s (first at line %d)", path, bad,
-                    "" if bad == 1 else "s", first_bad)
+        log.warning(
+            "warning: %s: skipped %d corrupt line%s (first at line %d)",
+            path,
+            bad,
+            "" if bad == 1 else "s",
+            first_bad,
+        )
     return rows, bad
 
 
@@ -147,10 +160,14 @@ def time_span(run: RunData) -> tuple[float, float]:
 
 # row kind -> new state of the row's learner
 _TRANSITIONS = {
-    "failure": DOWN, "rejoin": UP,                                 # inproc engine
-    "learner_start": UP, "learner_end": OFF,                       # process runtime
-    "chaos-kill-learner": DOWN, "chaos-learner-crashed": DOWN,
-    "chaos-stop-learner": STOPPED, "chaos-cont-learner": UP,
+    "failure": DOWN,
+    "rejoin": UP,  # inproc engine
+    "learner_start": UP,
+    "learner_end": OFF,  # process runtime
+    "chaos-kill-learner": DOWN,
+    "chaos-learner-crashed": DOWN,
+    "chaos-stop-learner": STOPPED,
+    "chaos-cont-learner": UP,
     "chaos-learner-finished": OFF,
 }
 
@@ -166,8 +183,11 @@ def learner_states(run: RunData) -> dict[int, list[tuple[float, float, str]]]:
     has_start = bool(run.of("learner_start"))
     out = {}
     for m in range(run.learners):
-        events = sorted((_t(r), _TRANSITIONS[r["kind"]]) for r in run.rows
-                        if r["kind"] in _TRANSITIONS and _learner_of(r) == m and _t(r) is not None)
+        events = sorted(
+            (_t(r), _TRANSITIONS[r["kind"]])
+            for r in run.rows
+            if r["kind"] in _TRANSITIONS and _learner_of(r) == m and _t(r) is not None
+        )
         state, since, spans = (OFF if has_start else UP), (0.0 if has_start else t0), []
         for t, new in events:
             if new == state or (state == OFF and new == DOWN):
@@ -206,9 +226,14 @@ def goodput_timeline(run: RunData, n: int = 300) -> dict:
     states = learner_states(run)
     cfg = run.summary.get("config") if isinstance(run.summary.get("config"), dict) else {}
     P = _num(run.summary.get("fragments")) or _num(cfg.get("fragments")) or 1
-    merges = sorted(((_t(r), r) for r in run.of("merge")
-                     if _t(r) is not None and isinstance(r.get("learners"), list)),
-                    key=lambda x: x[0])
+    merges = sorted(
+        (
+            (_t(r), r)
+            for r in run.of("merge")
+            if _t(r) is not None and isinstance(r.get("learners"), list)
+        ),
+        key=lambda x: x[0],
+    )
     credits: list[tuple[float, float]] = []
     last: dict[tuple[int, object], float] = {}
     for t, r in merges:
@@ -266,14 +291,19 @@ def plot_loss(runs: list[RunData], path: Path, x_axis: str) -> None:
     ax = fig.add_subplot()
     for i, run in enumerate(runs):
         c, x = _colour(i), _x_of(run, "tokens" if use_tokens else "step")
-        pts = sorted((_num(r.get("step")), _num(r.get("eval_loss"))) for r in run.of("eval")
-                     if _num(r.get("step")) is not None and _num(r.get("eval_loss")) is not None)
+        pts = sorted(
+            (_num(r.get("step")), _num(r.get("eval_loss")))
+            for r in run.of("eval")
+            if _num(r.get("step")) is not None and _num(r.get("eval_loss")) is not None
+        )
         final = _num(run.summary.get("final_eval_loss"))
         steps = _num(run.summary.get("steps"))
-        line = pts + ([(steps, final)] if final is not None and steps and pts
-                      and pts[-1][0] < steps else [])
-        ax.plot([x(s) for s, _ in line], [v for _, v in line], "-", color=c, lw=1.6,
-                label=run.label)
+        line = pts + (
+            [(steps, final)] if final is not None and steps and pts and pts[-1][0] < steps else []
+        )
+        ax.plot(
+            [x(s) for s, _ in line], [v for _, v in line], "-", color=c, lw=1.6, label=run.label
+        )
         ax.plot([x(s) for s, _ in pts], [v for _, v in pts], "o", color=c, ms=3.5)
         if final is not None and steps:
             ax.plot([x(steps)], [final], "*", color=c, ms=11, mec="black", mew=0.5)
@@ -284,14 +314,23 @@ def plot_loss(runs: list[RunData], path: Path, x_axis: str) -> None:
                     by_step.setdefault(r["step"], []).append(r["loss"])
             if by_step:
                 ss = sorted(by_step)
-                ax.plot([x(s) for s in ss], [sum(by_step[s]) / len(by_step[s]) for s in ss],
-                        ":", color=c, lw=1.0, alpha=0.8, label=f"{run.label}: train loss (mean)")
+                ax.plot(
+                    [x(s) for s in ss],
+                    [sum(by_step[s]) / len(by_step[s]) for s in ss],
+                    ":",
+                    color=c,
+                    lw=1.0,
+                    alpha=0.8,
+                    label=f"{run.label}: train loss (mean)",
+                )
         floor = _num(run.summary.get("entropy_floor"))
         if floor is not None:
             ax.axhline(floor, color=c, ls="--", lw=1.1, alpha=0.8)
     handles, labels = ax.get_legend_handles_labels()
-    handles += [Line2D([], [], color="grey", ls="--"),
-                Line2D([], [], color="grey", marker="*", ls="", ms=10, mec="black", mew=0.5)]
+    handles += [
+        Line2D([], [], color="grey", ls="--"),
+        Line2D([], [], color="grey", marker="*", ls="", ms=10, mec="black", mew=0.5),
+    ]
     labels += ["entropy floor (per run)", "final eval loss"]
     fig.legend(handles, labels, fontsize=8, loc="outside lower center", ncol=3)
     ax.set_xlabel("tokens (all learners)" if use_tokens else "inner step (mean per learner)")
@@ -317,8 +356,11 @@ def plot_goodput(runs: list[RunData], path: Path) -> None:
         if g is not None:
             ax.plot([tl["t"][-1]], [g], "D", color=c, ms=7, mec="black", mew=0.5)
     handles, labels = ax.get_legend_handles_labels()
-    handles += [Line2D([], [], color="grey", ls="-"), Line2D([], [], color="grey", ls=":"),
-                Line2D([], [], color="grey", marker="D", ls="", mec="black", mew=0.5)]
+    handles += [
+        Line2D([], [], color="grey", ls="-"),
+        Line2D([], [], color="grey", ls=":"),
+        Line2D([], [], color="grey", marker="D", ls="", mec="black", mew=0.5),
+    ]
     labels += ["goodput so far (from merges)", "learners up (fraction)", "summary goodput"]
     fig.legend(handles, labels, fontsize=8, loc="outside lower center", ncol=3)
     ax.set_ylim(0, 1.05)
@@ -375,18 +417,35 @@ def _merge_handle():
     return Line2D([], [], color="black", marker="|", ls="", ms=9, label="in a merge")
 
 
-_LEDGER = (("merged", "#59a14f"), ("dropped", "#f28e2b"), ("lost", "#e15759"),
-           ("overwritten", "#edc948"), ("pending", "#bab0ac"), ("unpushed", "#d4d4d4"))
+_LEDGER = (
+    ("merged", "#59a14f"),
+    ("dropped", "#f28e2b"),
+    ("lost", "#e15759"),
+    ("overwritten", "#edc948"),
+    ("pending", "#bab0ac"),
+    ("unpushed", "#d4d4d4"),
+)
 
 
 def _ledger_bars(ax, run: RunData) -> None:
     per = [p for p in run.summary.get("per_learner") or [] if isinstance(p, dict)]
-    ledgers = {p.get("learner", i): p.get("ledger_steps") for i, p in enumerate(per)
-               if isinstance(p.get("ledger_steps"), dict)}
+    ledgers = {
+        p.get("learner", i): p.get("ledger_steps")
+        for i, p in enumerate(per)
+        if isinstance(p.get("ledger_steps"), dict)
+    }
     ax.set_title("step ledger", fontsize=10, loc="left")
     if not ledgers:
-        ax.text(0.5, 0.5, f"no per-learner ledger\n(method {run.method})", ha="center",
-                va="center", transform=ax.transAxes, fontsize=9, color="grey")
+        ax.text(
+            0.5,
+            0.5,
+            f"no per-learner ledger\n(method {run.method})",
+            ha="center",
+            va="center",
+            transform=ax.transAxes,
+            fontsize=9,
+            color="grey",
+        )
         ax.set_xticks([])
         ax.set_yticks([])
         return
@@ -400,8 +459,9 @@ def _ledger_bars(ax, run: RunData) -> None:
     ax.set_yticks(ms, [f"L{m}" for m in ms])
     ax.set_ylim(max(ms) + 0.5, -0.5)
     ax.set_xlabel("inner steps (fragment-weighted)")
-    if any(_num(ledgers[m].get(k), 0.0) > 0 for m in ms
-           for k in ("overwritten", "pending", "unpushed")):
+    if any(
+        _num(ledgers[m].get(k), 0.0) > 0 for m in ms for k in ("overwritten", "pending", "unpushed")
+    ):
         ax.legend(handles=ax.containers[3:], fontsize=7, loc="lower right", framealpha=0.8)
     ax.grid(axis="x", alpha=0.3)
 
@@ -413,9 +473,15 @@ def plot_bytes(runs: list[RunData], path: Path) -> None:
     xs = range(len(runs))
     for off, key, colour in ((-0.2, "bytes_up", "#4e79a7"), (0.2, "bytes_down", "#a0cbe8")):
         vals = [_num(r.summary.get(key), 0.0) / mib for r in runs]
-        bars = ax.bar([x + off for x in xs], vals, width=0.4, color=colour,
-                      label=key.replace("bytes_", "") + " (learners to syncer)"
-                      if key == "bytes_up" else "down (syncer to learners)")
+        bars = ax.bar(
+            [x + off for x in xs],
+            vals,
+            width=0.4,
+            color=colour,
+            label=key.replace("bytes_", "") + " (learners to syncer)"
+            if key == "bytes_up"
+            else "down (syncer to learners)",
+        )
         ax.bar_label(bars, fmt="%.1f", fontsize=8, padding=2)
     ax.set_xticks(list(xs), [r.label.replace(" (", "\n(") for r in runs], fontsize=8)
     ax.set_ylabel("MiB")
@@ -440,27 +506,50 @@ def _summary_rows(run: RunData) -> list[str]:
     loss, floor = _num(s.get("final_eval_loss")), _num(s.get("entropy_floor"))
     mib = float(1 << 20)
     bu, bd = _num(s.get("bytes_up")), _num(s.get("bytes_down"))
-    return [run.label, _fmt(s.get("engine")), _fmt(s.get("learners")), _fmt(s.get("steps")),
-            _fmt(s.get("tokens"), ","), _fmt(loss, ".4f"), _fmt(floor, ".4f"),
-            _fmt(None if loss is None or floor is None else loss - floor, ".4f"),
-            _fmt(_num(s.get("goodput")), ".3f"), _fmt(_num(s.get("uptime")), ".3f"),
-            _fmt(s.get("merges")), _fmt(None if bu is None else bu / mib, ".1f"),
-            _fmt(None if bd is None else bd / mib, ".1f"),
-            _fmt(_num(s.get("wall_s")), ".1f")]
+    return [
+        run.label,
+        _fmt(s.get("engine")),
+        _fmt(s.get("learners")),
+        _fmt(s.get("steps")),
+        _fmt(s.get("tokens"), ","),
+        _fmt(loss, ".4f"),
+        _fmt(floor, ".4f"),
+        _fmt(None if loss is None or floor is None else loss - floor, ".4f"),
+        _fmt(_num(s.get("goodput")), ".3f"),
+        _fmt(_num(s.get("uptime")), ".3f"),
+        _fmt(s.get("merges")),
+        _fmt(None if bu is None else bu / mib, ".1f"),
+        _fmt(None if bd is None else bd / mib, ".1f"),
+        _fmt(_num(s.get("wall_s")), ".1f"),
+    ]
 
 
-_HEAD = ("run (method)", "engine", "M", "steps / learner", "tokens", "final eval loss",
-         "entropy floor", "gap", "goodput", "uptime", "merges", "MiB up", "MiB down", "wall s")
+_HEAD = (
+    "run (method)",
+    "engine",
+    "M",
+    "steps / learner",
+    "tokens",
+    "final eval loss",
+    "entropy floor",
+    "gap",
+    "goodput",
+    "uptime",
+    "merges",
+    "MiB up",
+    "MiB down",
+    "wall s",
+)
 
 _CAPTIONS = {
     "loss.png": "Eval loss of the global model against tokens; dashed: each run's entropy "
-                "floor; star: final eval loss.",
+    "floor; star: final eval loss.",
     "goodput.png": "Cumulative goodput: learner time credited by merges (1/P of a learner's "
-                   "up-time since its last credit for that fragment or its last failure) over "
-                   "M x elapsed time; "
-                   "dotted: fraction of learners up; diamond: the summary's goodput.",
+    "up-time since its last credit for that fragment or its last failure) over "
+    "M x elapsed time; "
+    "dotted: fraction of learners up; diamond: the summary's goodput.",
     "learners.png": "Per-learner up / down / stopped intervals and merge participation; "
-                    "right: step ledger (merged, dropped, lost).",
+    "right: step ledger (merged, dropped, lost).",
     "bytes.png": "Bytes sent up (learners to syncer) and down (syncer to learners).",
 }
 
@@ -468,12 +557,18 @@ _CAPTIONS = {
 def write_html(runs: list[RunData], path: Path) -> None:
     e = html.escape
     head = "".join(f"<th>{e(h)}</th>" for h in _HEAD)
-    body = "".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in _summary_rows(r)) + "</tr>"
-                   for r in runs)
-    notes = "".join(f"<li>{e(str(r.path))}: skipped {r.skipped_lines} corrupt line(s)</li>"
-                    for r in runs if r.skipped_lines)
-    figs = "".join(f'<figure><img src="{f}" alt="{e(f)}"><figcaption>{e(_CAPTIONS[f])}'
-                   f"</figcaption></figure>" for f in _FILES)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{e(c)}</td>" for c in _summary_rows(r)) + "</tr>" for r in runs
+    )
+    notes = "".join(
+        f"<li>{e(str(r.path))}: skipped {r.skipped_lines} corrupt line(s)</li>"
+        for r in runs
+        if r.skipped_lines
+    )
+    figs = "".join(
+        f'<figure><img src="{f}" alt="{e(f)}"><figcaption>{e(_CAPTIONS[f])}</figcaption></figure>'
+        for f in _FILES
+    )
     dirs = "".join(f"<li>{e(str(r.path.resolve()))}</li>" for r in runs)
     page = f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>ddiloco report</title>
@@ -536,16 +631,28 @@ def make_report(run_dirs: list[Path], out_dir: Path, *, x_axis: str = "tokens") 
 
 
 def add_report_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("report", help="plots and an HTML page for one or more run directories",
-                       description="Write loss.png, goodput.png, learners.png, bytes.png and "
-                       "index.html for one or more run directories (of either engine).")
-    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", type=Path,
-                   help="a directory written by `ddiloco train` (holds summary.json)")
-    p.add_argument("--out", type=Path, default=None,
-                   help="output directory (default: RUN_DIR/report for one run, ./report for "
-                   "several)")
-    p.add_argument("--x-axis", choices=("tokens", "step"), default="tokens",
-                   help="x axis of loss.png")
+    p = sub.add_parser(
+        "report",
+        help="plots and an HTML page for one or more run directories",
+        description="Write loss.png, goodput.png, learners.png, bytes.png and "
+        "index.html for one or more run directories (of either engine).",
+    )
+    p.add_argument(
+        "run_dirs",
+        nargs="+",
+        metavar="RUN_DIR",
+        type=Path,
+        help="a directory written by `ddiloco train` (holds summary.json)",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="output directory (default: RUN_DIR/report for one run, ./report for several)",
+    )
+    p.add_argument(
+        "--x-axis", choices=("tokens", "step"), default="tokens", help="x axis of loss.png"
+    )
     p.set_defaults(func=_cmd_report)
     return p
 

@@ -8,12 +8,20 @@ def gpt_like(n_layer=4, d=64, V=64, T=64):
     ps = [("tok_emb.weight", V * d, 4), ("pos_emb.weight", T * d, 4)]
     for i in range(n_layer):
         b = f"blocks.{i}"
-        ps += [(f"{b}.ln1.weight", d, 4), (f"{b}.ln1.bias", d, 4),
-               (f"{b}.attn.qkv.weight", 3 * d * d, 4), (f"{b}.attn.qkv.bias", 3 * d, 4),
-               (f"{b}.attn.proj.weight", d * d, 4), (f"{b}.attn.proj.bias", d, 4),
-               (f"{b}.ln2.weight", d, 4), (f"{b}.ln2.bias", d, 4),
-               (f"{b}.mlp.fc.weight", 4 * d * d, 4), (f"{b}.mlp.fc.bias", 4 * d, 4),
-               (f"{b}.mlp.proj.weight", 4 * d * d, 4), (f"{b}.mlp.proj.bias", d, 4)]
+        ps += [
+            (f"{b}.ln1.weight", d, 4),
+            (f"{b}.ln1.bias", d, 4),
+            (f"{b}.attn.qkv.weight", 3 * d * d, 4),
+            (f"{b}.attn.qkv.bias", 3 * d, 4),
+            (f"{b}.attn.proj.weight", d * d, 4),
+            (f"{b}.attn.proj.bias", d, 4),
+            (f"{b}.ln2.weight", d, 4),
+            (f"{b}.ln2.bias", d, 4),
+            (f"{b}.mlp.fc.weight", 4 * d * d, 4),
+            (f"{b}.mlp.fc.bias", 4 * d, 4),
+            (f"{b}.mlp.proj.weight", 4 * d * d, 4),
+            (f"{b}.mlp.proj.bias", d, 4),
+        ]
     ps += [("ln_f.weight", d, 4), ("ln_f.bias", d, 4), ("lm_head.weight", V * d, 4)]
     return ps
 
@@ -55,8 +63,18 @@ def test_layer_strategies_layout():
     seq = fragment_parameters(ps, 2, "per-layer")
     strided = fragment_parameters(ps, 2, "strided")
     # layers: tok_emb, pos_emb, blocks.0..3, ln_f, lm_head = 8 layers
-    assert {layer_key(n) for n in seq.fragments[0].names} == {"tok_emb", "pos_emb", "blocks.0", "blocks.1"}
-    assert {layer_key(n) for n in strided.fragments[0].names} == {"tok_emb", "blocks.0", "blocks.2", "ln_f"}
+    assert {layer_key(n) for n in seq.fragments[0].names} == {
+        "tok_emb",
+        "pos_emb",
+        "blocks.0",
+        "blocks.1",
+    }
+    assert {layer_key(n) for n in strided.fragments[0].names} == {
+        "tok_emb",
+        "blocks.0",
+        "blocks.2",
+        "ln_f",
+    }
 
 
 def test_fragmentation_errors():
@@ -92,9 +110,16 @@ def test_schedule_P1_is_diloco_and_staggering():
     assert sends == [4, 8, 12, 16, 20, 24, 28, 32, 36]
 
 
-@pytest.mark.parametrize("kw,msg", [
-    (dict(P=0, H=4), "P"), (dict(P=5, H=4), "P <= H"), (dict(P=2, H=4, tau=4), "tau"),
-    (dict(P=1, H=0), "H"), (dict(P=1, H=4, tau=-1), "tau")])
+@pytest.mark.parametrize(
+    "kw,msg",
+    [
+        (dict(P=0, H=4), "P"),
+        (dict(P=5, H=4), "P <= H"),
+        (dict(P=2, H=4, tau=4), "tau"),
+        (dict(P=1, H=0), "H"),
+        (dict(P=1, H=4, tau=-1), "tau"),
+    ],
+)
 def test_schedule_validation(kw, msg):
     with pytest.raises(ValueError, match=msg):
         FragmentSchedule(**kw)

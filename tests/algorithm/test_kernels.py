@@ -15,8 +15,9 @@ from ddiloco.algorithm.merge import OuterNesterov, all_finite
 # where torch's CPU kernels use fused multiply-adds as the C kernel does, the two agree bit for
 # bit; elsewhere up to fp32 rounding
 EXACT = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-needs_kernels = pytest.mark.skipif(not kernels.available(),
-                                   reason="C extension not built for this CPU")
+needs_kernels = pytest.mark.skipif(
+    not kernels.available(), reason="C extension not built for this CPU"
+)
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -26,19 +27,24 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _tensors(seed: int, numels=(100_003, 7, 1)) -> dict[str, list[torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     P = [torch.randn(n, generator=g) for n in numels]
-    return {"params": P, "buffers": [torch.randn(p.shape, generator=g) * 0.1 for p in P],
-            "anchors": [p + torch.randn(p.shape, generator=g) * 0.01 for p in P],
-            "pushes": [p + torch.randn(p.shape, generator=g) * 0.01 for p in P],
-            "grads": [torch.randn(p.shape, generator=g) * 0.01 for p in P]}
+    return {
+        "params": P,
+        "buffers": [torch.randn(p.shape, generator=g) * 0.1 for p in P],
+        "anchors": [p + torch.randn(p.shape, generator=g) * 0.01 for p in P],
+        "pushes": [p + torch.randn(p.shape, generator=g) * 0.01 for p in P],
+        "grads": [torch.randn(p.shape, generator=g) * 0.01 for p in P],
+    }
 
 
 def test_extension_is_built_where_a_compiler_is():
     """``pip install`` builds the extension wherever a C compiler is (as in CI): the fast path
     is the one the tests exercise, not a silent fallback."""
-    if platform.machine() not in ("x86_64", "aarch64") or not (shutil.which("cc")
-                                                               or shutil.which("gcc")):
+    if platform.machine() not in ("x86_64", "aarch64") or not (
+        shutil.which("cc") or shutil.which("gcc")
+    ):
         pytest.skip("no C compiler or not a CPU the kernels are built for")
     from ddiloco import _kernels
+
     if platform.machine() == "x86_64" and not _kernels.FAST:
         pytest.skip("this x86-64 CPU has no AVX2/FMA")
     assert kernels.available()
@@ -51,12 +57,19 @@ def test_fused_step_matches_torch_and_leaves_inputs(scale, form):
     t = _tensors(0)
     before = {k: [x.clone() for x in v] for k, v in t.items()}
     outer = OuterNesterov(lr=0.7, momentum=0.9)
-    kw = ({"anchors": t["anchors"], "pushes": t["pushes"]} if form == "delta"
-          else {"grads": t["grads"]})
-    new_p, new_b, finite = kernels.nesterov_stepped(t["params"], t["buffers"], lr=0.7,
-                                                    momentum=0.9, scale=scale, **kw)
-    grads = (torch._foreach_sub(t["anchors"], t["pushes"]) if form == "delta"
-             else [g.clone() for g in t["grads"]])
+    kw = (
+        {"anchors": t["anchors"], "pushes": t["pushes"]}
+        if form == "delta"
+        else {"grads": t["grads"]}
+    )
+    new_p, new_b, finite = kernels.nesterov_stepped(
+        t["params"], t["buffers"], lr=0.7, momentum=0.9, scale=scale, **kw
+    )
+    grads = (
+        torch._foreach_sub(t["anchors"], t["pushes"])
+        if form == "delta"
+        else [g.clone() for g in t["grads"]]
+    )
     ref_p, ref_b = outer.stepped(t["params"], grads, t["buffers"], scale)
     assert finite
     assert all(_same(a, b) for a, b in zip(new_p, ref_p))
@@ -64,7 +77,8 @@ def test_fused_step_matches_torch_and_leaves_inputs(scale, form):
     assert all(torch.equal(x, y) for k in t for x, y in zip(t[k], before[k])), "inputs written"
     # the output is new memory, never an input's
     assert {x.data_ptr() for x in new_p + new_b}.isdisjoint(
-        x.data_ptr() for v in t.values() for x in v)
+        x.data_ptr() for v in t.values() for x in v
+    )
 
 
 @needs_kernels
@@ -72,13 +86,20 @@ def test_fused_step_matches_torch_and_leaves_inputs(scale, form):
 def test_fused_step_reports_nonfinite_output(bad):
     t = _tensors(1)
     t["pushes"][0][12345] = bad
-    _, _, finite = kernels.nesterov_stepped(t["params"], t["buffers"], lr=0.7, momentum=0.9,
-                                            anchors=t["anchors"], pushes=t["pushes"])
+    _, _, finite = kernels.nesterov_stepped(
+        t["params"], t["buffers"], lr=0.7, momentum=0.9, anchors=t["anchors"], pushes=t["pushes"]
+    )
     assert not finite
     t = _tensors(1)  # finite inputs whose step overflows
     t["grads"][1][3] = 3e38
-    _, _, finite = kernels.nesterov_stepped(t["params"], t["buffers"], lr=0.7, momentum=0.9,
-                                            scale=1.0, grads=[g * 1 for g in t["grads"]])
+    _, _, finite = kernels.nesterov_stepped(
+        t["params"],
+        t["buffers"],
+        lr=0.7,
+        momentum=0.9,
+        scale=1.0,
+        grads=[g * 1 for g in t["grads"]],
+    )
     assert not finite
 
 
@@ -86,33 +107,42 @@ def test_fused_step_reports_nonfinite_output(bad):
 def test_unsupported_tensors_fall_back_to_torch():
     t = _tensors(2, numels=(64,))
     strided = [torch.randn(128)[::2]]
-    for kw in ({"anchors": strided, "pushes": t["pushes"]},
-               {"grads": [t["grads"][0].double()]}):
-        assert kernels.nesterov_stepped(t["params"], t["buffers"], lr=0.7, momentum=0.9,
-                                        **kw) is None
+    for kw in ({"anchors": strided, "pushes": t["pushes"]}, {"grads": [t["grads"][0].double()]}):
+        assert (
+            kernels.nesterov_stepped(t["params"], t["buffers"], lr=0.7, momentum=0.9, **kw) is None
+        )
     outer = OuterNesterov()
-    p, b, finite = outer.stepped_checked(t["params"], t["buffers"], 0.5, anchors=strided,
-                                         pushes=t["pushes"])
-    ref_p, ref_b = outer.stepped(t["params"], torch._foreach_sub(strided, t["pushes"]),
-                                 t["buffers"], 0.5)
+    p, b, finite = outer.stepped_checked(
+        t["params"], t["buffers"], 0.5, anchors=strided, pushes=t["pushes"]
+    )
+    ref_p, ref_b = outer.stepped(
+        t["params"], torch._foreach_sub(strided, t["pushes"]), t["buffers"], 0.5
+    )
     assert finite and torch.equal(p[0], ref_p[0]) and torch.equal(b[0], ref_b[0])
     with pytest.raises(ValueError, match="either grads or both"):
-        kernels.nesterov_stepped(t["params"], t["buffers"], lr=0.7, momentum=0.9,
-                                 anchors=t["anchors"])
+        kernels.nesterov_stepped(
+            t["params"], t["buffers"], lr=0.7, momentum=0.9, anchors=t["anchors"]
+        )
 
 
 def test_switching_kernels_off_gives_the_same_step():
     t = _tensors(3)
     outer = OuterNesterov()
-    on = outer.stepped_checked(t["params"], t["buffers"], 0.5, anchors=t["anchors"],
-                               pushes=t["pushes"])
+    on = outer.stepped_checked(
+        t["params"], t["buffers"], 0.5, anchors=t["anchors"], pushes=t["pushes"]
+    )
     prev = kernels.set_enabled(False)
     try:
         assert not kernels.enabled()
-        assert kernels.nesterov_stepped(t["params"], t["buffers"], lr=0.7, momentum=0.9,
-                                        grads=t["grads"]) is None
-        off = outer.stepped_checked(t["params"], t["buffers"], 0.5, anchors=t["anchors"],
-                                    pushes=t["pushes"])
+        assert (
+            kernels.nesterov_stepped(
+                t["params"], t["buffers"], lr=0.7, momentum=0.9, grads=t["grads"]
+            )
+            is None
+        )
+        off = outer.stepped_checked(
+            t["params"], t["buffers"], 0.5, anchors=t["anchors"], pushes=t["pushes"]
+        )
     finally:
         kernels.set_enabled(prev)
     assert on[2] and off[2]

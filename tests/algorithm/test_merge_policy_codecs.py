@@ -4,10 +4,25 @@ import pytest
 import torch
 
 from ddiloco.algorithm.codecs import CODECS, get_codec
-from ddiloco.algorithm.merge import (OuterNesterov, all_finite, all_finite_list, alpha_mix,
-                                     merge_outer_gradients, rda, token_weight, weighted_average)
-from ddiloco.algorithm.policy import (Ema, MergeNow, PolicyConfig, QuorumGracePolicy, WaitForMore,
-                                      WaitUntil, grace_window_s)
+from ddiloco.algorithm.merge import (
+    OuterNesterov,
+    all_finite,
+    all_finite_list,
+    alpha_mix,
+    merge_outer_gradients,
+    rda,
+    token_weight,
+    weighted_average,
+)
+from ddiloco.algorithm.policy import (
+    Ema,
+    MergeNow,
+    PolicyConfig,
+    QuorumGracePolicy,
+    WaitForMore,
+    WaitUntil,
+    grace_window_s,
+)
 
 
 def test_token_weight_formula():
@@ -136,7 +151,9 @@ def test_quorum_and_grace_decisions():
     assert isinstance(pol.decide(now_s=0, n_arrived=1, n_live=4, quorum_at_s=None), WaitForMore)
     d = pol.decide(now_s=5.0, n_arrived=2, n_live=4, quorum_at_s=None)
     assert isinstance(d, WaitUntil) and d.at_s == pytest.approx(6.0)
-    assert pol.decide(now_s=6.0, n_arrived=2, n_live=4, quorum_at_s=5.0) == MergeNow("grace-expired")
+    assert pol.decide(now_s=6.0, n_arrived=2, n_live=4, quorum_at_s=5.0) == MergeNow(
+        "grace-expired"
+    )
     assert pol.decide(now_s=5.5, n_arrived=4, n_live=4, quorum_at_s=5.0) == MergeNow("all-live")
     # K is capped by live learners: K = M never blocks on a dead learner
     assert pol.decide(now_s=0, n_arrived=1, n_live=1, quorum_at_s=None) == MergeNow("all-live")
@@ -157,7 +174,7 @@ def test_codec_roundtrip_bounds_and_bytes(name, numel):
     if name == "fp32":
         assert torch.equal(x, y)
     elif name == "bf16":
-        assert bool((err <= x.abs() * 2 ** -8 + 1e-30).all())
+        assert bool((err <= x.abs() * 2**-8 + 1e-30).all())
     elif name != "1bit":
         blocks = torch.nn.functional.pad(x, (0, (-numel) % 64)).view(-1, 64).abs().amax(1)
         bound = (blocks / ((1 << c.bits) - 1)).repeat_interleave(64)[:numel]
@@ -187,6 +204,7 @@ def test_codec_quality_ordering():
 
 def test_a_quantised_codec_with_another_block_size():
     from ddiloco.algorithm.codecs import get_codec
+
     c = get_codec("int2/4096")
     assert c.bits == 2 and c.block == 4096 and c.name == "int2/4096"
     x = torch.randn(10_000, generator=torch.Generator().manual_seed(0))

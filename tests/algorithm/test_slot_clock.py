@@ -2,8 +2,13 @@
 
 import pytest
 
-from ddiloco.algorithm.schedule import (ClockTrack, FragmentSchedule, SlotClock,
-                                        measured_slot_s, next_clock)
+from ddiloco.algorithm.schedule import (
+    ClockTrack,
+    FragmentSchedule,
+    SlotClock,
+    measured_slot_s,
+    next_clock,
+)
 
 
 def test_clock_maps_wall_time_to_nominal_steps():
@@ -35,8 +40,7 @@ def test_retiming_continues_the_nominal_steps_without_a_jump():
     c = SlotClock(epoch_s=0.0, t0_s=6.0, x0=12.0, slot_s=0.5)
     # within the tolerance, or too soon after the last re-timing: keep the clock
     assert next_clock(c, epoch_s=0.0, slot_s=0.54, now_s=10.0, lead_s=1.0) is None
-    assert next_clock(c, epoch_s=0.0, slot_s=1.0, now_s=6.5, lead_s=1.0,
-                      min_interval_s=2.0) is None
+    assert next_clock(c, epoch_s=0.0, slot_s=1.0, now_s=6.5, lead_s=1.0, min_interval_s=2.0) is None
     d = next_clock(c, epoch_s=0.0, slot_s=1.0, now_s=10.0, lead_s=1.0, min_interval_s=2.0)
     assert d.t0_s == 11.0 and d.epoch_s == 0.0
     assert d.nominal(11.0) == pytest.approx(c.nominal(11.0))  # continuous

@@ -11,9 +11,14 @@ from ddiloco.algorithm.syncer_state import Contribution, Status, SyncerConfig, S
 def make(quorum=1, grace=True, M=3, rule="average", lr=1.0, mom=0.0, scale_partial=False, **kw):
     init = {"w": torch.zeros(4), "emb": torch.zeros(2)}
     fr = fragment_parameters([("w", 4, 4), ("emb", 2, 4)], 2, "balanced", {"emb"})
-    cfg = SyncerConfig(policy=PolicyConfig(quorum=quorum, grace=grace, gamma=0.5, tau=2),
-                       merge_rule=rule, outer_lr=lr, outer_momentum=mom,
-                       scale_partial=scale_partial, **kw)
+    cfg = SyncerConfig(
+        policy=PolicyConfig(quorum=quorum, grace=grace, gamma=0.5, tau=2),
+        merge_rule=rule,
+        outer_lr=lr,
+        outer_momentum=mom,
+        scale_partial=scale_partial,
+        **kw,
+    )
     s = SyncerState(fr, init, cfg)
     for m in range(M):
         s.join(m)
@@ -22,8 +27,15 @@ def make(quorum=1, grace=True, M=3, rule="average", lr=1.0, mom=0.0, scale_parti
 
 
 def push(m, p, value, base=0, steps=10, tokens=100, seq=0, n=4):
-    return Contribution(learner=m, fragment=p, params=[torch.full((n,), float(value))],
-                        c_steps=steps, c_tokens=tokens, base_version=base, seq=seq)
+    return Contribution(
+        learner=m,
+        fragment=p,
+        params=[torch.full((n,), float(value))],
+        c_steps=steps,
+        c_tokens=tokens,
+        base_version=base,
+        seq=seq,
+    )
 
 
 def test_quorum_k_is_respected_and_grace_timer_drives_merge():
@@ -32,7 +44,9 @@ def test_quorum_k_is_respected_and_grace_timer_drives_merge():
     r = s.submit(push(0, p, 1.0), now_s=10.0)
     assert r.status is Status.ACCEPTED and r.merged is None and r.wake_at_s is None
     r = s.submit(push(1, p, 3.0), now_s=10.5)
-    assert r.merged is None and r.wake_at_s == pytest.approx(10.5 + 0.5 * (2.0 - 0.5))  # xi_quorum = 0.5 s
+    assert r.merged is None and r.wake_at_s == pytest.approx(
+        10.5 + 0.5 * (2.0 - 0.5)
+    )  # xi_quorum = 0.5 s
     assert s.on_timer(p, 10.6) is None  # too early
     m = s.on_timer(p, r.wake_at_s)
     assert m.learners == (0, 1) and m.version == 1 and m.reason == "grace-expired"
@@ -121,7 +135,9 @@ def test_state_dict_roundtrip():
     t, _ = make(quorum=1, M=2, grace=False, mom=0.9)
     t.load_state_dict(sd)
     assert t.versions() == s.versions()
-    assert all(torch.equal(a, b) for a, b in zip(t.global_params().values(), s.global_params().values()))
+    assert all(
+        torch.equal(a, b) for a, b in zip(t.global_params().values(), s.global_params().values())
+    )
     assert t.submit(push(0, p, 1.0, seq=0, base=1), 0.0).status is Status.DUPLICATE
     # momentum carried over: the next identical merges give identical results
     a = s.submit(push(1, p, 2.0, base=1), 1.0).merged
@@ -191,7 +207,7 @@ def test_pushes_during_an_unlocked_merge_wait_for_it_and_follow_up():
     assert other.merged is not None and other.merged.fragment == q  # not blocked
     assert first.merged.version == 1 and first.merged.learners == (0,)
     assert torch.allclose(first.merged.params[0], torch.full((4,), 1.0))
-    (fp, follow), = s.take_followups()
+    ((fp, follow),) = s.take_followups()
     assert fp == p and follow.version == 2 and follow.learners == (1,) and follow.seqs == (1,)
     assert torch.allclose(follow.params[0], torch.full((4,), 4.0))  # merged onto version 1
     assert s.take_followups() == [] and s.version(p) == 2
@@ -216,7 +232,7 @@ def test_final_pushes_gather_every_live_learner_and_average():
     assert r.merged is None and s.take_followups() == []
     # learner 2 finishes sending only q: p's final round has every learner that will push p
     r = s.submit(final(2, q, 5.0, (q,)), 0.2)
-    (fp, mp), = s.take_followups()
+    ((fp, mp),) = s.take_followups()
     w0, w1 = 100 * 10, 200 * 20  # token weights, as in test_token_weighted_merge
     assert fp == p and mp.reason == "final" and mp.learners == (0, 1)
     assert torch.allclose(mp.params[0], torch.full((4,), (w0 * 1.0 + w1 * 4.0) / (w0 + w1)))

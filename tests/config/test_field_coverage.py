@@ -58,8 +58,15 @@ def inproc(argv: list[str]) -> InProc:
 
     cfg, _ = train_config_from_args(["--engine", "inproc", *argv])
     model = new_model(cfg)
-    return InProc(cfg=cfg, syncer=syncer_config(cfg), world=World(cfg), data=data_config(cfg),
-                  model=model, opt=new_optimizer(cfg, model), frag=fragmentation_for(cfg, model))
+    return InProc(
+        cfg=cfg,
+        syncer=syncer_config(cfg),
+        world=World(cfg),
+        data=data_config(cfg),
+        model=model,
+        opt=new_optimizer(cfg, model),
+        frag=fragmentation_for(cfg, model),
+    )
 
 
 def processes(argv: list[str], out: Path) -> Procs:
@@ -74,14 +81,22 @@ def processes(argv: list[str], out: Path) -> Procs:
     if cfg.runtime.shards > 1:  # the shards' ports, chosen when the run starts
         la.ports = list(range(20000, 20000 + cfg.runtime.shards))
     s_cmd, l_cmd = la._syncer_cmd(False), la._learner_cmd(1)
-    sargs = parse_syncer(s_cmd[s_cmd.index("syncer") + 1:])
-    largs = parse_learner(l_cmd[l_cmd.index("learner") + 1:])
+    sargs = parse_syncer(s_cmd[s_cmd.index("syncer") + 1 :])
+    largs = parse_learner(l_cmd[l_cmd.index("learner") + 1 :])
     run = largs.run
     model = new_model(run)
-    return Procs(launcher=la, syncer_cmd=s_cmd, learner_cmd=l_cmd, server=syncer_from_args(sargs),
-                 run=run, learner=learner_kwargs(run, largs.learner, largs.syncer),
-                 slowdown=learner_slowdown(run, largs.learner), data=data_config(run),
-                 model=model, opt=new_optimizer(run, model))
+    return Procs(
+        launcher=la,
+        syncer_cmd=s_cmd,
+        learner_cmd=l_cmd,
+        server=syncer_from_args(sargs),
+        run=run,
+        learner=learner_kwargs(run, largs.learner, largs.syncer),
+        slowdown=learner_slowdown(run, largs.learner),
+        data=data_config(run),
+        model=model,
+        opt=new_optimizer(run, model),
+    )
 
 
 def n_params(model) -> int:
@@ -98,12 +113,21 @@ Probe = Callable[[Any], Any] | None
 ROWS: dict[str, tuple[list[str], Probe, Probe]] = {
     "method": (["dp"], lambda e: e.cfg.method, None),
     "engine": (["processes"], lambda e: e.cfg.engine, None),
-    "learners": (["3"], lambda e: len(e.world.step_rng),
-                 lambda p: (p.server.step_budget, p.run.learners)),
-    "steps": (["50"], lambda e: (e.cfg.steps, lrs(e.cfg)),
-              lambda p: (p.server.step_budget, lrs(p.run))),
-    "seed": (["7"], lambda e: float(next(e.model.parameters()).detach().flatten()[0]),
-             lambda p: float(next(p.model.parameters()).detach().flatten()[0])),
+    "learners": (
+        ["3"],
+        lambda e: len(e.world.step_rng),
+        lambda p: (p.server.step_budget, p.run.learners),
+    ),
+    "steps": (
+        ["50"],
+        lambda e: (e.cfg.steps, lrs(e.cfg)),
+        lambda p: (p.server.step_budget, lrs(p.run)),
+    ),
+    "seed": (
+        ["7"],
+        lambda e: float(next(e.model.parameters()).detach().flatten()[0]),
+        lambda p: float(next(p.model.parameters()).detach().flatten()[0]),
+    ),
     "out": (["OUT"], lambda e: e.cfg.out, lambda p: str(p.launcher.out)),
     "progress": (["false"], lambda e: e.cfg.progress, lambda p: p.launcher.cfg.progress),
     # model, data
@@ -111,14 +135,23 @@ ROWS: dict[str, tuple[list[str], Probe, Probe]] = {
     "data": (["text:TEXT"], lambda e: e.data.kind, lambda p: p.data.kind),
     "batch_size": (["8"], lambda e: e.cfg.batch_size, lambda p: p.run.batch_size),
     "block_size": (["32"], lambda e: n_params(e.model), lambda p: n_params(p.model)),
-    "vocab_size": (["48"], lambda e: (e.data.markov.vocab_size, n_params(e.model)),
-                   lambda p: (p.data.markov.vocab_size, n_params(p.model))),
+    "vocab_size": (
+        ["48"],
+        lambda e: (e.data.markov.vocab_size, n_params(e.model)),
+        lambda p: (p.data.markov.vocab_size, n_params(p.model)),
+    ),
     # optimization
     "inner_optimizer": (["sgd"], lambda e: type(e.opt).__name__, lambda p: type(p.opt).__name__),
-    "inner_lr": (["0.01"], lambda e: (e.opt.defaults["lr"], lrs(e.cfg)),
-                 lambda p: (p.opt.defaults["lr"], lrs(p.run))),
-    "weight_decay": (["0.1"], lambda e: e.opt.defaults["weight_decay"],
-                     lambda p: p.opt.defaults["weight_decay"]),
+    "inner_lr": (
+        ["0.01"],
+        lambda e: (e.opt.defaults["lr"], lrs(e.cfg)),
+        lambda p: (p.opt.defaults["lr"], lrs(p.run)),
+    ),
+    "weight_decay": (
+        ["0.1"],
+        lambda e: e.opt.defaults["weight_decay"],
+        lambda p: p.opt.defaults["weight_decay"],
+    ),
     "lr_schedule": (["constant"], lambda e: lrs(e.cfg), lambda p: lrs(p.run)),
     "warmup_steps": (["5"], lambda e: lrs(e.cfg), lambda p: lrs(p.run)),
     "min_lr_frac": (["0.5"], lambda e: lrs(e.cfg), lambda p: lrs(p.run)),
@@ -127,40 +160,67 @@ ROWS: dict[str, tuple[list[str], Probe, Probe]] = {
     # sync algorithm
     "fragments": (["4"], lambda e: e.frag.P, lambda p: p.learner["P"]),
     "H": (["12"], lambda e: e.cfg.H, lambda p: p.learner["H"]),
-    "tau": (["3"], lambda e: (e.cfg.tau, e.syncer.policy.tau),
-            lambda p: (p.learner["tau"], p.server.syncer.policy.tau)),
+    "tau": (
+        ["3"],
+        lambda e: (e.cfg.tau, e.syncer.policy.tau),
+        lambda p: (p.learner["tau"], p.server.syncer.policy.tau),
+    ),
     "quorum": (["2"], lambda e: e.syncer.policy.quorum, lambda p: p.server.syncer.policy.quorum),
     "grace": (["false"], lambda e: e.syncer.policy.grace, lambda p: p.server.syncer.policy.grace),
     "gamma": (["0.3"], lambda e: e.syncer.policy.gamma, lambda p: p.server.syncer.policy.gamma),
     "outer_lr": (["0.5"], lambda e: e.syncer.outer_lr, lambda p: p.server.syncer.outer_lr),
-    "outer_momentum": (["0.5"], lambda e: e.syncer.outer_momentum,
-                       lambda p: p.server.syncer.outer_momentum),
-    "merge_rule": (["average"], lambda e: e.syncer.merge_rule,
-                   lambda p: p.server.syncer.merge_rule),
+    "outer_momentum": (
+        ["0.5"],
+        lambda e: e.syncer.outer_momentum,
+        lambda p: p.server.syncer.outer_momentum,
+    ),
+    "merge_rule": (
+        ["average"],
+        lambda e: e.syncer.merge_rule,
+        lambda p: p.server.syncer.merge_rule,
+    ),
     "alpha": (["0.5"], lambda e: e.cfg.alpha, lambda p: p.learner["alpha"]),
     "codec": (["int4"], lambda e: e.world.up_codec.name, lambda p: p.learner["codec"]),
     "down_codec": (["int8"], lambda e: e.world.down_codec.name, lambda p: p.server.downlink_codec),
-    "fragmentation": (["per-tensor"], lambda e: [f.names for f in e.frag.fragments],
-                      lambda p: p.learner["strategy"]),
+    "fragmentation": (
+        ["per-tensor"],
+        lambda e: [f.names for f in e.frag.fragments],
+        lambda p: p.learner["strategy"],
+    ),
     "schedule": (["steps"], lambda e: e.cfg.schedule, lambda p: p.learner.get("schedule")),
-    "scale_partial": (["false"], lambda e: e.syncer.scale_partial,
-                      lambda p: p.server.syncer.scale_partial),
-    "max_staleness": (["4"], lambda e: e.syncer.max_staleness,
-                      lambda p: p.server.syncer.max_staleness),
-    "staleness_discount": (["0.5"], lambda e: e.syncer.staleness_discount,
-                           lambda p: p.server.syncer.staleness_discount),
+    "scale_partial": (
+        ["false"],
+        lambda e: e.syncer.scale_partial,
+        lambda p: p.server.syncer.scale_partial,
+    ),
+    "max_staleness": (
+        ["4"],
+        lambda e: e.syncer.max_staleness,
+        lambda p: p.server.syncer.max_staleness,
+    ),
+    "staleness_discount": (
+        ["0.5"],
+        lambda e: e.syncer.staleness_discount,
+        lambda p: p.server.syncer.staleness_discount,
+    ),
     "anchor": (["base"], lambda e: e.syncer.anchor, lambda p: p.server.syncer.anchor),
     "history": (["3"], lambda e: e.syncer.history, lambda p: p.server.syncer.history),
     # world and chaos
     "step_time_s": (["2.0"], lambda e: e.world.step_s(0), None),
     "speeds": (["1,0.5,1,1"], lambda e: e.world.step_s(1), lambda p: p.slowdown),
     "step_noise": (["0.2"], lambda e: e.world.step_s(0), None),
-    "mtbi_s": (["50"], lambda e: e.world.next_failure_s(0, 0.0),
-               lambda p: p.launcher.chaos.kill_mean_interval_s),
+    "mtbi_s": (
+        ["50"],
+        lambda e: e.world.next_failure_s(0, 0.0),
+        lambda p: p.launcher.chaos.kill_mean_interval_s,
+    ),
     "downtime_s": (["7"], lambda e: e.cfg.downtime_s, lambda p: p.launcher.chaos.kill_downtime_s),
     "latency_s": (["0.2"], lambda e: e.world.transfer_s(1000), None),
-    "bandwidth_Bps": (["1e6"], lambda e: e.world.transfer_s(1000),
-                      lambda p: p.learner["link"].bandwidth_bytes_per_s),
+    "bandwidth_Bps": (
+        ["1e6"],
+        lambda e: e.world.transfer_s(1000),
+        lambda p: p.learner["link"].bandwidth_bytes_per_s,
+    ),
     "merge_time_s": (["0.5"], lambda e: e.cfg.merge_time_s, None),
     "chaos": (["wan"], None, lambda p: (p.launcher.chaos.link_latency_s, p.learner["link"])),
     # runtime and transport
@@ -170,8 +230,11 @@ ROWS: dict[str, tuple[list[str], Probe, Probe]] = {
     "http_port": (["0"], None, lambda p: (p.server.http_port, p.launcher.http_port is None)),
     "handshake_timeout_s": (["2"], None, lambda p: p.server.data_limits.handshake_timeout_s),
     "max_connections": (["9"], None, lambda p: p.server.data_limits.max_connections),
-    "max_connections_per_peer": (["3"], None,
-                                 lambda p: p.server.data_limits.max_connections_per_peer),
+    "max_connections_per_peer": (
+        ["3"],
+        None,
+        lambda p: p.server.data_limits.max_connections_per_peer,
+    ),
     "data_workers": (["2"], None, lambda p: p.server.data_limits.workers),
     "token_file": (["TOKEN"], None, lambda p: p.server.token),
     "tls_cert": (["CERT", "--tls-key", "KEY"], None, lambda p: p.server.tls_cert),
@@ -185,8 +248,11 @@ ROWS: dict[str, tuple[list[str], Probe, Probe]] = {
     "shards": (["2"], None, lambda p: p.server.shards),
     "connect_timeout_s": (["10"], None, lambda p: p.learner["connect_timeout"]),
     "log_level": (["debug"], None, lambda p: p.run.runtime.log_level),
-    "metrics_sinks": (["jsonl,mlflow"], lambda e: e.cfg.metrics_sinks,
-                      lambda p: (p.server.metrics_sinks, p.run.metrics_sinks)),
+    "metrics_sinks": (
+        ["jsonl,mlflow"],
+        lambda e: e.cfg.metrics_sinks,
+        lambda p: (p.server.metrics_sinks, p.run.metrics_sinks),
+    ),
     "device": (["cpu"], None, lambda p: p.run.device),
     "autocast": (["bf16"], None, lambda p: p.run.autocast),
 }
@@ -200,8 +266,13 @@ def test_the_table_names_every_field():
 
 
 def _argv(name: str, tmp: Path, values: list[str], canonical: bool) -> list[str]:
-    files = {"OUT": tmp / "out-changed", "TEXT": tmp / "corpus.txt", "TOKEN": tmp / "token",
-             "CERT": tmp / "cert.pem", "KEY": tmp / "key.pem"}
+    files = {
+        "OUT": tmp / "out-changed",
+        "TEXT": tmp / "corpus.txt",
+        "TOKEN": tmp / "token",
+        "CERT": tmp / "cert.pem",
+        "KEY": tmp / "key.pem",
+    }
     (tmp / "corpus.txt").write_text("the quick brown fox jumps over the lazy dog. " * 200)
     (tmp / "token").write_text("secret-from-file\n")
     for f in ("cert.pem", "key.pem"):
@@ -213,8 +284,11 @@ def _argv(name: str, tmp: Path, values: list[str], canonical: bool) -> list[str]
     else:
         flag = "-M" if name == "learners" and not canonical else f"--{name}"
     if values[0] in ("true", "false") and name not in ("progress",):
-        flag_on = flag if values[0] == "true" else flag.replace("--", "--no-", 1) \
-            .replace("--no-sync.", "--sync.no-")
+        flag_on = (
+            flag
+            if values[0] == "true"
+            else flag.replace("--", "--no-", 1).replace("--no-sync.", "--sync.no-")
+        )
         return [flag_on, *values[1:]] + COMPANIONS.get(name, [])
     if name == "progress":
         return ["--no-progress"]
@@ -237,8 +311,9 @@ def test_a_non_default_value_reaches_its_component(name, defaults, tmp_path, mon
     base_in, base_proc = defaults
     if in_probe is not None:
         changed = inproc(_argv(name, tmp_path, values, canonical=True))
-        assert in_probe(changed) != in_probe(base_in), \
+        assert in_probe(changed) != in_probe(base_in), (
             f"{name} does not reach the in-process engine"
+        )
     if proc_probe is not None:
         changed = processes(_argv(name, tmp_path, values, canonical=False), tmp_path / "run")
         assert proc_probe(changed) != proc_probe(base_proc), f"{name} does not reach the processes"

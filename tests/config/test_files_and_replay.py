@@ -13,30 +13,64 @@ from ddiloco.config.flags import ConfigError, parse_syncer, parse_train
 
 
 def test_every_field_round_trips_through_toml():
-    cfg = TrainConfig(method="streaming", engine="inproc", learners=3, steps=77, seed=5,
-                      model="moe_tiny", batch_size=4, block_size=16, vocab_size=40,
-                      inner_optimizer="sgd", lr_schedule="constant", fragments=3, H=9, tau=1,
-                      quorum=2, grace=False, codec="int4/256", down_codec="bf16",
-                      fragmentation="strided", schedule="steps", scale_partial=False,
-                      anchor="base", history=20, speeds=(1.0, 0.5, 0.75), mtbi_s=30.0,
-                      downtime_s=4.0, chaos="kill30", port=5000, bulk_port=-1,
-                      tls_cert="c.pem", tls_key="k.pem", step_budget=0, island_size=2,
-                      log_level="debug", device="cpu", autocast="bf16")
+    cfg = TrainConfig(
+        method="streaming",
+        engine="inproc",
+        learners=3,
+        steps=77,
+        seed=5,
+        model="moe_tiny",
+        batch_size=4,
+        block_size=16,
+        vocab_size=40,
+        inner_optimizer="sgd",
+        lr_schedule="constant",
+        fragments=3,
+        H=9,
+        tau=1,
+        quorum=2,
+        grace=False,
+        codec="int4/256",
+        down_codec="bf16",
+        fragmentation="strided",
+        schedule="steps",
+        scale_partial=False,
+        anchor="base",
+        history=20,
+        speeds=(1.0, 0.5, 0.75),
+        mtbi_s=30.0,
+        downtime_s=4.0,
+        chaos="kill30",
+        port=5000,
+        bulk_port=-1,
+        tls_cert="c.pem",
+        tls_key="k.pem",
+        step_budget=0,
+        island_size=2,
+        log_level="debug",
+        device="cpu",
+        autocast="bf16",
+    )
     assert loads_config(dumps_config(cfg)) == cfg
     assert loads_config(dumps_config(TrainConfig())) == TrainConfig()
 
 
-@pytest.mark.parametrize("text,msg", [
-    ("[sync]\nHH = 3\n", "unknown field sync.HH; sync has"),
-    ("nope = 1\n", "unknown field 'nope'; top-level fields are"),
-    ("[sync]\nquorum = 0\n", "sync.quorum must be >= 1, got 0"),
-    ("sync = 3\n", "sync must be a table ([sync])"),
-    ("[world]\nspeeds = [1.0, 0.0, 1.0, 1.0]\n", "world.speeds must all be > 0"),
-    ("[sync\n", "not valid TOML"),
-])
+@pytest.mark.parametrize(
+    "text,msg",
+    [
+        ("[sync]\nHH = 3\n", "unknown field sync.HH; sync has"),
+        ("nope = 1\n", "unknown field 'nope'; top-level fields are"),
+        ("[sync]\nquorum = 0\n", "sync.quorum must be >= 1, got 0"),
+        ("sync = 3\n", "sync must be a table ([sync])"),
+        ("[world]\nspeeds = [1.0, 0.0, 1.0, 1.0]\n", "world.speeds must all be > 0"),
+        ("[sync\n", "not valid TOML"),
+    ],
+)
 def test_bad_files_say_which_field(text, msg):
-    with pytest.raises(ValueError, match=msg.replace("[", r"\[").replace("(", r"\(")
-                       .replace(")", r"\)").replace("]", r"\]")):
+    with pytest.raises(
+        ValueError,
+        match=msg.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)").replace("]", r"\]"),
+    ):
         loads_config(text, source="run.toml")
 
 
@@ -53,8 +87,10 @@ def test_file_then_preset_then_flags(tmp_path):
 
 def test_the_syncer_reads_its_sections_and_the_budget_from_the_file(tmp_path):
     path = tmp_path / "run.toml"
-    path.write_text("learners = 3\nsteps = 40\n[sync]\nquorum = 2\nscale_partial = false\n"
-                    "[runtime]\nheartbeat_timeout_s = 7.5\n")
+    path.write_text(
+        "learners = 3\nsteps = 40\n[sync]\nquorum = 2\nscale_partial = false\n"
+        "[runtime]\nheartbeat_timeout_s = 7.5\n"
+    )
     from ddiloco.runtime.cli import syncer_from_args
 
     args = parse_syncer(["--config", str(path), "--gamma", "0.25"])
@@ -74,9 +110,34 @@ def test_the_syncer_reads_its_sections_and_the_budget_from_the_file(tmp_path):
 @pytest.mark.timeout(240)
 def test_a_run_replays_from_its_config_toml(tmp_path, capsys):
     first, again = tmp_path / "first", tmp_path / "again"
-    argv = ["train", "--engine", "inproc", "--steps", "12", "-M", "2", "-H", "6", "-P", "2",
-            "--batch-size", "4", "--block-size", "32", "--codec", "int4", "--mtbi-s", "8",
-            "--downtime-s", "2", "--seed", "3", "--no-progress", "--out", str(first)]
+    argv = [
+        "train",
+        "--engine",
+        "inproc",
+        "--steps",
+        "12",
+        "-M",
+        "2",
+        "-H",
+        "6",
+        "-P",
+        "2",
+        "--batch-size",
+        "4",
+        "--block-size",
+        "32",
+        "--codec",
+        "int4",
+        "--mtbi-s",
+        "8",
+        "--downtime-s",
+        "2",
+        "--seed",
+        "3",
+        "--no-progress",
+        "--out",
+        str(first),
+    ]
     assert main(argv) == 0
     saved = load_config(first / "config.toml")
     assert saved.engine == "inproc" and saved.codec == "int4" and saved.mtbi_s == 8.0
@@ -87,4 +148,5 @@ def test_a_run_replays_from_its_config_toml(tmp_path, capsys):
         s["config"].pop("out")
     assert a == b
     assert (again / "config.toml").read_text() == (first / "config.toml").read_text().replace(
-        str(first), str(again))
+        str(first), str(again)
+    )

@@ -8,8 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from ddiloco.data import (BatchStream, DataConfig, MarkovConfig, build_eval_batches,
-                          build_stream, parse_data_spec)
+from ddiloco.data import (
+    BatchStream,
+    DataConfig,
+    MarkovConfig,
+    build_eval_batches,
+    build_stream,
+    parse_data_spec,
+)
 
 
 def test_parse_spec() -> None:
@@ -58,8 +64,7 @@ def test_every_kind(tmp_path: Path) -> None:
     assert x.min() >= 475  # windows from the held-out tail (last 5%)
     (tmp_path / "odd.bin").write_bytes(b"\x00" * 1001)
     with pytest.raises(ValueError, match="not a multiple"):
-        build_stream(DataConfig(kind="bin", path=str(tmp_path / "odd.bin"), dtype="uint32"),
-                     **kw)
+        build_stream(DataConfig(kind="bin", path=str(tmp_path / "odd.bin"), dtype="uint32"), **kw)
     with pytest.raises(FileNotFoundError):
         build_stream(f"bin:{tmp_path / 'missing.bin'}", **kw)
 
@@ -79,13 +84,11 @@ def test_image_kinds(tmp_path: Path) -> None:
     assert overlap.float().mean() < 0.05
 
 
-def test_hf_kind_reports_missing_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-                                         ) -> None:
+def test_hf_kind_reports_missing_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
 
     monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets -> ImportError
     with pytest.raises(ImportError, match=r"pip install ddiloco\[hf\]"):
         build_stream(f"hf:{tmp_path}", learner=0, n_learners=1, batch_size=1, block_size=4)
     with pytest.raises(FileNotFoundError, match="save_to_disk"):
-        build_stream(f"hf:{tmp_path / 'nope'}", learner=0, n_learners=1, batch_size=1,
-                     block_size=4)
+        build_stream(f"hf:{tmp_path / 'nope'}", learner=0, n_learners=1, batch_size=1, block_size=4)

@@ -8,14 +8,21 @@ import numpy as np
 import pytest
 import torch
 
-from ddiloco.data.images import (ImageData, ImageStream, image_eval_batches, load_digits,
-                                 load_image_folder, split_indices)
+from ddiloco.data.images import (
+    ImageData,
+    ImageStream,
+    image_eval_batches,
+    load_digits,
+    load_image_folder,
+    split_indices,
+)
 
 
 def small_data(n: int = 40) -> ImageData:
     images = torch.arange(n, dtype=torch.float32).reshape(n, 1, 1, 1).expand(n, 1, 2, 2)
-    return ImageData(images=images.contiguous(), labels=torch.arange(n) % 3,
-                     class_names=["a", "b", "c"])
+    return ImageData(
+        images=images.contiguous(), labels=torch.arange(n) % 3, class_names=["a", "b", "c"]
+    )
 
 
 def test_digits() -> None:
@@ -113,6 +120,7 @@ def test_image_folder_errors(tmp_path: Path) -> None:
     mixed = tmp_path / "mixed"
     write_folder(mixed)
     from PIL import Image
+
     Image.new("RGB", (5, 5)).save(mixed / "dog" / "odd.png")
     with pytest.raises(ValueError, match="image_size"):
         load_image_folder(mixed)

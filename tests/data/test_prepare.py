@@ -16,8 +16,10 @@ from ddiloco.data import build_eval_batches, build_stream, parse_data_spec  # no
 from ddiloco.data.prepare import EOT, prepare  # noqa: E402
 from ddiloco.data.text import ShardedTokens, load_token_bin  # noqa: E402
 
-WORDS = ("the cat sat on a mat while dogs ran past the old red barn and birds sang over "
-         "green hills near quiet rivers").split()
+WORDS = (
+    "the cat sat on a mat while dogs ran past the old red barn and birds sang over "
+    "green hills near quiet rivers"
+).split()
 
 
 def write_corpus(folder: Path, n_files: int = 6, seed: int = 0) -> list[str]:
@@ -26,8 +28,10 @@ def write_corpus(folder: Path, n_files: int = 6, seed: int = 0) -> list[str]:
     folder.mkdir(parents=True, exist_ok=True)
     docs = []
     for i in range(n_files):
-        lines = [" ".join(rng.choice(WORDS, size=rng.integers(4, 12))).capitalize() + "."
-                 for _ in range(60)]
+        lines = [
+            " ".join(rng.choice(WORDS, size=rng.integers(4, 12))).capitalize() + "."
+            for _ in range(60)
+        ]
         if i == 2:
             lines.append("Ünïcödé — façade, naïve café.")
         text = "\n".join(lines) + "\n"
@@ -45,15 +49,29 @@ def decode_documents(out: Path, tok_path: Path) -> list[str]:
     eot = tok.token_to_id(EOT)
     cuts = np.flatnonzero(ids == eot)
     starts = np.concatenate([[0], cuts[:-1] + 1])
-    return [tok.decode(ids[a:b].tolist(), skip_special_tokens=False)
-            for a, b in zip(starts, cuts, strict=True)]
+    return [
+        tok.decode(ids[a:b].tolist(), skip_special_tokens=False)
+        for a, b in zip(starts, cuts, strict=True)
+    ]
 
 
 def test_prepare_trains_a_tokenizer_and_shards_decode_to_the_text(tmp_path, capsys):
     docs = write_corpus(tmp_path / "corpus")
     tok, out = tmp_path / "tok.json", tmp_path / "shards"
-    rc = main(["prepare", str(tmp_path / "corpus"), "--tokenizer", str(tok), "--vocab-size",
-               "400", "--out", str(out), "--shard-tokens", "2000"])
+    rc = main(
+        [
+            "prepare",
+            str(tmp_path / "corpus"),
+            "--tokenizer",
+            str(tok),
+            "--vocab-size",
+            "400",
+            "--out",
+            str(out),
+            "--shard-tokens",
+            "2000",
+        ]
+    )
     assert rc == 0
     captured = capsys.readouterr()
     assert "tokenizing" in captured.err  # the progress bar
@@ -69,19 +87,29 @@ def test_prepare_trains_a_tokenizer_and_shards_decode_to_the_text(tmp_path, caps
     assert meta["n_tokens"] < 0.6 * sum(len(d.encode()) for d in docs)
 
     # a second run loads the saved tokenizer and writes the same tokens
-    again = prepare([str(tmp_path / "corpus")], tokenizer=tok, out=tmp_path / "again",
-                    shard_tokens=1 << 20, progress=False)
+    again = prepare(
+        [str(tmp_path / "corpus")],
+        tokenizer=tok,
+        out=tmp_path / "again",
+        shard_tokens=1 << 20,
+        progress=False,
+    )
     assert not again.tokenizer_trained and again.shards == ["tokens_000.bin"]
     one = np.fromfile(tmp_path / "again" / "tokens_000.bin", dtype=np.uint16)
-    many = np.concatenate([np.fromfile(out / s["file"], dtype=np.uint16)
-                           for s in meta["shards"]])
+    many = np.concatenate([np.fromfile(out / s["file"], dtype=np.uint16) for s in meta["shards"]])
     assert np.array_equal(one, many)
 
 
 def test_bin_folder_reads_the_shards_as_one_array(tmp_path):
     write_corpus(tmp_path / "corpus")
-    r = prepare([str(tmp_path / "corpus")], tokenizer=tmp_path / "tok.json",
-                out=tmp_path / "s", vocab_size=300, shard_tokens=700, progress=False)
+    r = prepare(
+        [str(tmp_path / "corpus")],
+        tokenizer=tmp_path / "tok.json",
+        out=tmp_path / "s",
+        vocab_size=300,
+        shard_tokens=700,
+        progress=False,
+    )
     tokens = load_token_bin(tmp_path / "s")
     assert isinstance(tokens, ShardedTokens) and len(tokens) == r.n_tokens
     flat = np.concatenate([np.fromfile(tmp_path / "s" / f, dtype=np.uint16) for f in r.shards])
@@ -100,12 +128,31 @@ def test_training_on_prepared_shards_lowers_the_loss(tmp_path):
     from ddiloco.engine import run
 
     write_corpus(tmp_path / "corpus", n_files=10)
-    prepare([str(tmp_path / "corpus")], tokenizer=tmp_path / "tok.json", out=tmp_path / "s",
-            vocab_size=300, progress=False)
-    s = run(TrainConfig(out=str(tmp_path / "run"), method="decoupled", learners=2, steps=60,
-                        data=f"bin:{tmp_path / 's'}", model="gpt_tiny", batch_size=8,
-                        block_size=32, fragments=2, H=8, eval_every=60, eval_batches=2,
-                        progress=False, lr_schedule="constant"))
+    prepare(
+        [str(tmp_path / "corpus")],
+        tokenizer=tmp_path / "tok.json",
+        out=tmp_path / "s",
+        vocab_size=300,
+        progress=False,
+    )
+    s = run(
+        TrainConfig(
+            out=str(tmp_path / "run"),
+            method="decoupled",
+            learners=2,
+            steps=60,
+            data=f"bin:{tmp_path / 's'}",
+            model="gpt_tiny",
+            batch_size=8,
+            block_size=32,
+            fragments=2,
+            H=8,
+            eval_every=60,
+            eval_batches=2,
+            progress=False,
+            lr_schedule="constant",
+        )
+    )
     assert s["final_eval_loss"] < s["initial_eval_loss"] - 1.0, s
 
 
@@ -113,21 +160,51 @@ def test_prepare_streams_an_hf_dataset(tmp_path):
     datasets = pytest.importorskip("datasets", reason="the hf extra (datasets) is not installed")
     rows = [f"Row {i}: the cat sat on the mat {i % 13} times." for i in range(1200)]
     datasets.DatasetDict({"train": datasets.Dataset.from_dict({"body": rows})}).save_to_disk(
-        str(tmp_path / "ds"))
-    r = prepare([f"hf:{tmp_path / 'ds'}"], tokenizer=tmp_path / "tok.json",
-                out=tmp_path / "s", vocab_size=300, text_column="body", progress=False)
+        str(tmp_path / "ds")
+    )
+    r = prepare(
+        [f"hf:{tmp_path / 'ds'}"],
+        tokenizer=tmp_path / "tok.json",
+        out=tmp_path / "s",
+        vocab_size=300,
+        text_column="body",
+        progress=False,
+    )
     assert r.n_documents == 1200
     assert decode_documents(tmp_path / "s", tmp_path / "tok.json") == rows
 
 
 def test_prepare_errors_say_what_to_do(tmp_path, capsys):
-    assert main(["prepare", str(tmp_path / "nope"), "--tokenizer", str(tmp_path / "t.json"),
-                 "--out", str(tmp_path / "o")]) == 2
+    assert (
+        main(
+            [
+                "prepare",
+                str(tmp_path / "nope"),
+                "--tokenizer",
+                str(tmp_path / "t.json"),
+                "--out",
+                str(tmp_path / "o"),
+            ]
+        )
+        == 2
+    )
     assert "does not exist" in capsys.readouterr().err
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "a.txt").write_text("")
-    assert main(["prepare", str(tmp_path / "empty"), "--tokenizer", str(tmp_path / "t.json"),
-                 "--out", str(tmp_path / "o"), "--no-progress"]) == 2
+    assert (
+        main(
+            [
+                "prepare",
+                str(tmp_path / "empty"),
+                "--tokenizer",
+                str(tmp_path / "t.json"),
+                "--out",
+                str(tmp_path / "o"),
+                "--no-progress",
+            ]
+        )
+        == 2
+    )
     assert "hold no text" in capsys.readouterr().err
     from tokenizers import Tokenizer, models
 
@@ -136,7 +213,11 @@ def test_prepare_errors_say_what_to_do(tmp_path, capsys):
     with pytest.raises(ValueError, match=f"no {EOT} token"):
         prepare([str(tmp_path / "c")], tokenizer=tmp_path / "plain.json", out=tmp_path / "o2")
     with pytest.raises(ValueError, match="vocab_size must be >= 257"):
-        prepare([str(tmp_path / "c")], tokenizer=tmp_path / "new.json", out=tmp_path / "o3",
-                vocab_size=100)
+        prepare(
+            [str(tmp_path / "c")],
+            tokenizer=tmp_path / "new.json",
+            out=tmp_path / "o3",
+            vocab_size=100,
+        )
     with pytest.raises(ValueError, match="without meta.json"):
         load_token_bin(tmp_path / "c")

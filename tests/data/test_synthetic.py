@@ -16,7 +16,7 @@ def lang() -> MarkovLanguage:
 
 
 def test_structure_and_stationary_distribution(lang: MarkovLanguage) -> None:
-    C, S = 64 ** 2, 4
+    C, S = 64**2, 4
     assert lang.next_tokens.shape == (C, S) and lang.next_probs.shape == (C, S)
     # Supports are distinct tokens and always contain the successor of the last token.
     assert all(len(set(row)) == S for row in lang.next_tokens[:50])
@@ -38,7 +38,7 @@ def test_entropy_rate_matches_monte_carlo(lang: MarkovLanguage) -> None:
     seqs = lang.sample(2000, 64, np.random.default_rng(0))
     nll = -lang.log_prob(seqs)
     k = lang.cfg.order
-    mc_rate = nll[:, k - 1:].mean()  # targets with full context
+    mc_rate = nll[:, k - 1 :].mean()  # targets with full context
     assert abs(mc_rate - lang.entropy_rate) / lang.entropy_rate < 0.01
     mc_floor = nll.mean()
     assert abs(mc_floor - lang.sequence_floor(64)) / lang.sequence_floor(64) < 0.01
@@ -63,7 +63,8 @@ def test_entropy_rate_of_uniform_support() -> None:
     lang = MarkovLanguage(MarkovConfig(vocab_size=16, support=4, concentration=1e4))
     assert lang.entropy_rate == pytest.approx(np.log(4), abs=1e-3)
     assert MarkovLanguage(MarkovConfig(vocab_size=8, support=1)).entropy_rate == pytest.approx(
-        0.0, abs=1e-6)
+        0.0, abs=1e-6
+    )
 
 
 def test_sample_shape_dtype_and_determinism(lang: MarkovLanguage) -> None:
@@ -77,10 +78,12 @@ def test_sample_shape_dtype_and_determinism(lang: MarkovLanguage) -> None:
 
 
 def test_stream_batches_are_shifted_deterministic_and_learner_specific(
-        lang: MarkovLanguage) -> None:
+    lang: MarkovLanguage,
+) -> None:
     def stream(m: int, seed: int = 0) -> SyntheticStream:
-        return SyntheticStream(lang, learner=m, n_learners=4, batch_size=3, block_size=8,
-                               seed=seed, chunk_batches=2)
+        return SyntheticStream(
+            lang, learner=m, n_learners=4, batch_size=3, block_size=8, seed=seed, chunk_batches=2
+        )
 
     s = stream(0)
     assert isinstance(s, BatchStream)
@@ -125,15 +128,18 @@ def test_eval_set_is_fixed_and_differs_from_training(lang: MarkovLanguage) -> No
     assert not torch.equal(train.next_batch()[0], ev[0][0])
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"vocab_size": 1}, "vocab_size"),
-    ({"order": 0}, "order"),
-    ({"support": 0}, "support"),
-    ({"vocab_size": 4, "support": 5}, "support"),
-    ({"concentration": 0.0}, "concentration"),
-    ({"vocab_size": 256, "order": 3}, "lower vocab_size or order"),
-    ({"seed": -1}, "seed"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"vocab_size": 1}, "vocab_size"),
+        ({"order": 0}, "order"),
+        ({"support": 0}, "support"),
+        ({"vocab_size": 4, "support": 5}, "support"),
+        ({"concentration": 0.0}, "concentration"),
+        ({"vocab_size": 256, "order": 3}, "lower vocab_size or order"),
+        ({"seed": -1}, "seed"),
+    ],
+)
 def test_config_validation(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         MarkovConfig(**kwargs)

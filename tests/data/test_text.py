@@ -8,8 +8,15 @@ import numpy as np
 import pytest
 import torch
 
-from ddiloco.data.text import (TokenStream, bin_stream, load_text_bytes, load_token_bin,
-                               text_stream, token_eval_batches, token_layout)
+from ddiloco.data.text import (
+    TokenStream,
+    bin_stream,
+    load_text_bytes,
+    load_token_bin,
+    text_stream,
+    token_eval_batches,
+    token_layout,
+)
 
 
 def test_text_file_and_folder(tmp_path: Path) -> None:
@@ -44,8 +51,7 @@ def test_token_bin(tmp_path: Path) -> None:
     assert isinstance(tokens, np.memmap) and np.array_equal(tokens, ids)
     ids.astype(np.uint32).tofile(tmp_path / "wide.bin")
     assert np.array_equal(load_token_bin(tmp_path / "wide.bin", dtype="uint32"), ids)
-    stream = bin_stream(tmp_path / "train.bin", learner=0, n_learners=2, batch_size=2,
-                        block_size=8)
+    stream = bin_stream(tmp_path / "train.bin", learner=0, n_learners=2, batch_size=2, block_size=8)
     x, y = stream.next_batch()
     assert x.dtype == torch.long and (x % 37 == 0).all()
 
@@ -64,8 +70,9 @@ def test_token_bin_errors(tmp_path: Path) -> None:
 
 
 def test_layout_is_disjoint_and_validated() -> None:
-    shards, (eval_start, eval_end) = token_layout(1000, n_learners=3, block_size=8,
-                                                  eval_fraction=0.1)
+    shards, (eval_start, eval_end) = token_layout(
+        1000, n_learners=3, block_size=8, eval_fraction=0.1
+    )
     assert shards == [(0, 300), (300, 600), (600, 900)] and (eval_start, eval_end) == (900, 1000)
     with pytest.raises(ValueError, match="fewer learners"):
         token_layout(100, n_learners=8, block_size=16, eval_fraction=0.0)
@@ -102,8 +109,7 @@ def test_eval_batches_come_from_the_tail(tmp_path: Path) -> None:
     tokens = np.arange(2000, dtype=np.int64)
     ev = token_eval_batches(tokens, n_batches=3, batch_size=4, block_size=16, eval_fraction=0.1)
     assert len(ev) == 3 and all(x.min() >= 1800 for x, _ in ev)
-    again = token_eval_batches(tokens, n_batches=3, batch_size=4, block_size=16,
-                               eval_fraction=0.1)
+    again = token_eval_batches(tokens, n_batches=3, batch_size=4, block_size=16, eval_fraction=0.1)
     assert all(torch.equal(a[0], b[0]) for a, b in zip(ev, again))
     with pytest.raises(ValueError, match="no held-out"):
         token_eval_batches(tokens, n_batches=1, batch_size=1, block_size=4, eval_fraction=0.0)

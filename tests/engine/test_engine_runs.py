@@ -8,8 +8,17 @@ from ddiloco.cli import main
 from ddiloco.config import TrainConfig, preset
 from ddiloco.engine import run
 
-SMALL = dict(learners=3, steps=60, H=12, fragments=4, batch_size=8, block_size=32,
-             eval_every=30, progress=False, vocab_size=16)
+SMALL = dict(
+    learners=3,
+    steps=60,
+    H=12,
+    fragments=4,
+    batch_size=8,
+    block_size=32,
+    eval_every=30,
+    progress=False,
+    vocab_size=16,
+)
 
 
 @pytest.mark.timeout(120)
@@ -32,8 +41,21 @@ def test_decoupled_trains_and_ledger_balances_under_failures(tmp_path):
     kinds = {r["kind"] for r in rows}
     assert {"config", "eval", "merge", "failure", "rejoin", "final"} <= kinds
     summary = json.loads((tmp_path / "summary.json").read_text())
-    for key in ("method", "engine", "learners", "steps", "tokens", "final_eval_loss",
-                "entropy_floor", "goodput", "uptime", "bytes_up", "bytes_down", "merges", "wall_s"):
+    for key in (
+        "method",
+        "engine",
+        "learners",
+        "steps",
+        "tokens",
+        "final_eval_loss",
+        "entropy_floor",
+        "goodput",
+        "uptime",
+        "bytes_up",
+        "bytes_down",
+        "merges",
+        "wall_s",
+    ):
         assert key in summary
 
 
@@ -71,22 +93,45 @@ def test_config_validation_messages():
 
 @pytest.mark.timeout(120)
 def test_cli_train_smoke(tmp_path, capsys):
-    rc = main(["train", "--engine", "inproc", "--steps", "12", "-M", "2", "-H", "6", "-P", "2",
-               "--batch-size", "4", "--out", str(tmp_path), "--no-progress", "--seed", "3"])
+    rc = main(
+        [
+            "train",
+            "--engine",
+            "inproc",
+            "--steps",
+            "12",
+            "-M",
+            "2",
+            "-H",
+            "6",
+            "-P",
+            "2",
+            "--batch-size",
+            "4",
+            "--out",
+            str(tmp_path),
+            "--no-progress",
+            "--seed",
+            "3",
+        ]
+    )
     assert rc == 0
     out = capsys.readouterr().out
     assert "final eval loss" in out and "goodput" in out
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 12
 
 
-@pytest.mark.parametrize("argv,msg", [
-    (["train", "--steps", "0"], "steps must be >= 1, got 0"),
-    (["train", "--method", "sync"], "method"),
-    (["train", "--speeds", "a,b"], "comma-separated"),
-    (["train", "--codec", "int3"], "sync.codec: unknown codec 'int3'"),
-    (["train", "--preset", "nope"], "unknown preset 'nope'"),
-    (["train", "--config", "/nonexistent/run.toml"], "does not exist"),
-])
+@pytest.mark.parametrize(
+    "argv,msg",
+    [
+        (["train", "--steps", "0"], "steps must be >= 1, got 0"),
+        (["train", "--method", "sync"], "method"),
+        (["train", "--speeds", "a,b"], "comma-separated"),
+        (["train", "--codec", "int3"], "sync.codec: unknown codec 'int3'"),
+        (["train", "--preset", "nope"], "unknown preset 'nope'"),
+        (["train", "--config", "/nonexistent/run.toml"], "does not exist"),
+    ],
+)
 def test_cli_rejects_bad_flags(argv, msg, capsys):
     try:
         rc = main(argv)

@@ -4,24 +4,36 @@ import pytest
 import torch
 
 from ddiloco.config import TrainConfig
+from ddiloco.data import build_eval_batches
 from ddiloco.engine import RunContext, run
 from ddiloco.engine.common import Recorder
-from ddiloco.recipe import data_config, new_model
 from ddiloco.engine.decoupled import run_decoupled
 from ddiloco.engine.sync import run_diloco, run_dp, run_streaming
-from ddiloco.data import build_eval_batches
+from ddiloco.recipe import data_config, new_model
 
-TINY = dict(learners=3, steps=24, H=6, batch_size=4, block_size=16, model="gpt_tiny",
-            eval_every=1000, progress=False, codec="fp32", merge_rule="average", latency_s=0.0,
-            merge_time_s=0.0)
+TINY = dict(
+    learners=3,
+    steps=24,
+    H=6,
+    batch_size=4,
+    block_size=16,
+    model="gpt_tiny",
+    eval_every=1000,
+    progress=False,
+    codec="fp32",
+    merge_rule="average",
+    latency_s=0.0,
+    merge_time_s=0.0,
+)
 
 
 def final_params(cfg, runner, tmp_path):
     cfg = cfg.replace(out=str(tmp_path / cfg.method))
     data = data_config(cfg)
     evals = build_eval_batches(data, n_batches=1, batch_size=2, block_size=cfg.block_size, seed=0)
-    ctx = RunContext(data=data, evals=evals, floor=0.0, global_model=new_model(cfg),
-                     recorder=Recorder(cfg))
+    ctx = RunContext(
+        data=data, evals=evals, floor=0.0, global_model=new_model(cfg), recorder=Recorder(cfg)
+    )
     runner(cfg, ctx)
     return {n: p.detach().clone() for n, p in ctx.global_model.named_parameters()}
 
@@ -43,8 +55,11 @@ def test_decoupled_K_eq_M_P1_tau0_equals_diloco(tmp_path):
     dec = final_params(base.replace(method="decoupled"), run_decoupled, tmp_path)
     assert_same(diloco, dec)
     # and it is not trivially equal: an asynchronous setting changes the result
-    dec_async = final_params(base.replace(method="decoupled", quorum=1, grace=False,
-                                          speeds=(1.0, 0.7, 0.5)), run_decoupled, tmp_path)
+    dec_async = final_params(
+        base.replace(method="decoupled", quorum=1, grace=False, speeds=(1.0, 0.7, 0.5)),
+        run_decoupled,
+        tmp_path,
+    )
     assert_differ(diloco, dec_async)
 
 
@@ -60,20 +75,38 @@ def test_streaming_P1_tau0_equals_diloco(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_diloco_H1_sgd_outer_lr1_momentum0_equals_dp(tmp_path):
-    base = TrainConfig(method="dp", fragments=1, tau=0, inner_optimizer="sgd", inner_lr=0.1,
-                       outer_lr=1.0, outer_momentum=0.0, **{**TINY, "H": 1, "steps": 8})
+    base = TrainConfig(
+        method="dp",
+        fragments=1,
+        tau=0,
+        inner_optimizer="sgd",
+        inner_lr=0.1,
+        outer_lr=1.0,
+        outer_momentum=0.0,
+        **{**TINY, "H": 1, "steps": 8},
+    )
     dp = final_params(base, run_dp, tmp_path)
     diloco = final_params(base.replace(method="diloco"), run_diloco, tmp_path)
     assert_same(dp, diloco, atol=1e-5)
-    diloco_mom = final_params(base.replace(method="diloco", outer_momentum=0.5), run_diloco, tmp_path)
+    diloco_mom = final_params(
+        base.replace(method="diloco", outer_momentum=0.5), run_diloco, tmp_path
+    )
     assert_differ(dp, diloco_mom)
 
 
 @pytest.mark.timeout(60)
 def test_inproc_is_deterministic(tmp_path):
-    cfg = TrainConfig(method="decoupled", out=str(tmp_path / "a"), speeds=(1.0, 0.8, 0.9),
-                      step_noise=0.1, mtbi_s=10.0, downtime_s=3.0, fragments=3, tau=1,
-                      **{k: v for k, v in TINY.items() if k not in ("codec",)})
+    cfg = TrainConfig(
+        method="decoupled",
+        out=str(tmp_path / "a"),
+        speeds=(1.0, 0.8, 0.9),
+        step_noise=0.1,
+        mtbi_s=10.0,
+        downtime_s=3.0,
+        fragments=3,
+        tau=1,
+        **{k: v for k, v in TINY.items() if k not in ("codec",)},
+    )
     a = run(cfg)
     b = run(cfg.replace(out=str(tmp_path / "b")))
     for k in ("final_eval_loss", "goodput", "uptime", "bytes_up", "merges", "failures"):

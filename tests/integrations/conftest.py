@@ -8,7 +8,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 
 import pytest  # noqa: E402
-
 from runtime_helpers import SyncerProcess  # noqa: E402
 
 

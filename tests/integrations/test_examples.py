@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from runtime_helpers import read_jsonl
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -18,19 +17,40 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("script,package", [("hf_trainer.py", "transformers"),
-                                            ("lightning_trainer.py", "lightning")])
+@pytest.mark.parametrize(
+    "script,package", [("hf_trainer.py", "transformers"), ("lightning_trainer.py", "lightning")]
+)
 def test_example_runs_two_learners(script, package, tmp_path, syncer_factory):
     pytest.importorskip(package, reason=f"{package} is not installed")
     syncer = syncer_factory()
-    env = {**syncer.env, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
-        [str(Path(__file__).resolve().parents[2] / "src"), os.environ.get("PYTHONPATH", "")])}
-    procs = [subprocess.Popen([sys.executable, str(EXAMPLES / script), "--syncer",
-                               syncer.address, "--learner", str(m), "--steps", "40",
-                               *(["--out", str(tmp_path / "out")] if package == "transformers"
-                                 else [])],
-                              env=env, cwd=tmp_path, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for m in range(2)]
+    env = {
+        **syncer.env,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(
+            [str(Path(__file__).resolve().parents[2] / "src"), os.environ.get("PYTHONPATH", "")]
+        ),
+    }
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(EXAMPLES / script),
+                "--syncer",
+                syncer.address,
+                "--learner",
+                str(m),
+                "--steps",
+                "40",
+                *(["--out", str(tmp_path / "out")] if package == "transformers" else []),
+            ],
+            env=env,
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for m in range(2)
+    ]
     outs = [p.communicate(timeout=200) for p in procs]
     for p, (_, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, err[-3000:]
@@ -38,6 +58,10 @@ def test_example_runs_two_learners(script, package, tmp_path, syncer_factory):
     for r in reports:
         assert r["steps"] == 40 and r["installs"] > 0 and r["pushes_accepted"] > 0, r
         assert r["last_loss"] < r["first_loss"] - 0.3, r
-    merged = {m for r in read_jsonl(tmp_path / "syncer.jsonl") if r["kind"] == "merge"
-              for m in r["learners"]}
+    merged = {
+        m
+        for r in read_jsonl(tmp_path / "syncer.jsonl")
+        if r["kind"] == "merge"
+        for m in r["learners"]
+    }
     assert merged == {0, 1}

@@ -11,9 +11,9 @@ pytest.importorskip("accelerate", reason="the hf extra (accelerate) is not insta
 from datetime import timedelta  # noqa: E402
 
 import torch  # noqa: E402
+from runtime_helpers import read_jsonl  # noqa: E402
 
 from ddiloco.integrations.hf import DecoupledDiLoCoCallback  # noqa: E402
-from runtime_helpers import read_jsonl  # noqa: E402
 
 VOCAB, SEQ = 32, 16
 
@@ -36,27 +36,43 @@ class CountingData(torch.utils.data.Dataset):
 
 def tiny_gpt2() -> torch.nn.Module:
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=1,
-                                  n_head=2)
+    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=1, n_head=2)
     return transformers.GPT2LMHeadModel(cfg)
 
 
 def trainer_for(model, out, callback, steps: int):
     args = transformers.TrainingArguments(
-        output_dir=str(out), max_steps=steps, per_device_train_batch_size=8,
-        learning_rate=3e-3, lr_scheduler_type="constant", logging_steps=5, report_to=[],
-        save_strategy="no", use_cpu=True, disable_tqdm=True, dataloader_num_workers=0,
-        seed=0)
-    return transformers.Trainer(model=model, args=args, train_dataset=CountingData(512, 1),
-                                callbacks=[callback])
+        output_dir=str(out),
+        max_steps=steps,
+        per_device_train_batch_size=8,
+        learning_rate=3e-3,
+        lr_scheduler_type="constant",
+        logging_steps=5,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=0,
+    )
+    return transformers.Trainer(
+        model=model, args=args, train_dataset=CountingData(512, 1), callbacks=[callback]
+    )
 
 
 @pytest.mark.timeout(120)
 def test_trainer_callback_syncs_with_a_real_syncer(tmp_path, syncer_factory):
     syncer = syncer_factory("--quorum", "1")
-    cb = DecoupledDiLoCoCallback(syncer=syncer.address, learner=0, token=syncer.token, P=2,
-                                 H=4, tau=1, codec="fp32",
-                                 connect_timeout=timedelta(seconds=30))
+    cb = DecoupledDiLoCoCallback(
+        syncer=syncer.address,
+        learner=0,
+        token=syncer.token,
+        P=2,
+        H=4,
+        tau=1,
+        codec="fp32",
+        connect_timeout=timedelta(seconds=30),
+    )
     model = tiny_gpt2()
     trainer = trainer_for(model, tmp_path / "hf", cb, steps=40)
     trainer.train()

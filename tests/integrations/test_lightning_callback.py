@@ -10,9 +10,9 @@ import pytest
 pl = pytest.importorskip("lightning.pytorch", reason="the lightning extra is not installed")
 
 import torch  # noqa: E402
+from runtime_helpers import read_jsonl, tiny_model  # noqa: E402
 
 from ddiloco.integrations.lightning import DecoupledDiLoCo  # noqa: E402
-from runtime_helpers import read_jsonl, tiny_model  # noqa: E402
 
 
 class GPTModule(pl.LightningModule):
@@ -34,8 +34,10 @@ class GPTModule(pl.LightningModule):
 def counting_loader(n: int = 512, seq: int = 16, vocab: int = 64) -> torch.utils.data.DataLoader:
     """Sequences x_{i+1} = x_i + k (mod vocab), as (x, y) pairs."""
     g = torch.Generator().manual_seed(1)
-    ids = (torch.randint(0, vocab, (n, 1), generator=g)
-           + torch.randint(1, 4, (n, 1), generator=g) * torch.arange(seq + 1)) % vocab
+    ids = (
+        torch.randint(0, vocab, (n, 1), generator=g)
+        + torch.randint(1, 4, (n, 1), generator=g) * torch.arange(seq + 1)
+    ) % vocab
     ds = torch.utils.data.TensorDataset(ids[:, :-1], ids[:, 1:])
     return torch.utils.data.DataLoader(ds, batch_size=8, shuffle=True, generator=g)
 
@@ -43,13 +45,28 @@ def counting_loader(n: int = 512, seq: int = 16, vocab: int = 64) -> torch.utils
 @pytest.mark.timeout(120)
 def test_lightning_callback_syncs_with_a_real_syncer(tmp_path, syncer_factory):
     syncer = syncer_factory("--quorum", "1")
-    cb = DecoupledDiLoCo(syncer=syncer.address, learner=0, token=syncer.token, P=2, H=4,
-                         tau=1, codec="fp32", connect_timeout=timedelta(seconds=30))
+    cb = DecoupledDiLoCo(
+        syncer=syncer.address,
+        learner=0,
+        token=syncer.token,
+        P=2,
+        H=4,
+        tau=1,
+        codec="fp32",
+        connect_timeout=timedelta(seconds=30),
+    )
     module = GPTModule()
-    trainer = pl.Trainer(max_steps=30, accumulate_grad_batches=2, accelerator="cpu",
-                         devices=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False,
-                         default_root_dir=str(tmp_path / "pl"))
+    trainer = pl.Trainer(
+        max_steps=30,
+        accumulate_grad_batches=2,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path / "pl"),
+    )
     trainer.callbacks.append(cb)
     trainer.fit(module, counting_loader())
     dl = cb.learner

@@ -9,13 +9,18 @@ from pathlib import Path
 
 import pytest
 
-from ddiloco.metrics.sinks import (SINKS, JsonlSink, MultiSink, open_sinks, parse_sinks,
-                                   scalars)
+from ddiloco.metrics.sinks import SINKS, JsonlSink, MultiSink, open_sinks, parse_sinks, scalars
 
 ROWS = [
     {"kind": "config", "model": "gpt_tiny", "H": 24, "speeds": [1.0, 0.85]},
-    {"kind": "step", "learner": 0, "step": 1, "wall": 1_700_000_000.0, "loss": 2.5,
-     "installed": {"0": 3}},
+    {
+        "kind": "step",
+        "learner": 0,
+        "step": 1,
+        "wall": 1_700_000_000.0,
+        "loss": 2.5,
+        "installed": {"0": 3},
+    },
     {"kind": "step", "learner": 0, "step": 2, "wall": 1_700_000_001.0, "loss": 2.25},
     {"kind": "merge", "fragment": 1, "version": 4, "merge_s": 0.002, "reason": "quorum"},
     {"kind": "merge", "fragment": 0, "version": 5, "merge_s": 0.001, "ok": True},
@@ -31,8 +36,18 @@ def test_parse_sinks_checks_names():
 
 
 def test_scalars_keep_finite_numbers_only():
-    assert scalars({"kind": "step", "step": 3, "wall": 1.0, "loss": 2.0, "ok": True,
-                    "nan": float("nan"), "name": "x", "v": [1]}) == {"step/loss": 2.0}
+    assert scalars(
+        {
+            "kind": "step",
+            "step": 3,
+            "wall": 1.0,
+            "loss": 2.0,
+            "ok": True,
+            "nan": float("nan"),
+            "name": "x",
+            "v": [1],
+        }
+    ) == {"step/loss": 2.0}
 
 
 def test_jsonl_sink_round_trip_and_modes(tmp_path):
@@ -67,7 +82,9 @@ def test_tensorboard_sink_read_back(tmp_path):
     acc.Reload()
     loss = acc.Scalars("step/loss")
     assert [(e.step, e.value, e.wall_time) for e in loss] == [
-        (1, 2.5, 1_700_000_000.0), (2, 2.25, 1_700_000_001.0)]
+        (1, 2.5, 1_700_000_000.0),
+        (2, 2.25, 1_700_000_001.0),
+    ]
     assert [(e.step, e.value) for e in acc.Scalars("merge/version")] == [(0, 4.0), (1, 5.0)]
     assert "step/installed" not in acc.Tags()["scalars"]
     assert "config/text_summary" in acc.Tags()["tensors"]
@@ -84,10 +101,10 @@ def _wandb_records(run_file: Path) -> list:
         if block - pos % block < 7:
             pos += block - pos % block
             continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
         if length == 0 and kind == 0:
             break
-        buf += data[pos + 7:pos + 7 + length]
+        buf += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):  # FULL or LAST
             r = pb.Record()
@@ -107,19 +124,24 @@ def test_wandb_sink_read_back_offline(tmp_path, monkeypatch):
     history = []
     for r in recs:
         if r.WhichOneof("record_type") == "history":
-            row = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json)
-                   for i in r.history.item}
+            row = {
+                (i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in r.history.item
+            }
             history.append({k: v for k, v in row.items() if not k.startswith("_")})
-    assert history == [{"step/loss": 2.5, "step/learner": 0, "step/step": 1},
-                       {"step/loss": 2.25, "step/learner": 0, "step/step": 2},
-                       {"merge/fragment": 1, "merge/version": 4, "merge/merge_s": 0.002,
-                        "merge/step": 0},
-                       {"merge/fragment": 0, "merge/version": 5, "merge/merge_s": 0.001,
-                        "merge/step": 1}]
+    assert history == [
+        {"step/loss": 2.5, "step/learner": 0, "step/step": 1},
+        {"step/loss": 2.25, "step/learner": 0, "step/step": 2},
+        {"merge/fragment": 1, "merge/version": 4, "merge/merge_s": 0.002, "merge/step": 0},
+        {"merge/fragment": 0, "merge/version": 5, "merge/merge_s": 0.001, "merge/step": 1},
+    ]
     run = next(r.run for r in recs if r.WhichOneof("record_type") == "run")
     assert run.display_name == "learner_0" and run.run_group == tmp_path.name
-    config = {i.key: json.loads(i.value_json) for r in recs
-              if r.WhichOneof("record_type") == "config" for i in r.config.update}
+    config = {
+        i.key: json.loads(i.value_json)
+        for r in recs
+        if r.WhichOneof("record_type") == "config"
+        for i in r.config.update
+    }
     assert config["model"] == "gpt_tiny" and config["H"] == "24"
 
 
@@ -138,10 +160,12 @@ def test_mlflow_sink_read_back_file_store(tmp_path):
     assert run.data.params["model"] == "gpt_tiny" and run.data.params["speeds"] == "[1.0, 0.85]"
     hist = client.get_metric_history(run.info.run_id, "step/loss")
     assert sorted((m.step, m.value, m.timestamp) for m in hist) == [
-        (1, 2.5, 1_700_000_000_000), (2, 2.25, 1_700_000_001_000)]
-    assert sorted((m.step, m.value) for m in
-                  client.get_metric_history(run.info.run_id, "merge/version")) == [(0, 4.0),
-                                                                                    (1, 5.0)]
+        (1, 2.5, 1_700_000_000_000),
+        (2, 2.25, 1_700_000_001_000),
+    ]
+    assert sorted(
+        (m.step, m.value) for m in client.get_metric_history(run.info.run_id, "merge/version")
+    ) == [(0, 4.0), (1, 5.0)]
 
 
 def test_open_sinks_all_at_once_and_bad_names(tmp_path):

@@ -6,8 +6,15 @@ import pytest
 import torch
 import torch.nn as nn
 
-from ddiloco.models import (GPT, MODEL_PRESETS, GPTConfig, build_config, build_model,
-                            embedding_param_names, gpt_tiny)
+from ddiloco.models import (
+    GPT,
+    MODEL_PRESETS,
+    GPTConfig,
+    build_config,
+    build_model,
+    embedding_param_names,
+    gpt_tiny,
+)
 
 
 def test_parameter_names_follow_the_public_convention() -> None:
@@ -66,12 +73,15 @@ def test_sequence_longer_than_block_size_is_rejected() -> None:
         model(torch.zeros(1, 9, dtype=torch.long))
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"n_embd": 64, "n_head": 6}, "divisible by n_head"),
-    ({"vocab_size": 0}, "vocab_size"),
-    ({"n_layer": -1}, "n_layer"),
-    ({"dropout": 1.0}, "dropout"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"n_embd": 64, "n_head": 6}, "divisible by n_head"),
+        ({"vocab_size": 0}, "vocab_size"),
+        ({"n_layer": -1}, "n_layer"),
+        ({"dropout": 1.0}, "dropout"),
+    ],
+)
 def test_config_validation(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         GPTConfig(**kwargs)

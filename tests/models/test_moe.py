@@ -27,15 +27,14 @@ def naive_moe(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
                 continue
             load[e] += 1
             gate = p[rank] / p.sum() if k > 1 else p[rank]
-            out[n] += gate * layer.experts[e](x[n:n + 1])[0]
+            out[n] += gate * layer.experts[e](x[n : n + 1])[0]
     return out
 
 
 @pytest.mark.parametrize("top_k, capacity_factor", [(1, None), (2, None), (1, 0.5), (2, 0.75)])
 def test_dispatch_matches_naive_loop(top_k: int, capacity_factor: float | None) -> None:
     torch.manual_seed(0)
-    cfg = MoEConfig(n_embd=16, n_head=2, n_experts=4, top_k=top_k,
-                    capacity_factor=capacity_factor)
+    cfg = MoEConfig(n_embd=16, n_head=2, n_experts=4, top_k=top_k, capacity_factor=capacity_factor)
     layer = MoELayer(cfg)
     torch.nn.init.normal_(layer.router.weight, std=1.0)  # decisive, uneven routing
     x = torch.randn(2, 6, 16)
@@ -102,13 +101,16 @@ def test_parameter_names_and_embeddings() -> None:
     assert isinstance(model, MoEGPT)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"n_experts": 0}, "n_experts"),
-    ({"n_experts": 2, "top_k": 3}, "top_k"),
-    ({"capacity_factor": 0.0}, "capacity_factor"),
-    ({"aux_loss_coef": -1.0}, "aux_loss_coef"),
-    ({"n_embd": 10, "n_head": 4}, "divisible"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"n_experts": 0}, "n_experts"),
+        ({"n_experts": 2, "top_k": 3}, "top_k"),
+        ({"capacity_factor": 0.0}, "capacity_factor"),
+        ({"aux_loss_coef": -1.0}, "aux_loss_coef"),
+        ({"n_embd": 10, "n_head": 4}, "divisible"),
+    ],
+)
 def test_config_validation(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         MoEConfig(**kwargs)

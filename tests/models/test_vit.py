@@ -33,21 +33,41 @@ def test_attention_is_bidirectional() -> None:
 def test_parameter_names_and_embeddings() -> None:
     model = build_model("vit_digits")
     names = {n for n, _ in model.named_parameters()}
-    assert {"patch_emb.weight", "cls_token", "pos_emb", "head.weight",
-            "blocks.0.attn.qkv.weight", "blocks.1.mlp.fc.weight", "ln_f.weight"} <= names
-    assert embedding_param_names(model) == {"patch_emb.weight", "patch_emb.bias", "cls_token",
-                                            "pos_emb", "head.weight", "head.bias"}
+    assert {
+        "patch_emb.weight",
+        "cls_token",
+        "pos_emb",
+        "head.weight",
+        "blocks.0.attn.qkv.weight",
+        "blocks.1.mlp.fc.weight",
+        "ln_f.weight",
+    } <= names
+    assert embedding_param_names(model) == {
+        "patch_emb.weight",
+        "patch_emb.bias",
+        "cls_token",
+        "pos_emb",
+        "head.weight",
+        "head.bias",
+    }
     no_bias = ViT(ViTConfig(bias=False))
-    assert embedding_param_names(no_bias) == {"patch_emb.weight", "cls_token", "pos_emb",
-                                              "head.weight"}
+    assert embedding_param_names(no_bias) == {
+        "patch_emb.weight",
+        "cls_token",
+        "pos_emb",
+        "head.weight",
+    }
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"patch_size": 3}, "must divide"),
-    ({"n_embd": 30, "n_head": 4}, "divisible"),
-    ({"n_classes": 0}, "n_classes"),
-    ({"dropout": -0.1}, "dropout"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"patch_size": 3}, "must divide"),
+        ({"n_embd": 30, "n_head": 4}, "divisible"),
+        ({"n_classes": 0}, "n_classes"),
+        ({"dropout": -0.1}, "dropout"),
+    ],
+)
 def test_config_validation(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         ViTConfig(**kwargs)

@@ -23,8 +23,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def get(url: str, token: str | None = None, headers: dict | None = None,
-        timeout_s: float = 5.0, context=None) -> tuple[int, dict, bytes]:
+def get(
+    url: str,
+    token: str | None = None,
+    headers: dict | None = None,
+    timeout_s: float = 5.0,
+    context=None,
+) -> tuple[int, dict, bytes]:
     """(status, headers, body) of a GET, without following redirects (``context``: the
     ``ssl.SSLContext`` of an https URL)."""
     h = dict(headers or {})
@@ -57,8 +62,9 @@ class BackgroundRun:
     """``Launcher(...).run()`` in a thread: real syncer and learner processes, the syncer's
     observability port on ``http_port``. ``token`` is the run's secret."""
 
-    def __init__(self, out: Path, *, learners: int, steps: int, chaos: dict | None = None,
-                 **cfg) -> None:
+    def __init__(
+        self, out: Path, *, learners: int, steps: int, chaos: dict | None = None, **cfg
+    ) -> None:
         from ddiloco.runtime.launch.launcher import Launcher
 
         self.out = out
@@ -67,8 +73,9 @@ class BackgroundRun:
             out.mkdir(parents=True, exist_ok=True)
             (out.parent / "chaos.json").write_text(json.dumps(chaos))
             chaos_arg = str(out.parent / "chaos.json")
-        self.launcher = Launcher(tiny_config(out, learners=learners, steps=steps,
-                                             chaos=chaos_arg, http_port=0, **cfg))
+        self.launcher = Launcher(
+            tiny_config(out, learners=learners, steps=steps, chaos=chaos_arg, http_port=0, **cfg)
+        )
         self.token = self.launcher.env["DDILOCO_TOKEN"]
         self.http_port = self.launcher.http_port
         assert self.launcher.dashboard_url.endswith(f":{self.http_port}/?token={self.token}")
@@ -109,12 +116,16 @@ class DashboardProcess:
     def __init__(self, target: str, env: dict | None = None) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "ddiloco.cli", "dashboard", target, "--port", "0"],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         line = self.proc.stdout.readline()
         m = re.search(r"on (http://[\d.]+:\d+/)(\?token=\w+)?", line)
         assert m, f"unexpected first line from ddiloco dashboard: {line!r}"
         self.base, self.query = m.group(1), m.group(2) or ""
-        self.token = self.query[len("?token="):] if self.query else None
+        self.token = self.query[len("?token=") :] if self.query else None
 
     def close(self) -> None:
         self.proc.terminate()

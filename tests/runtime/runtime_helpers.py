@@ -9,13 +9,24 @@ import sys
 import time
 from pathlib import Path
 
-
-TINY = dict(model="gpt_tiny", batch_size=8, block_size=32, vocab_size=64, fragments=4, H=8,
-            tau=2, eval_batches=4, progress=False, inner_lr=3e-3, lr_schedule="constant")
+TINY = dict(
+    model="gpt_tiny",
+    batch_size=8,
+    block_size=32,
+    vocab_size=64,
+    fragments=4,
+    H=8,
+    tau=2,
+    eval_batches=4,
+    progress=False,
+    inner_lr=3e-3,
+    lr_schedule="constant",
+)
 
 
 def tiny_config(out: Path, **kw):
     from ddiloco.config import TrainConfig
+
     return TrainConfig(engine="processes", out=str(out), **{**TINY, **kw})
 
 
@@ -30,8 +41,9 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def step_walls(run: Path, m: int) -> list[float]:
-    return [r["wall"] for r in read_jsonl(run / f"learner_{m}" / "metrics.jsonl")
-            if r["kind"] == "step"]
+    return [
+        r["wall"] for r in read_jsonl(run / f"learner_{m}" / "metrics.jsonl") if r["kind"] == "step"
+    ]
 
 
 def max_gap_ratio(walls: list[float], skip: int = 10) -> tuple[float, float, float]:
@@ -53,9 +65,23 @@ class SyncerProcess:
         port_file = tmp / "port"
         self.log = open(tmp / "syncer.log", "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ddiloco.runtime.cli", "syncer", "--port", "0",
-             "--port-file", str(port_file), "--metrics-file", str(tmp / "syncer.jsonl"), *args],
-            env=self.env, stdout=self.log, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "ddiloco.runtime.cli",
+                "syncer",
+                "--port",
+                "0",
+                "--port-file",
+                str(port_file),
+                "--metrics-file",
+                str(tmp / "syncer.jsonl"),
+                *args,
+            ],
+            env=self.env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
         deadline = time.monotonic() + 60
         while not port_file.is_file():
             assert self.proc.poll() is None, (tmp / "syncer.log").read_text()
@@ -79,6 +105,7 @@ def tiny_model():
     import torch
 
     from ddiloco.models import build_model
+
     torch.manual_seed(0)
     return build_model("gpt_tiny", n_layer=1, n_embd=32, n_head=2)
 
@@ -88,13 +115,15 @@ def init_syncer(client, model, P: int = 2) -> tuple[dict, int]:
     incarnation)."""
     from ddiloco.runtime.transport import wire
     from ddiloco.runtime.transport.spec import model_spec, spec_fingerprint
+
     spec = model_spec(model, P)
     fp = spec_fingerprint(spec)
     r = client.unary("Join", {"learner": 0, "incarnation": -1, "fingerprint": fp})
     assert r["need_init"]
     data = b"".join(t.detach().float().numpy().tobytes() for t in model.parameters())
-    assert client.stream("Init", wire.chunks({"learner": 0, "spec": spec, "nbytes": len(data)},
-                                             data))["accepted"]
+    assert client.stream(
+        "Init", wire.chunks({"learner": 0, "spec": spec, "nbytes": len(data)}, data)
+    )["accepted"]
     r = client.unary("Join", {"learner": 0, "incarnation": -1, "fingerprint": fp})
     return spec, r["incarnation"]
 
@@ -104,6 +133,7 @@ def expect_rejection(code, tag: str, fn) -> None:
     ``tag`` (the same on both transports: ``BulkError`` is a ``grpc.RpcError``)."""
     import grpc
     import pytest
+
     with pytest.raises(grpc.RpcError) as ei:
         fn()
     assert ei.value.code() == code, ei.value

@@ -2,16 +2,24 @@
 
 import pytest
 
-from ddiloco.runtime.syncer.accounting import (fold, goodput_of, instance_totals,
-                                               learner_totals)
+from ddiloco.runtime.syncer.accounting import fold, goodput_of, instance_totals, learner_totals
 
 
 def rep(process, computed, merged, compute_s, pending=0.0, unpushed=0.0, step=None):
     other = computed - merged - pending - unpushed
-    return {"process": process, "step": step if step is not None else int(computed),
-            "tokens": int(computed) * 100, "compute_s": compute_s,
-            "ledger": {"computed": computed, "merged": merged, "overwritten": other,
-                       "pending": pending, "unpushed": unpushed}}
+    return {
+        "process": process,
+        "step": step if step is not None else int(computed),
+        "tokens": int(computed) * 100,
+        "compute_s": compute_s,
+        "ledger": {
+            "computed": computed,
+            "merged": merged,
+            "overwritten": other,
+            "pending": pending,
+            "unpushed": unpushed,
+        },
+    }
 
 
 def test_a_process_that_ended_loses_what_it_had_not_got_merged():
@@ -33,9 +41,16 @@ def test_a_restarted_learner_carries_steps_tokens_and_useful_time():
 
 
 def test_goodput_is_useful_chip_time_over_all_chip_time():
-    st = {"run_s": 10.0, "learners": {
-        "0": {"state": "left", "report": rep("a", 10.0, 9.0, 10.0)},
-        "1": {"state": "left", "carried": fold(None, rep("b", 4.0, 2.0, 4.0)),
-              "report": rep("c", 4.0, 4.0, 4.0)}}}
+    st = {
+        "run_s": 10.0,
+        "learners": {
+            "0": {"state": "left", "report": rep("a", 10.0, 9.0, 10.0)},
+            "1": {
+                "state": "left",
+                "carried": fold(None, rep("b", 4.0, 2.0, 4.0)),
+                "report": rep("c", 4.0, 4.0, 4.0),
+            },
+        },
+    }
     assert goodput_of(st) == pytest.approx((9.0 + 2.0 + 4.0) / (2 * 10.0))
     assert goodput_of({"run_s": None, "learners": {}}) is None

@@ -11,18 +11,30 @@ import struct
 import grpc
 import pytest
 import torch
+from runtime_helpers import expect_rejection, init_syncer, tiny_model
 
 from ddiloco.algorithm.codecs import get_codec
-from ddiloco.runtime.transport.bulk import BulkClient, BulkError, split_host
 from ddiloco.runtime.learner.client import SyncerClient
+from ddiloco.runtime.transport.bulk import BulkClient, BulkError, split_host
 from ddiloco.runtime.transport.spec import fragmentation_from_spec
-from runtime_helpers import expect_rejection, init_syncer, tiny_model
 
 
 def _header(frag, p, data, inc, seq, codec="fp32", **kw):
-    return {"learner": 0, "incarnation": inc, "fragment": p, "seq": seq, "base_version": 0,
-            "c_steps": 4, "c_tokens": 400, "codec": codec, "delta": False,
-            "numels": list(frag.fragments[p].numels), "nbytes": len(data), "step": 4, **kw}
+    return {
+        "learner": 0,
+        "incarnation": inc,
+        "fragment": p,
+        "seq": seq,
+        "base_version": 0,
+        "c_steps": 4,
+        "c_tokens": 400,
+        "codec": codec,
+        "delta": False,
+        "numels": list(frag.fragments[p].numels),
+        "nbytes": len(data),
+        "step": 4,
+        **kw,
+    }
 
 
 def _setup(s):
@@ -74,36 +86,55 @@ def test_data_port_rejects_bad_requests_and_keeps_the_model(syncer_factory):
     data = b"".join(t.numpy().tobytes() for t in good)
 
     bad = BulkClient("127.0.0.1", port, "not-the-token")
-    expect_rejection(grpc.StatusCode.UNAUTHENTICATED, "E_AUTH",
-            lambda: bad.request({"op": "fetch", "fragments": [0]}))
+    expect_rejection(
+        grpc.StatusCode.UNAUTHENTICATED,
+        "E_AUTH",
+        lambda: bad.request({"op": "fetch", "fragments": [0]}),
+    )
     wrong = list(frag.fragments[0].numels)
     wrong[0] += 1
-    expect_rejection(grpc.StatusCode.INVALID_ARGUMENT, "E_SHAPE",
-            lambda: client.push(_header(frag, 0, data, inc, 1, numels=wrong), data))
+    expect_rejection(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "E_SHAPE",
+        lambda: client.push(_header(frag, 0, data, inc, 1, numels=wrong), data),
+    )
     nan = [t.clone() for t in good]
     nan[0][5] = float("inf")
     nan_data = b"".join(t.numpy().tobytes() for t in nan)
-    expect_rejection(grpc.StatusCode.INVALID_ARGUMENT, "E_NONFINITE",
-            lambda: client.push(_header(frag, 0, nan_data, inc, 2), nan_data))
+    expect_rejection(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "E_NONFINITE",
+        lambda: client.push(_header(frag, 0, nan_data, inc, 2), nan_data),
+    )
     # the declared size and the bytes that follow disagree
-    expect_rejection(grpc.StatusCode.INVALID_ARGUMENT, "E_SIZE",
-            lambda: client.data.request(
-                {"op": "push", **client.sign(_header(frag, 0, data, inc, 3))},
-                [data, b"\0" * 8]))
-    expect_rejection(grpc.StatusCode.RESOURCE_EXHAUSTED, "E_OVERSIZE",
-            lambda: client.data.request(
-                {"op": "push", **client.sign(_header(frag, 0, data, inc, 4))},
-                [b"\0" * 300_000]))
-    expect_rejection(grpc.StatusCode.INVALID_ARGUMENT, "E_FRAGMENT",
-            lambda: client.fetch([0, 9]))
-    expect_rejection(grpc.StatusCode.INVALID_ARGUMENT, "E_FRAME",
-            lambda: client.data.request({"op": "delete-everything"}))
-    expect_rejection(grpc.StatusCode.FAILED_PRECONDITION, "E_UNKNOWN_LEARNER",
-            lambda: client.push(_header(frag, 0, data, inc, 5, learner=3), data))
+    expect_rejection(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "E_SIZE",
+        lambda: client.data.request(
+            {"op": "push", **client.sign(_header(frag, 0, data, inc, 3))}, [data, b"\0" * 8]
+        ),
+    )
+    expect_rejection(
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "E_OVERSIZE",
+        lambda: client.data.request(
+            {"op": "push", **client.sign(_header(frag, 0, data, inc, 4))}, [b"\0" * 300_000]
+        ),
+    )
+    expect_rejection(grpc.StatusCode.INVALID_ARGUMENT, "E_FRAGMENT", lambda: client.fetch([0, 9]))
+    expect_rejection(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "E_FRAME",
+        lambda: client.data.request({"op": "delete-everything"}),
+    )
+    expect_rejection(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "E_UNKNOWN_LEARNER",
+        lambda: client.push(_header(frag, 0, data, inc, 5, learner=3), data),
+    )
 
     # hostile bytes: a header length over the limit, non-JSON, a prefix cut short
-    for junk in (struct.pack(">IQ", 1 << 31, 0), struct.pack(">IQ", 3, 0) + b"\xff{]",
-                 b"\x00\x00"):
+    for junk in (struct.pack(">IQ", 1 << 31, 0), struct.pack(">IQ", 3, 0) + b"\xff{]", b"\x00\x00"):
         with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
             raw.sendall(junk)
             raw.shutdown(socket.SHUT_WR)
@@ -115,8 +146,15 @@ def test_data_port_rejects_bad_requests_and_keeps_the_model(syncer_factory):
         assert all(torch.equal(a, b) for a, b in zip(after[p][1], before[p][1]))
     st = client.status()
     assert st["merges"] == 0
-    for code in ("E_AUTH", "E_SHAPE", "E_NONFINITE", "E_SIZE", "E_FRAGMENT", "E_FRAME",
-                 "E_UNKNOWN_LEARNER"):
+    for code in (
+        "E_AUTH",
+        "E_SHAPE",
+        "E_NONFINITE",
+        "E_SIZE",
+        "E_FRAGMENT",
+        "E_FRAME",
+        "E_UNKNOWN_LEARNER",
+    ):
         assert st["rejections"].get(code, 0) >= 1, (code, st["rejections"])
     # after all that, a good push over the data port still merges
     assert client.push(_header(frag, 0, data, inc, 9), data)["status"] == "accepted"
@@ -192,6 +230,7 @@ def _silent_server(read: bool):
     import threading
 
     from ddiloco.runtime.transport import bulk as B
+
     srv = socket.create_server(("127.0.0.1", 0))
     srv.settimeout(20)
 
@@ -217,6 +256,7 @@ def test_request_timeout_is_deadline_exceeded(read):
     """A syncer that stops answering (or reading) mid-request: the request ends after its
     timeout as DEADLINE_EXCEEDED, the connection is dropped, and the next request reconnects."""
     import time
+
     srv = _silent_server(read)
     client = BulkClient("127.0.0.1", srv.getsockname()[1], "t")
     payload = [bytes(8 << 20)] * (1 if read else 8)  # 64 MiB: more than the socket buffers

@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from runtime_helpers import read_jsonl, tiny_config
 
 from ddiloco.runtime.launch.launcher import Launcher
-from runtime_helpers import read_jsonl, tiny_config
 
 
 @pytest.mark.slow
@@ -20,13 +20,31 @@ from runtime_helpers import read_jsonl, tiny_config
 def test_mixed_chaos_loses_no_published_version_and_balances_the_ledger(tmp_path):
     run = tmp_path / "run"
     chaos = tmp_path / "chaos.json"
-    chaos.write_text(json.dumps({
-        "seed": 3, "kill_at_step": [[1, 30]], "kill_downtime_s": 1.0,
-        "stop_mean_interval_s": 8.0, "stop_duration_s": 4.0, "start_after_s": 3.0,
-        "syncer_kill_at_step": 60, "syncer_downtime_s": 1.0,
-        "slowdown": {"0": 3.0, "1": 3.0, "2": 3.0}, "link_latency_s": 0.01}))
-    cfg = tiny_config(run, learners=3, steps=120, batch_size=16, block_size=64,
-                      chaos=str(chaos), heartbeat_timeout_s=2.0)
+    chaos.write_text(
+        json.dumps(
+            {
+                "seed": 3,
+                "kill_at_step": [[1, 30]],
+                "kill_downtime_s": 1.0,
+                "stop_mean_interval_s": 8.0,
+                "stop_duration_s": 4.0,
+                "start_after_s": 3.0,
+                "syncer_kill_at_step": 60,
+                "syncer_downtime_s": 1.0,
+                "slowdown": {"0": 3.0, "1": 3.0, "2": 3.0},
+                "link_latency_s": 0.01,
+            }
+        )
+    )
+    cfg = tiny_config(
+        run,
+        learners=3,
+        steps=120,
+        batch_size=16,
+        block_size=64,
+        chaos=str(chaos),
+        heartbeat_timeout_s=2.0,
+    )
     with Launcher(cfg) as la:
         s = la.run()
     assert s["ok"], s
@@ -54,8 +72,15 @@ def test_a_cut_link_trains_on_is_declared_dead_and_rejoins(tmp_path):
     run = tmp_path / "run"
     chaos = tmp_path / "chaos.json"
     chaos.write_text(json.dumps({"link_cut": [[1, 10, 3.0]], "slowdown": {"1": 2.0}}))
-    cfg = tiny_config(run, learners=2, steps=64, batch_size=16, block_size=64,
-                      chaos=str(chaos), heartbeat_timeout_s=1.0)
+    cfg = tiny_config(
+        run,
+        learners=2,
+        steps=64,
+        batch_size=16,
+        block_size=64,
+        chaos=str(chaos),
+        heartbeat_timeout_s=1.0,
+    )
     with Launcher(cfg) as la:
         s = la.run()
     assert s["ok"], s
@@ -63,17 +88,23 @@ def test_a_cut_link_trains_on_is_declared_dead_and_rejoins(tmp_path):
     cut = next(r["wall"] for r in chaos_rows if r["kind"] == "cut-link")
     back = next(r["wall"] for r in chaos_rows if r["kind"] == "restore-link")
     assert back - cut >= 3.0
-    steps = [r["step"] for r in read_jsonl(run / "learner_1" / "metrics.jsonl")
-             if r["kind"] == "step" and cut < r["wall"] < back]
+    steps = [
+        r["step"]
+        for r in read_jsonl(run / "learner_1" / "metrics.jsonl")
+        if r["kind"] == "step" and cut < r["wall"] < back
+    ]
     assert len(steps) >= 2 and steps[-1] > steps[0], ("no training while cut", steps)
     syncer_rows = read_jsonl(run / "syncer.metrics.jsonl")
-    assert any(r["kind"] == "dead" and r["learner"] == 1 and cut < r["wall"] < back
-               for r in syncer_rows), "the cut learner was declared dead during the cut"
+    assert any(
+        r["kind"] == "dead" and r["learner"] == 1 and cut < r["wall"] < back for r in syncer_rows
+    ), "the cut learner was declared dead during the cut"
     assert not any(r["kind"] == "dead" and r["learner"] == 0 for r in syncer_rows)
-    assert any(r["kind"] == "join" and r["learner"] == 1 and r["wall"] > back
-               for r in syncer_rows), "the cut learner rejoined once its link was back"
-    assert any(r["kind"] == "merge" and 1 in r["learners"] and r["wall"] > back
-               for r in syncer_rows), "the cut learner's pushes were merged after the cut"
+    assert any(
+        r["kind"] == "join" and r["learner"] == 1 and r["wall"] > back for r in syncer_rows
+    ), "the cut learner rejoined once its link was back"
+    assert any(
+        r["kind"] == "merge" and 1 in r["learners"] and r["wall"] > back for r in syncer_rows
+    ), "the cut learner's pushes were merged after the cut"
     for pl in s["per_learner"]:
         assert pl["ledger_balance_error"] < 1e-6, pl
     assert s.get("syncer_rejections", {}).get("E_INTERNAL", 0) == 0

@@ -12,14 +12,18 @@ import time
 
 import pytest
 import torch
+from runtime_helpers import SyncerProcess, init_syncer, tiny_model
 
 from ddiloco.algorithm.codecs import get_codec
 from ddiloco.runtime.learner.client import SyncerClient
-from ddiloco.runtime.syncer.checkpoint import (CheckpointError, load_checkpoint,
-                                               load_newest_valid, remove_stale_temps,
-                                               save_atomic)
+from ddiloco.runtime.syncer.checkpoint import (
+    CheckpointError,
+    load_checkpoint,
+    load_newest_valid,
+    remove_stale_temps,
+    save_atomic,
+)
 from ddiloco.runtime.transport.spec import fragmentation_from_spec
-from runtime_helpers import SyncerProcess, init_syncer, tiny_model
 
 
 def _flip(path, at: float = 0.6) -> None:
@@ -32,8 +36,7 @@ def test_checksum_finite_check_fallback_and_temp_cleanup(tmp_path, caplog):
     path = tmp_path / "syncer.pt"
     for i in range(4):
         save_atomic({"x": torch.full((64,), float(i)), "i": i}, path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["syncer.pt", "syncer.pt.1",
-                                                          "syncer.pt.2"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["syncer.pt", "syncer.pt.1", "syncer.pt.2"]
     assert load_checkpoint(path)["i"] == 3
     _flip(path)
     with pytest.raises(CheckpointError, match="checksum"):
@@ -52,9 +55,20 @@ def test_checksum_finite_check_fallback_and_temp_cleanup(tmp_path, caplog):
 def _push_one(client, frag, inc, seq, shift):
     base = client.fetch([0])[0][1]
     data = b"".join(get_codec("fp32").encode(t.view(-1) + shift) for t in base)
-    h = {"learner": 0, "incarnation": inc, "fragment": 0, "seq": seq, "base_version": 0,
-         "c_steps": 4, "c_tokens": 400, "codec": "fp32", "delta": False,
-         "numels": list(frag.fragments[0].numels), "nbytes": len(data), "step": 4}
+    h = {
+        "learner": 0,
+        "incarnation": inc,
+        "fragment": 0,
+        "seq": seq,
+        "base_version": 0,
+        "c_steps": 4,
+        "c_tokens": 400,
+        "codec": "fp32",
+        "delta": False,
+        "numels": list(frag.fragments[0].numels),
+        "nbytes": len(data),
+        "step": 4,
+    }
     return client.push(h, data)
 
 
@@ -77,11 +91,11 @@ def test_resume_skips_a_corrupt_and_a_nan_checkpoint_and_keeps_the_data_port(tmp
     s.proc.wait()
     s.log.close()
     (ck_dir / ".syncer.pt.tmp.99999").write_bytes(b"left by a killed writer")
-    _flip(ck_dir / "syncer.pt")                                   # newest: damaged
+    _flip(ck_dir / "syncer.pt")  # newest: damaged
     nan = load_checkpoint(ck_dir / "syncer.pt.1")
     nan["state"]["theta"][0][0].view(-1)[0] = float("nan")
     save_atomic(nan, ck_dir / "nan.pt")
-    (ck_dir / "nan.pt").replace(ck_dir / "syncer.pt.1")        # the one before: NaN
+    (ck_dir / "nan.pt").replace(ck_dir / "syncer.pt.1")  # the one before: NaN
     good_version = load_checkpoint(ck_dir / "syncer.pt.2")["state"]["versions"][0]
 
     (tmp_path / "port").unlink()
@@ -90,8 +104,7 @@ def test_resume_skips_a_corrupt_and_a_nan_checkpoint_and_keeps_the_data_port(tmp
         c2 = SyncerClient(s2.address, s2.token)
         st = c2.status()
         assert st["versions"][0] == good_version
-        r = c2.unary("Join", {"learner": 0, "incarnation": -1,
-                              "fingerprint": st["fingerprint"]})
+        r = c2.unary("Join", {"learner": 0, "incarnation": -1, "fingerprint": st["fingerprint"]})
         assert r["bulk_port"] == port, "the data port survives a restart"
         assert all(torch.isfinite(t).all() for t in c2.fetch([0])[0][1])
         c2.close()
@@ -106,6 +119,7 @@ def _disk_full(limit: int):
     def pre() -> None:  # a file-size limit: every write past it fails as on a full disk
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
     return pre
 
 
@@ -114,10 +128,23 @@ def test_sigterm_while_the_disk_is_full_exits_cleanly(tmp_path):
     ck_dir = tmp_path / "ck"
     port_file = tmp_path / "port"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ddiloco.runtime.cli", "syncer", "--port", "0",
-         "--port-file", str(port_file), "--checkpoint-dir", str(ck_dir)],
-        env={**__import__("os").environ, "DDILOCO_TOKEN": "tok"}, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, preexec_fn=_disk_full(64 << 10))
+        [
+            sys.executable,
+            "-m",
+            "ddiloco.runtime.cli",
+            "syncer",
+            "--port",
+            "0",
+            "--port-file",
+            str(port_file),
+            "--checkpoint-dir",
+            str(ck_dir),
+        ],
+        env={**__import__("os").environ, "DDILOCO_TOKEN": "tok"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        preexec_fn=_disk_full(64 << 10),
+    )
     try:
         deadline = time.monotonic() + 60
         while not port_file.is_file():

@@ -13,13 +13,19 @@ import time
 from pathlib import Path
 
 import pytest
+from runtime_helpers import SyncerProcess, init_syncer, tiny_model
 
 from ddiloco.runtime.learner.client import SyncerClient
 from ddiloco.runtime.transport.bulk import BulkClient
-from runtime_helpers import SyncerProcess, init_syncer, tiny_model
 
-LIMITS = ("--handshake-timeout", "1", "--max-connections", "128",
-          "--max-connections-per-peer", "64")
+LIMITS = (
+    "--handshake-timeout",
+    "1",
+    "--max-connections",
+    "128",
+    "--max-connections-per-peer",
+    "64",
+)
 
 
 def _threads(pid: int) -> int:
@@ -118,9 +124,27 @@ def test_pre_auth_limits_on_plain_tcp(syncer_factory):
 @pytest.mark.timeout(120)
 def test_pre_auth_limits_on_tls(tmp_path):
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    r = subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                        "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1",
-                        "-keyout", str(key), "-out", str(cert)], capture_output=True)
+    r = subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        capture_output=True,
+    )
     if r.returncode != 0:
         pytest.skip(f"openssl cannot make a test certificate: {r.stderr[-200:]!r}")
     s = SyncerProcess(tmp_path, "tok", "--tls-cert", str(cert), "--tls-key", str(key), *LIMITS)
@@ -132,15 +156,21 @@ def test_pre_auth_limits_on_tls(tmp_path):
         ctx = ssl.create_default_context(cafile=str(cert))
         # no TLS handshake at all, and a TLS handshake then nothing: both closed in time
         bare = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(10)]
-        tls = [ctx.wrap_socket(socket.create_connection(("127.0.0.1", port), timeout=5),
-                               server_hostname="127.0.0.1") for _ in range(10)]
+        tls = [
+            ctx.wrap_socket(
+                socket.create_connection(("127.0.0.1", port), timeout=5),
+                server_hostname="127.0.0.1",
+            )
+            for _ in range(10)
+        ]
         assert _threads(s.proc.pid) <= base_threads + 2
         t0 = time.monotonic()
         assert all(_closed_within(c, 4.0) for c in bare + tls)
         assert time.monotonic() - t0 < 5
         # an oversized hello over TLS is refused at once
-        big = ctx.wrap_socket(socket.create_connection(("127.0.0.1", port), timeout=5),
-                              server_hostname="127.0.0.1")
+        big = ctx.wrap_socket(
+            socket.create_connection(("127.0.0.1", port), timeout=5), server_hostname="127.0.0.1"
+        )
         big.sendall(struct.pack(">IQ", 1 << 20, 0))
         assert _closed_within(big, 1.0)
         for c in bare + tls + [big]:

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from runtime_helpers import read_jsonl, tiny_config, tiny_model
 
 from ddiloco.algorithm.fragments import fragment_model
 from ddiloco.algorithm.learner_state import LearnerSync, host_snapshot
 from ddiloco.algorithm.schedule import FragmentSchedule
 from ddiloco.runtime.learner.device import DeviceCopier, learner_device
-from runtime_helpers import read_jsonl, tiny_config, tiny_model
 
 NO_CUDA = "no CUDA device here (torch.cuda.is_available() is False); runs on a GPU machine"
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
@@ -21,8 +21,9 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
 def _sync(model: torch.nn.Module, copier: DeviceCopier | None, alpha: float = 0.0):
     frag = fragment_model(model, 2)
     snap = copier.snapshot if copier is not None else host_snapshot
-    sync = LearnerSync(dict(model.named_parameters()), frag, FragmentSchedule(2, 4, 1),
-                       alpha=alpha, snapshot=snap)
+    sync = LearnerSync(
+        dict(model.named_parameters()), frag, FragmentSchedule(2, 4, 1), alpha=alpha, snapshot=snap
+    )
     params = {n: p.detach().cpu() for n, p in model.named_parameters()}
     sync.load_global(params, [0, 0])
     return sync
@@ -96,14 +97,24 @@ def _train_cuda(syncer, autocast: bool, steps: int = 48) -> tuple[dict, float, f
     from ddiloco.data import DataConfig, build_stream
     from ddiloco.data.synthetic import MarkovConfig
     from ddiloco.runtime.learner.hook import DecoupledLearner
+
     torch.manual_seed(0)
     model = tiny_model().cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     data = DataConfig(kind="synthetic", markov=MarkovConfig(vocab_size=64, seed=0))
     stream = build_stream(data, learner=0, n_learners=1, batch_size=8, block_size=32, seed=0)
     losses = []
-    with DecoupledLearner(model, opt, syncer=syncer.address, learner=0, P=2, H=8, tau=2,
-                          tokens_per_step=8 * 32, token=syncer.token) as dl:
+    with DecoupledLearner(
+        model,
+        opt,
+        syncer=syncer.address,
+        learner=0,
+        P=2,
+        H=8,
+        tau=2,
+        tokens_per_step=8 * 32,
+        token=syncer.token,
+    ) as dl:
         for _ in range(steps):
             x, y = (t.cuda(non_blocking=True) for t in stream.next_batch())
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
@@ -131,6 +142,7 @@ def test_a_cuda_learner_trains_against_a_cpu_syncer(syncer_factory, autocast):
 @pytest.mark.timeout(180)
 def test_a_two_rank_gloo_island_with_its_model_on_cuda(tmp_path, monkeypatch):
     from ddiloco.runtime.launch.launcher import Launcher
+
     monkeypatch.setenv("DDILOCO_ISLAND_BACKEND", "gloo")  # one GPU, shared by both ranks
     run = tmp_path / "run"
     cfg = tiny_config(run, learners=1, steps=60, device="cuda", island_size=2)
@@ -142,12 +154,15 @@ def test_a_two_rank_gloo_island_with_its_model_on_cuda(tmp_path, monkeypatch):
     assert s["final_eval_loss"] < s["initial_eval_loss"] - 0.5
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2,
-                    reason=f"an NCCL island needs 2 GPUs; {torch.cuda.device_count()} here")
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2,
+    reason=f"an NCCL island needs 2 GPUs; {torch.cuda.device_count()} here",
+)
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_two_rank_nccl_island(tmp_path, monkeypatch):
     from ddiloco.runtime.launch.launcher import Launcher
+
     monkeypatch.delenv("DDILOCO_ISLAND_BACKEND", raising=False)
     run = tmp_path / "run"
     cfg = tiny_config(run, learners=1, steps=60, device="cuda", island_size=2)

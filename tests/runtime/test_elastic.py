@@ -5,16 +5,16 @@ from __future__ import annotations
 import json
 
 import pytest
+from runtime_helpers import SyncerProcess, init_syncer, read_jsonl, tiny_config, tiny_model
 
 from ddiloco.runtime.launch.launcher import Launcher
 from ddiloco.runtime.syncer.membership import MembershipLog, assign_learner_id
-from runtime_helpers import SyncerProcess, init_syncer, read_jsonl, tiny_config, tiny_model
 
 
 def test_assign_learner_id_lowest_never_used_or_requested():
     assert assign_learner_id(None, []) == 0
     assert assign_learner_id(-1, [0, 1, 3]) == 2
-    assert assign_learner_id(7, [0, 1]) == 7   # a requested id stays possible
+    assert assign_learner_id(7, [0, 1]) == 7  # a requested id stays possible
     log = MembershipLog(0.0)
     log.note("join", 0, 1, 1)
     log.note("dead", 0, 1, 0)
@@ -35,9 +35,9 @@ def test_syncer_assigns_ids_on_join_and_status_shows_members(tmp_path):
     clients = [c]
     try:
         model = tiny_model()
-        init_syncer(c, model)             # learner 0, asked for
+        init_syncer(c, model)  # learner 0, asked for
         fp = spec_fingerprint(model_spec(model, 2))
-        ca = SyncerClient(s.address, s.token)   # each learner its own client (session)
+        ca = SyncerClient(s.address, s.token)  # each learner its own client (session)
         clients.append(ca)
         a = ca.unary("Join", {"incarnation": -1, "fingerprint": fp})
         b = c.unary("Join", {"learner": -1, "incarnation": -1, "fingerprint": fp})
@@ -64,8 +64,9 @@ def test_two_learners_a_third_joins_one_leaves_ledger_balances(tmp_path):
     chaos = tmp_path / "elastic.json"
     # 2 learners; a third (no id: the syncer assigns 2) joins once 60 steps are done; learner 0
     # leaves gracefully at 150. Global budget 2 x 120.
-    chaos.write_text(json.dumps({"add_learner_at_step": [60],
-                                 "remove_learner_at_step": [[0, 150]]}))
+    chaos.write_text(
+        json.dumps({"add_learner_at_step": [60], "remove_learner_at_step": [[0, 150]]})
+    )
     cfg = tiny_config(run, learners=2, steps=120, chaos=str(chaos))
     with Launcher(cfg) as la:
         s = la.run()
@@ -81,12 +82,17 @@ def test_two_learners_a_third_joins_one_leaves_ledger_balances(tmp_path):
     first = next(r["loss"] for r in rows if r["kind"] == "step")
     assert first < s["initial_eval_loss"] - 0.3, (first, s["initial_eval_loss"])
     # learner 0 left before the end and learner 2 trained on after it
-    ends = {m: max(r["t_s"] for r in read_jsonl(run / "metrics.jsonl")
-                   if r["kind"] == "step" and r.get("learner") == m) for m in (0, 2)}
+    ends = {
+        m: max(
+            r["t_s"]
+            for r in read_jsonl(run / "metrics.jsonl")
+            if r["kind"] == "step" and r.get("learner") == m
+        )
+        for m in (0, 2)
+    }
     assert ends[0] < ends[2]
     assert by_id[0]["steps"] < by_id[1]["steps"]
-    events = [r for r in read_jsonl(run / "syncer.metrics.jsonl")
-              if r["kind"] in ("join", "leave")]
+    events = [r for r in read_jsonl(run / "syncer.metrics.jsonl") if r["kind"] in ("join", "leave")]
     assert any(e["kind"] == "join" and e["learner"] == 2 and e.get("assigned") for e in events)
     assert any(e["kind"] == "leave" and e["learner"] == 0 for e in events)
     assert s["final_eval_loss"] < s["initial_eval_loss"] - 0.5

@@ -7,12 +7,12 @@ import socket
 
 import pytest
 import torch
+from runtime_helpers import init_syncer, tiny_config, tiny_model
 from safetensors.torch import load_file
 
 from ddiloco.cli import main
 from ddiloco.runtime.launch.launcher import Launcher
 from ddiloco.runtime.learner.client import SyncerClient
-from runtime_helpers import init_syncer, tiny_config, tiny_model
 
 
 @pytest.mark.timeout(180)
@@ -35,8 +35,7 @@ def test_export_of_a_run_evaluates_to_the_runs_final_loss(tmp_path, capsys):
 
 
 @pytest.mark.timeout(60)
-def test_export_from_a_live_syncer_and_clear_errors(syncer_factory, tmp_path, capsys,
-                                                    monkeypatch):
+def test_export_from_a_live_syncer_and_clear_errors(syncer_factory, tmp_path, capsys, monkeypatch):
     s = syncer_factory()
     model = tiny_model()
     client = SyncerClient(s.address, s.token)

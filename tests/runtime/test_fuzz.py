@@ -11,23 +11,57 @@ import grpc
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from runtime_helpers import init_syncer, tiny_model
 
 from ddiloco.runtime.learner.client import SyncerClient
 from ddiloco.runtime.syncer.server import SyncerServer, SyncerServerConfig
 from ddiloco.runtime.transport import schema, wire
 from ddiloco.runtime.transport.bulk import BulkClient, BulkError
-from runtime_helpers import init_syncer, tiny_model
 
-FUZZ = settings(max_examples=100, deadline=None, derandomize=True,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+FUZZ = settings(
+    max_examples=100,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 
-scalars = (st.none() | st.booleans() | st.integers(min_value=-(2 ** 70), max_value=2 ** 70)
-           | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=12))
-json_values = st.recursive(scalars, lambda c: st.lists(c, max_size=4)
-                           | st.dictionaries(st.text(max_size=8), c, max_size=4), max_leaves=12)
-FIELDS = ["learner", "incarnation", "fragment", "seq", "base_version", "c_steps", "c_tokens",
-          "codec", "delta", "numels", "nbytes", "step", "fragments", "cursor", "merged_seq",
-          "timeout_s", "report", "hb", "mac", "token", "op", "spec", "fingerprint"]
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=12)
+)
+json_values = st.recursive(
+    scalars,
+    lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
+    max_leaves=12,
+)
+FIELDS = [
+    "learner",
+    "incarnation",
+    "fragment",
+    "seq",
+    "base_version",
+    "c_steps",
+    "c_tokens",
+    "codec",
+    "delta",
+    "numels",
+    "nbytes",
+    "step",
+    "fragments",
+    "cursor",
+    "merged_seq",
+    "timeout_s",
+    "report",
+    "hb",
+    "mac",
+    "token",
+    "op",
+    "spec",
+    "fingerprint",
+]
 headers = st.dictionaries(st.sampled_from(FIELDS), json_values, max_size=10)
 
 
@@ -44,9 +78,16 @@ def test_frame_and_json_decoders_raise_only_value_errors(raw):
 @FUZZ
 @given(headers)
 def test_every_schema_accepts_or_raises_schema_error(h):
-    for model in (schema.JoinRequest, schema.InitHeader, schema.PushHeader,
-                  schema.FetchRequest, schema.WatchRequest, schema.HeartbeatRequest,
-                  schema.LeaveRequest, schema.Hello):
+    for model in (
+        schema.JoinRequest,
+        schema.InitHeader,
+        schema.PushHeader,
+        schema.FetchRequest,
+        schema.WatchRequest,
+        schema.HeartbeatRequest,
+        schema.LeaveRequest,
+        schema.Hello,
+    ):
         try:
             schema.parse(model, h)
         except schema.SchemaError:
@@ -76,11 +117,13 @@ def test_grpc_handlers_answer_any_header_with_a_typed_error(live, call, h, paylo
     frame = wire.pack(json.loads(json.dumps(h)), payload)
     try:
         if call == "Push":
-            client.bulk.stream_unary(wire.method(call))(iter([frame]), timeout=10,
-                                                        metadata=client._md)
+            client.bulk.stream_unary(wire.method(call))(
+                iter([frame]), timeout=10, metadata=client._md
+            )
         elif call == "Fetch":
-            list(client.bulk.unary_stream(wire.method(call))(frame, timeout=10,
-                                                             metadata=client._md))
+            list(
+                client.bulk.unary_stream(wire.method(call))(frame, timeout=10, metadata=client._md)
+            )
         else:
             client.bulk.unary_unary(wire.method(call))(frame, timeout=10, metadata=client._md)
     except grpc.RpcError as e:

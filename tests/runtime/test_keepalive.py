@@ -31,8 +31,9 @@ def test_idle_connection_keepalive_pings_do_not_earn_a_goaway(syncer_factory):
 
     try:
         ch.subscribe(seen)
-        r = ch.unary_unary(wire.method("Status"))(wire.pack({}), timeout=10,
-                                                  metadata=((wire.TOKEN_METADATA, s.token),))
+        r = ch.unary_unary(wire.method("Status"))(
+            wire.pack({}), timeout=10, metadata=((wire.TOKEN_METADATA, s.token),)
+        )
         assert "counters" in wire.unpack(r)[0]
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -44,7 +45,7 @@ def test_idle_connection_keepalive_pings_do_not_earn_a_goaway(syncer_factory):
             ready_at = states.index(grpc.ChannelConnectivity.READY)
         time.sleep(22)  # idle: three or more pings without data
         with lock:
-            after = states[ready_at + 1:]
+            after = states[ready_at + 1 :]
         assert after == [], f"the idle connection left READY: {[x.name for x in after]}"
     finally:
         ch.unsubscribe(seen)

@@ -8,17 +8,18 @@ import time
 
 import grpc
 import pytest
+from runtime_helpers import init_syncer, tiny_model
 
 from ddiloco.runtime.learner.client import SyncerClient
 from ddiloco.runtime.syncer.server import SyncerServer, SyncerServerConfig
 from ddiloco.runtime.transport import wire
-from runtime_helpers import init_syncer, tiny_model
 
 
 @pytest.mark.timeout(90)
 def test_stalled_push_streams_leave_heartbeats_and_status_alive():
-    server = SyncerServer(SyncerServerConfig(token="tok", max_workers=24, control_reserve=8,
-                                             heartbeat_timeout_s=30.0))
+    server = SyncerServer(
+        SyncerServerConfig(token="tok", max_workers=24, control_reserve=8, heartbeat_timeout_s=30.0)
+    )
     port = server.start()
     address = f"127.0.0.1:{port}"
     a = SyncerClient(address, "tok")
@@ -35,13 +36,15 @@ def test_stalled_push_streams_leave_heartbeats_and_status_alive():
 
         for i in range(70):
             c = attackers[i % len(attackers)]
-            stalled.append(c.bulk.stream_unary(wire.method("Push")).future(
-                never(), timeout=60, metadata=c._md))
+            stalled.append(
+                c.bulk.stream_unary(wire.method("Push")).future(never(), timeout=60, metadata=c._md)
+            )
         time.sleep(1.0)
         t0 = time.monotonic()
         for _ in range(5):
-            r = a.unary("Heartbeat", {"learner": 0, "incarnation": inc}, timeout_s=3.0,
-                        control=True)
+            r = a.unary(
+                "Heartbeat", {"learner": 0, "incarnation": inc}, timeout_s=3.0, control=True
+            )
             assert r["rejoin"] is False
             assert a.status(timeout_s=3.0)["live"] == [0]
         assert time.monotonic() - t0 < 10

@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from runtime_helpers import TINY, read_jsonl
 
 PREFIX = f"ddcl{os.getpid() % 100000}"
@@ -88,9 +87,12 @@ def namespaces():
 
 
 def _spawn(nss: Namespaces, host: str, args: list[str], log: Path, env: dict):
-    return subprocess.Popen(["ip", "netns", "exec", nss.ns(host), sys.executable, "-m",
-                             "ddiloco.runtime.cli", *args],
-                            stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env)
+    return subprocess.Popen(
+        ["ip", "netns", "exec", nss.ns(host), sys.executable, "-m", "ddiloco.runtime.cli", *args],
+        stdout=open(log, "wb"),
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
 
 
 @pytest.mark.slow
@@ -102,39 +104,87 @@ def test_shards_and_learners_in_their_own_namespaces(namespaces, tmp_path):
     procs = []
     try:
         for k, h in enumerate(("s0", "s1")):
-            procs.append(_spawn(nss, h, [
-                "syncer", "--host", "0.0.0.0", "--port", "50051", "--shards", shards,
-                "--shard", str(k), "--step-budget", "120", "--heartbeat-timeout", "5",
-                "--metrics-file", str(tmp_path / f"syncer_{k}.jsonl"),
-                "--checkpoint-dir", str(tmp_path / f"ckpt_{k}")],
-                tmp_path / f"syncer_{k}.log", env))
+            procs.append(
+                _spawn(
+                    nss,
+                    h,
+                    [
+                        "syncer",
+                        "--host",
+                        "0.0.0.0",
+                        "--port",
+                        "50051",
+                        "--shards",
+                        shards,
+                        "--shard",
+                        str(k),
+                        "--step-budget",
+                        "120",
+                        "--heartbeat-timeout",
+                        "5",
+                        "--metrics-file",
+                        str(tmp_path / f"syncer_{k}.jsonl"),
+                        "--checkpoint-dir",
+                        str(tmp_path / f"ckpt_{k}"),
+                    ],
+                    tmp_path / f"syncer_{k}.log",
+                    env,
+                )
+            )
         from ddiloco.config import TrainConfig, dump_config
 
         cfg = tmp_path / "cfg.toml"
         dump_config(TrainConfig(**{**TINY, "learners": 2, "steps": 60}), cfg)
-        learners = [_spawn(nss, h, ["learner", "--syncer", f"{nss.addr['s0']}:50051",
-                                    "--config", str(cfg),
-                                    "--run-dir", str(tmp_path / "learner_{learner}"),
-                                    "--connect-timeout", "60"],
-                           tmp_path / f"{h}.log", env) for h in ("l0", "l1")]
+        learners = [
+            _spawn(
+                nss,
+                h,
+                [
+                    "learner",
+                    "--syncer",
+                    f"{nss.addr['s0']}:50051",
+                    "--config",
+                    str(cfg),
+                    "--run-dir",
+                    str(tmp_path / "learner_{learner}"),
+                    "--connect-timeout",
+                    "60",
+                ],
+                tmp_path / f"{h}.log",
+                env,
+            )
+            for h in ("l0", "l1")
+        ]
         procs += learners
         for p in learners:
-            assert p.wait(timeout=150) == 0, [f.read_text()[-3000:] for f in
-                                              tmp_path.glob("*.log")]
+            assert p.wait(timeout=150) == 0, [f.read_text()[-3000:] for f in tmp_path.glob("*.log")]
         # status from a third namespace, through shard 1's address: both shards answer
         probe = subprocess.run(
-            ["ip", "netns", "exec", nss.ns("ops"), sys.executable, "-c", f"""
+            [
+                "ip",
+                "netns",
+                "exec",
+                nss.ns("ops"),
+                sys.executable,
+                "-c",
+                f"""
 import json
 from ddiloco.runtime.launch.status import fetch_status
 from ddiloco.runtime.learner.client import SyncerClient
-st = fetch_status("{nss.addr['s1']}:50051")
-c = SyncerClient("{nss.addr['s0']}:50051", "netns-token")
+st = fetch_status("{nss.addr["s1"]}:50051")
+c = SyncerClient("{nss.addr["s0"]}:50051", "netns-token")
 r = c.unary("Join", {{"learner": 7, "incarnation": -1}})
 got = c.fetch(None)       # over the advertised data port, reached from this namespace
 print(json.dumps({{"shards": st["shards"], "merges": st["merges"], "live": st["live"],
                   "bulk_port": r["bulk_port"], "data_port_used": c.data is not None,
                   "fetched": sorted(got)}}))
-"""], capture_output=True, text=True, env=env, timeout=60)
+""",
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
         assert probe.returncode == 0, probe.stderr
         out = json.loads(probe.stdout.strip().splitlines()[-1])
     finally:
@@ -153,14 +203,14 @@ print(json.dumps({{"shards": st["shards"], "merges": st["merges"], "live": st["l
     assert out["fetched"] == [p for p in range(TINY["fragments"]) if p % 2 == 0]
     for h in ("l0", "l1"):
         text = (tmp_path / f"{h}.log").read_text()
-        assert "unreachable" not in text, text[-2000:]   # no fallback from the data port
+        assert "unreachable" not in text, text[-2000:]  # no fallback from the data port
     for k in (0, 1):
         rows = read_jsonl(tmp_path / f"syncer_{k}.jsonl")
         assert len([r for r in rows if r["kind"] == "join"]) >= 2
         merged = {r["fragment"] for r in rows if r["kind"] == "merge"}
         assert merged and all(p % 2 == k for p in merged), (k, merged)
     ids = sorted(int(d.name.split("_")[1]) for d in tmp_path.glob("learner_*"))
-    assert ids == [0, 1]   # assigned by shard 0
+    assert ids == [0, 1]  # assigned by shard 0
     for m in ids:
         final = json.loads((tmp_path / f"learner_{m}" / "final.json").read_text())
         led = final["ledger"]

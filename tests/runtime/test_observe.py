@@ -8,9 +8,8 @@ import json
 import os
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-
 from observe_helpers import BackgroundRun, DashboardProcess, free_port, get, wait_for
+from prometheus_client.parser import text_string_to_metric_families
 from runtime_helpers import init_syncer, tiny_model
 
 
@@ -49,8 +48,11 @@ def test_probes_auth_and_readiness_of_a_syncer_process(syncer_factory):
     cookie = headers["Set-Cookie"].split(";")[0]
     assert s.token not in cookie and "HttpOnly" in headers["Set-Cookie"]
     code, _, page = get(f"{url}/", headers={"Cookie": cookie})
-    assert code == 200 and b"<svg" in page and b"http://" not in page.replace(
-        b"http://www.w3.org/2000/svg", b"")  # nothing fetched from elsewhere
+    assert (
+        code == 200
+        and b"<svg" in page
+        and b"http://" not in page.replace(b"http://www.w3.org/2000/svg", b"")
+    )  # nothing fetched from elsewhere
     assert get(f"{url}/api/state", headers={"Cookie": cookie})[0] == 200
     # a learner uploads the initial model: ready
     client = SyncerClient(s.address, s.token)
@@ -64,8 +66,13 @@ def test_probes_auth_and_readiness_of_a_syncer_process(syncer_factory):
     assert m[("ddiloco_syncer_initialised", ())] == 1.0
     assert m[("ddiloco_learners", (("state", "live"),))] == 1.0
     assert m[("ddiloco_fragment_version", (("fragment", "0"),))] == 0.0
-    view = wait_for(lambda: (v := json.loads(get(f"{url}/api/state", s.token)[2]))
-                    ["summary"]["initialised"] and v, 10, "the dashboard to see the model")
+    view = wait_for(
+        lambda: (
+            (v := json.loads(get(f"{url}/api/state", s.token)[2]))["summary"]["initialised"] and v
+        ),
+        10,
+        "the dashboard to see the model",
+    )
     assert view["versions"] == [0, 0] and view["learners"][0]["state"] == "live"
     assert [e["kind"] for e in view["events"]][:1] == ["syncer"]
 
@@ -76,9 +83,27 @@ def test_with_a_certificate_the_port_speaks_https(syncer_factory, tmp_path):
     import subprocess
 
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    r = subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                        "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1",
-                        "-keyout", str(key), "-out", str(cert)], capture_output=True)
+    r = subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        capture_output=True,
+    )
     if r.returncode != 0:
         pytest.skip(f"openssl cannot make a test certificate: {r.stderr[-200:]!r}")
     port = free_port()
@@ -96,11 +121,15 @@ def test_with_a_certificate_the_port_speaks_https(syncer_factory, tmp_path):
 def test_metrics_and_both_dashboard_commands_follow_a_real_run(tmp_path):
     run_dir = tmp_path / "run"
     # steps stretched (x3, slept) so that the run outlasts the dashboards' start-up
-    with BackgroundRun(run_dir, learners=2, steps=200,
-                       chaos={"slowdown": {"0": 3.0, "1": 3.0}}) as run, \
-            DashboardProcess(str(run_dir)) as from_dir, DashboardProcess(
-                f"127.0.0.1:{_grpc_port(run_dir)}",
-                env={**os.environ, "DDILOCO_TOKEN": run.token}) as proxy:
+    with (
+        BackgroundRun(
+            run_dir, learners=2, steps=200, chaos={"slowdown": {"0": 3.0, "1": 3.0}}
+        ) as run,
+        DashboardProcess(str(run_dir)) as from_dir,
+        DashboardProcess(
+            f"127.0.0.1:{_grpc_port(run_dir)}", env={**os.environ, "DDILOCO_TOKEN": run.token}
+        ) as proxy,
+    ):
         first = wait_for(lambda: _merged_metrics(run), 60, "a first merge on /metrics")
         assert from_dir.token and proxy.token is None  # made its own / used the run's
         assert get(from_dir.base + "api/state")[0] == 401
@@ -108,10 +137,14 @@ def test_metrics_and_both_dashboard_commands_follow_a_real_run(tmp_path):
         v0 = json.loads(get(from_dir.base + "api/state", from_dir.token)[2])
         p0 = json.loads(get(proxy.base + "api/state", run.token)[2])
         later = wait_for(lambda: _grown(run, first), 60, "more merges and steps")
-        v1 = wait_for(lambda: _view_grown(from_dir.base, from_dir.token, v0), 30,
-                      "the run directory's dashboard to advance")
-        p1 = wait_for(lambda: _view_grown(proxy.base, run.token, p0), 30,
-                      "the proxy dashboard to advance")
+        v1 = wait_for(
+            lambda: _view_grown(from_dir.base, from_dir.token, v0),
+            30,
+            "the run directory's dashboard to advance",
+        )
+        p1 = wait_for(
+            lambda: _view_grown(proxy.base, run.token, p0), 30, "the proxy dashboard to advance"
+        )
         assert get(proxy.base + "metrics", run.token)[0] == 200
         assert get(from_dir.base + "metrics", from_dir.token)[0] == 404
         summary = run.join()
@@ -119,8 +152,9 @@ def test_metrics_and_both_dashboard_commands_follow_a_real_run(tmp_path):
     # the scrapes: counters grow, learner gauges are there, versions follow merges
     assert later[("ddiloco_merges_total", ())] > first[("ddiloco_merges_total", ())]
     for m in ("0", "1"):
-        assert later[("ddiloco_learner_step", (("learner", m),))] > \
-            first.get(("ddiloco_learner_step", (("learner", m),)), 0)
+        assert later[("ddiloco_learner_step", (("learner", m),))] > first.get(
+            ("ddiloco_learner_step", (("learner", m),)), 0
+        )
     assert later[("ddiloco_received_bytes_total", ())] > 0
     assert sum(v for (n, _), v in later.items() if n == "ddiloco_fragment_version") > 0
     assert later[("ddiloco_live_learners", ())] == 2
@@ -133,8 +167,13 @@ def test_metrics_and_both_dashboard_commands_follow_a_real_run(tmp_path):
 
 
 def _grpc_port(run_dir) -> int:
-    return int(wait_for(lambda: (run_dir / "syncer.port").is_file() and
-                        (run_dir / "syncer.port").read_text(), 30, "the syncer's port"))
+    return int(
+        wait_for(
+            lambda: (run_dir / "syncer.port").is_file() and (run_dir / "syncer.port").read_text(),
+            30,
+            "the syncer's port",
+        )
+    )
 
 
 def _merged_metrics(run: BackgroundRun):
@@ -147,10 +186,16 @@ def _merged_metrics(run: BackgroundRun):
 
 def _grown(run: BackgroundRun, first: dict):
     m = scrape(run.url, run.token)
-    steps_up = all(m.get(("ddiloco_learner_step", (("learner", k),)), 0) >
-                   first.get(("ddiloco_learner_step", (("learner", k),)), 0) for k in "01")
-    return m if m[("ddiloco_merges_total", ())] > first[("ddiloco_merges_total", ())] \
-        and steps_up else None
+    steps_up = all(
+        m.get(("ddiloco_learner_step", (("learner", k),)), 0)
+        > first.get(("ddiloco_learner_step", (("learner", k),)), 0)
+        for k in "01"
+    )
+    return (
+        m
+        if m[("ddiloco_merges_total", ())] > first[("ddiloco_merges_total", ())] and steps_up
+        else None
+    )
 
 
 def _view_grown(base: str, token: str, v0: dict):

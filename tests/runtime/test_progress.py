@@ -12,22 +12,40 @@ import time
 
 import pytest
 from rich.console import Console
+from runtime_helpers import TINY
 
 from ddiloco.runtime.launch.progress import LiveProgress, learner_rows
-from runtime_helpers import TINY
 
 
 def _status(steps: list[int], merges: int) -> dict:
-    return {"uptime_s": 10.0, "run_s": 10.0, "merges": merges, "steps_done": sum(steps), "step_budget": 300,
-            "learners": {str(m): {"state": "live", "report": {
-                "global_step": s, "loss": 4.0 - s / 100, "compute_s": s * 0.05,
-                "ledger": {"computed": s, "merged": s / 2}}} for m, s in enumerate(steps)}}
+    return {
+        "uptime_s": 10.0,
+        "run_s": 10.0,
+        "merges": merges,
+        "steps_done": sum(steps),
+        "step_budget": 300,
+        "learners": {
+            str(m): {
+                "state": "live",
+                "report": {
+                    "global_step": s,
+                    "loss": 4.0 - s / 100,
+                    "compute_s": s * 0.05,
+                    "ledger": {"computed": s, "merged": s / 2},
+                },
+            }
+            for m, s in enumerate(steps)
+        },
+    }
 
 
 def test_rows_from_status_and_process_states():
     rows = learner_rows(_status([100, 40], 9), {0: "running", 1: "down"}, 3)
     assert [(r.learner, r.process, r.syncer, r.step) for r in rows] == [
-        (0, "running", "live", 100), (1, "down", "live", 40), (2, "-", "-", 0)]
+        (0, "running", "live", 100),
+        (1, "down", "live", 40),
+        (2, "-", "-", 0),
+    ]
     assert rows[0].merged_steps == 50 and rows[0].goodput == pytest.approx(5.0 * 0.5 / 10)
     assert rows[2].goodput is None and rows[2].loss is None
 
@@ -55,18 +73,36 @@ def test_a_pipe_gets_plain_lines_at_the_interval():
                 p.update(t, _status(steps, 2), {0: "running", 1: "down"})
         wf.close()
         lines = rf.read().splitlines()
-    assert lines == ["[   0.0s] steps 1 1x (2/300)  merges 2  loss 3.990  goodput~0.003",
-                     "[   2.1s] steps 11 9x (20/300)  merges 2  loss 3.900  goodput~0.025"]
+    assert lines == [
+        "[   0.0s] steps 1 1x (2/300)  merges 2  loss 3.990  goodput~0.003",
+        "[   2.1s] steps 11 9x (20/300)  merges 2  loss 3.900  goodput~0.025",
+    ]
 
 
 def _train_cmd(tmp_path, name: str) -> list[str]:
     from ddiloco.config import TrainConfig, dump_config
 
-    cfg = TrainConfig(**{**TINY, "progress": True, "learners": 2, "steps": 60,
-                         "out": str(tmp_path / name), "engine": "processes"})
+    cfg = TrainConfig(
+        **{
+            **TINY,
+            "progress": True,
+            "learners": 2,
+            "steps": 60,
+            "out": str(tmp_path / name),
+            "engine": "processes",
+        }
+    )
     dump_config(cfg, tmp_path / f"{name}.toml")
-    return [sys.executable, "-m", "ddiloco.cli", "train", "--config",
-            str(tmp_path / f"{name}.toml"), "--http-port", "0"]
+    return [
+        sys.executable,
+        "-m",
+        "ddiloco.cli",
+        "train",
+        "--config",
+        str(tmp_path / f"{name}.toml"),
+        "--http-port",
+        "0",
+    ]
 
 
 @pytest.mark.slow
@@ -76,11 +112,22 @@ def test_a_real_run_on_a_pseudo_terminal_and_on_a_pipe(tmp_path):
     for k in ("NO_COLOR", "TTY_COMPATIBLE", "FORCE_COLOR"):
         env.pop(k, None)
     # the same run twice at once: its standard error on a pseudo-terminal, and on a pipe
-    piped = subprocess.Popen(_train_cmd(tmp_path, "pipe"), env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+    piped = subprocess.Popen(
+        _train_cmd(tmp_path, "pipe"),
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     master, slave = pty.openpty()
-    proc = subprocess.Popen(_train_cmd(tmp_path, "tty"), stdin=slave, stdout=slave,
-                            stderr=slave, env=env, close_fds=True)
+    proc = subprocess.Popen(
+        _train_cmd(tmp_path, "tty"),
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        env=env,
+        close_fds=True,
+    )
     os.close(slave)
     chunks, deadline = [], time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -97,8 +144,8 @@ def test_a_real_run_on_a_pseudo_terminal_and_on_a_pipe(tmp_path):
     os.close(master)
     assert proc.wait(30) == 0
     tty = b"".join(chunks).decode(errors="replace")
-    assert "merged steps" in tty and "goodput" in tty          # the table's header
-    assert "\x1b[" in tty                                        # drawn with terminal codes
+    assert "merged steps" in tty and "goodput" in tty  # the table's header
+    assert "\x1b[" in tty  # drawn with terminal codes
     assert tty.count("merges") >= 2 and "finished" in tty and "ddiloco: done" in tty
     assert "live dashboard on http://127.0.0.1:" in tty and "/?token=" in tty
     _, err = piped.communicate(timeout=120)

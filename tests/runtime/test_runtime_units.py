@@ -14,13 +14,13 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-
-from ddiloco.runtime.transport import wire
-from ddiloco.runtime.launch.chaos import ChaosConfig, chaos_preset, chaos_schedule
-from ddiloco.runtime.transport.bulk import BulkClient, BulkError
-from ddiloco.runtime.syncer.checkpoint import load_checkpoint, save_atomic
-from ddiloco.runtime.learner.client import SyncerClient
 from runtime_helpers import SyncerProcess, init_syncer, tiny_model
+
+from ddiloco.runtime.launch.chaos import ChaosConfig, chaos_preset, chaos_schedule
+from ddiloco.runtime.learner.client import SyncerClient
+from ddiloco.runtime.syncer.checkpoint import load_checkpoint, save_atomic
+from ddiloco.runtime.transport import wire
+from ddiloco.runtime.transport.bulk import BulkClient, BulkError
 
 
 def test_frames_roundtrip_and_chunking():
@@ -62,9 +62,27 @@ def test_chaos_schedule_is_seeded():
 @pytest.mark.timeout(60)
 def test_tls_and_status_command(tmp_path):
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    r = subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                        "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1",
-                        "-keyout", str(key), "-out", str(cert)], capture_output=True)
+    r = subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        capture_output=True,
+    )
     if r.returncode != 0:
         pytest.skip(f"openssl cannot make a test certificate: {r.stderr[-200:]!r}")
     s = SyncerProcess(tmp_path, "tok", "--tls-cert", str(cert), "--tls-key", str(key))
@@ -74,10 +92,23 @@ def test_tls_and_status_command(tmp_path):
             SyncerClient(s.address, "tok").status(timeout_s=2.0)  # plaintext client
         token_file = tmp_path / "token"
         token_file.write_text("tok\n")
-        out = subprocess.run([sys.executable, "-m", "ddiloco.runtime.cli", "status", s.address,
-                              "--token-file", str(token_file), "--tls-ca", str(cert)],
-                             capture_output=True, text=True, timeout=30,
-                             env={k: v for k, v in os.environ.items() if k != "DDILOCO_TOKEN"})
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "ddiloco.runtime.cli",
+                "status",
+                s.address,
+                "--token-file",
+                str(token_file),
+                "--tls-ca",
+                str(cert),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env={k: v for k, v in os.environ.items() if k != "DDILOCO_TOKEN"},
+        )
         assert out.returncode == 0, out.stderr
         assert "syncer boot" in out.stdout and "versions []" in out.stdout
         # the data port speaks TLS too: fragments travel encrypted, plaintext is refused
@@ -88,7 +119,8 @@ def test_tls_and_status_command(tmp_path):
         assert client.data is not None and sorted(got) == [0, 1]
         with pytest.raises(BulkError):
             BulkClient("127.0.0.1", client.data.port, "tok", connect_timeout_s=2).request(
-                {"op": "fetch", "fragments": [0]}, timeout_s=5)
+                {"op": "fetch", "fragments": [0]}, timeout_s=5
+            )
     finally:
         s.close()
 
@@ -98,7 +130,9 @@ def _procs_mentioning(text: str) -> list[int]:
     for d in Path("/proc").iterdir():
         if d.name.isdigit() and int(d.name) != os.getpid():
             try:
-                if text in (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+                if text in (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(
+                    errors="replace"
+                ):
                     pids.append(int(d.name))
             except OSError:
                 pass
@@ -110,9 +144,27 @@ def _procs_mentioning(text: str) -> list[int]:
 def test_ctrl_c_stops_everything_with_no_orphans(tmp_path):
     run = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ddiloco.cli", "train", "--out", str(run), "-M", "2",
-         "--steps", "100000", "--batch-size", "4", "--block-size", "16", "--no-progress"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "ddiloco.cli",
+            "train",
+            "--out",
+            str(run),
+            "-M",
+            "2",
+            "--steps",
+            "100000",
+            "--batch-size",
+            "4",
+            "--block-size",
+            "16",
+            "--no-progress",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 90
     metrics = run / "learner_1" / "metrics.jsonl"
     while not (metrics.is_file() and b'"step"' in metrics.read_bytes()):
@@ -156,14 +208,19 @@ def test_learner_state_file_roundtrip_and_damage(tmp_path):
 @pytest.mark.timeout(60)
 def test_a_cut_link_fails_every_call_as_unavailable_until_restored(syncer_factory):
     from ddiloco.runtime.learner.client import LINK_CUT
+
     sp = syncer_factory()
     c = SyncerClient(sp.address, sp.token)
     try:
         assert c.status()["initialised"] is False
         LINK_CUT.cut()
         try:
-            for call in (c.status, lambda: c.unary("Heartbeat", {"learner": 0}),
-                         lambda: c.push({"learner": 0}, b"x"), lambda: c.fetch(None)):
+            for call in (
+                c.status,
+                lambda: c.unary("Heartbeat", {"learner": 0}),
+                lambda: c.push({"learner": 0}, b"x"),
+                lambda: c.fetch(None),
+            ):
                 with pytest.raises(grpc.RpcError) as e:
                     call()
                 assert e.value.code() == grpc.StatusCode.UNAVAILABLE

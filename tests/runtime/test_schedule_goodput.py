@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from runtime_helpers import read_jsonl, tiny_config
 
 from ddiloco.runtime.launch.launcher import Launcher
 from ddiloco.runtime.launch.status import format_status, goodput_so_far
-from runtime_helpers import read_jsonl, tiny_config
 
 
 @pytest.mark.slow
@@ -46,5 +46,6 @@ def test_time_driven_schedule_gathers_learners_and_goodput_is_one_number(tmp_pat
         assert led["overwritten"] > 0
         assert pl["tokens_computed"] == led["computed"] * per_step
         # the syncer's token ledger counts each push once per fragment share
-        assert pl["syncer_tokens"]["tokens_merged"] == pytest.approx(led["merged"] * per_step,
-                                                                     rel=0.05)
+        assert pl["syncer_tokens"]["tokens_merged"] == pytest.approx(
+            led["merged"] * per_step, rel=0.05
+        )

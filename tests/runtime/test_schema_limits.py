@@ -11,19 +11,30 @@ import time
 import grpc
 import pytest
 import torch
+from runtime_helpers import expect_rejection, init_syncer, tiny_model
 
 from ddiloco.algorithm.codecs import get_codec
 from ddiloco.runtime.learner.client import SyncerClient
 from ddiloco.runtime.transport import wire
 from ddiloco.runtime.transport.bulk import BulkClient, split_host
 from ddiloco.runtime.transport.spec import fragmentation_from_spec
-from runtime_helpers import expect_rejection, init_syncer, tiny_model
 
 
 def _push_h(frag, p, data, inc, sq, **kw):
-    h = {"learner": 0, "incarnation": inc, "fragment": p, "seq": sq, "base_version": 0,
-         "c_steps": 4, "c_tokens": 400, "codec": "fp32", "delta": False,
-         "numels": list(frag.fragments[p].numels), "nbytes": len(data), "step": 4}
+    h = {
+        "learner": 0,
+        "incarnation": inc,
+        "fragment": p,
+        "seq": sq,
+        "base_version": 0,
+        "c_steps": 4,
+        "c_tokens": 400,
+        "codec": "fp32",
+        "delta": False,
+        "numels": list(frag.fragments[p].numels),
+        "nbytes": len(data),
+        "step": 4,
+    }
     h.update(kw)
     return h
 
@@ -42,30 +53,45 @@ def test_out_of_range_numbers_are_refused_and_merging_goes_on(syncer_factory):
     base = client.fetch([0])[0][1]
     data = b"".join(get_codec("fp32").encode(t.view(-1) - 0.01) for t in base)
     seq = (inc << 32) + 1
-    bad = {"c_tokens": 10 ** 400, "seq": 2 ** 70, "c_steps": -1, "base_version": 1.5,
-           "learner": True, "numels": [1] * 5 + [[1]], "fragment": "0"}
+    bad = {
+        "c_tokens": 10**400,
+        "seq": 2**70,
+        "c_steps": -1,
+        "base_version": 1.5,
+        "learner": True,
+        "numels": [1] * 5 + [[1]],
+        "fragment": "0",
+    }
     for key, value in bad.items():
         h = _push_h(frag, 0, data, inc, seq, **{key: value})
-        expect_rejection(grpc.StatusCode.INVALID_ARGUMENT, "E_FRAME",
-                         lambda: grpc_only.stream("Push", wire.chunks(h, data)))
-        expect_rejection(grpc.StatusCode.INVALID_ARGUMENT, "E_FRAME",
-                         lambda: client.push(h, data))
-    hb = lambda rep: client.unary("Heartbeat", {"learner": 0, "incarnation": inc,
-                                                "report": rep})
-    for rep in ({"fetch_s": "x"}, {"step_s": 1e308}, {"step_s": -1.0}, {"step": 2 ** 64}):
-        expect_rejection(grpc.StatusCode.INVALID_ARGUMENT, "E_FRAME", lambda: hb(rep))
-    expect_rejection(grpc.StatusCode.INVALID_ARGUMENT, "E_FRAME", lambda: client.unary(
-        "Watch", {"learner": 0, "timeout_s": "abc"}))
+        expect_rejection(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "E_FRAME",
+            lambda: grpc_only.stream("Push", wire.chunks(h, data)),  # noqa: B023
+        )
+        expect_rejection(grpc.StatusCode.INVALID_ARGUMENT, "E_FRAME", lambda: client.push(h, data))  # noqa: B023
+    hb = lambda rep: client.unary("Heartbeat", {"learner": 0, "incarnation": inc, "report": rep})  # noqa: E731
+    for rep in ({"fetch_s": "x"}, {"step_s": 1e308}, {"step_s": -1.0}, {"step": 2**64}):
+        expect_rejection(grpc.StatusCode.INVALID_ARGUMENT, "E_FRAME", lambda: hb(rep))  # noqa: B023
+    expect_rejection(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "E_FRAME",
+        lambda: client.unary("Watch", {"learner": 0, "timeout_s": "abc"}),
+    )
     # a fetch naming a fragment twice (the reply would repeat it), on both transports
-    expect_rejection(grpc.StatusCode.INVALID_ARGUMENT, "E_FRAME",
-                     lambda: client.fetch([0] * 20_000))
-    expect_rejection(grpc.StatusCode.INVALID_ARGUMENT, "E_FRAME",
-                     lambda: grpc_only.fetch([0, 0]))
+    expect_rejection(
+        grpc.StatusCode.INVALID_ARGUMENT, "E_FRAME", lambda: client.fetch([0] * 20_000)
+    )
+    expect_rejection(grpc.StatusCode.INVALID_ARGUMENT, "E_FRAME", lambda: grpc_only.fetch([0, 0]))
     # a 10k-deep header: refused as a frame error, not a crash of the handler
     deep = b'{"learner":' + b"[" * 10_000 + b"]" * 10_000 + b"}"
-    expect_rejection(grpc.StatusCode.INVALID_ARGUMENT, "E_FRAME", lambda: grpc_only.bulk
-                     .unary_unary(wire.method("Heartbeat"))(_raw_frame(deep), timeout=10,
-                                                            metadata=grpc_only._md))
+    expect_rejection(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "E_FRAME",
+        lambda: grpc_only.bulk.unary_unary(wire.method("Heartbeat"))(
+            _raw_frame(deep), timeout=10, metadata=grpc_only._md
+        ),
+    )
 
     # every rejection above was typed and counted, none was an internal error, and a
     # valid push still merges and is published
@@ -117,6 +143,7 @@ def test_data_port_hello_of_any_shape_gets_a_typed_refusal(syncer_factory):
 @pytest.mark.timeout(60)
 def test_a_failed_publication_is_counted_and_retried_never_lost():
     from ddiloco.runtime.syncer.server import SyncerServer, SyncerServerConfig
+
     server = SyncerServer(SyncerServerConfig(token="tok"))
     port = server.start()
     client = SyncerClient(f"127.0.0.1:{port}", "tok")

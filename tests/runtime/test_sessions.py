@@ -11,12 +11,12 @@ import time
 
 import grpc
 import pytest
+from runtime_helpers import TINY, expect_rejection, init_syncer, tiny_model
 
 from ddiloco.algorithm.codecs import get_codec
 from ddiloco.runtime.learner.client import SyncerClient
 from ddiloco.runtime.transport import session, wire
 from ddiloco.runtime.transport.spec import fragmentation_from_spec
-from runtime_helpers import TINY, expect_rejection, init_syncer, tiny_model
 
 
 @pytest.mark.timeout(90)
@@ -28,26 +28,51 @@ def test_another_token_holder_cannot_act_as_a_live_learner(syncer_factory):
     mallory = SyncerClient(s.address, s.token)  # holds the token, never joined as learner 0
     base = a.fetch([0])[0][1]
     data = b"".join(get_codec("fp32").encode(t.view(-1) - 0.01) for t in base)
-    h = {"learner": 0, "incarnation": inc, "fragment": 0, "seq": (inc << 32) + 1,
-         "base_version": 0, "c_steps": 4, "c_tokens": 400, "codec": "fp32", "delta": False,
-         "numels": list(frag.fragments[0].numels), "nbytes": len(data), "step": 4}
+    h = {
+        "learner": 0,
+        "incarnation": inc,
+        "fragment": 0,
+        "seq": (inc << 32) + 1,
+        "base_version": 0,
+        "c_steps": 4,
+        "c_tokens": 400,
+        "codec": "fp32",
+        "delta": False,
+        "numels": list(frag.fragments[0].numels),
+        "nbytes": len(data),
+        "step": 4,
+    }
 
     # pushes, heartbeats and leaves as learner 0 without its session, on both transports
-    expect_rejection(grpc.StatusCode.FAILED_PRECONDITION, "E_SESSION",
-                     lambda: mallory.stream("Push", wire.chunks(h, data)))
+    expect_rejection(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "E_SESSION",
+        lambda: mallory.stream("Push", wire.chunks(h, data)),
+    )
     mallory.use_data_port(a.data.port)
-    expect_rejection(grpc.StatusCode.FAILED_PRECONDITION, "E_SESSION",
-                     lambda: mallory.push(h, data))
+    expect_rejection(
+        grpc.StatusCode.FAILED_PRECONDITION, "E_SESSION", lambda: mallory.push(h, data)
+    )
     forged = session.sign(b"\0" * 32, h)
-    expect_rejection(grpc.StatusCode.FAILED_PRECONDITION, "E_SESSION",
-                     lambda: mallory.push(forged, data))
-    expect_rejection(grpc.StatusCode.FAILED_PRECONDITION, "E_SESSION", lambda: mallory.unary(
-        "Heartbeat", {"learner": 0, "incarnation": inc, "hb": 10 ** 6}))
-    expect_rejection(grpc.StatusCode.FAILED_PRECONDITION, "E_SESSION", lambda: mallory.unary(
-        "Leave", {"learner": 0, "incarnation": inc}))
+    expect_rejection(
+        grpc.StatusCode.FAILED_PRECONDITION, "E_SESSION", lambda: mallory.push(forged, data)
+    )
+    expect_rejection(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "E_SESSION",
+        lambda: mallory.unary("Heartbeat", {"learner": 0, "incarnation": inc, "hb": 10**6}),
+    )
+    expect_rejection(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "E_SESSION",
+        lambda: mallory.unary("Leave", {"learner": 0, "incarnation": inc}),
+    )
     # a Join as the live learner 0 (to revoke it) is refused; learner 0 keeps its incarnation
-    expect_rejection(grpc.StatusCode.FAILED_PRECONDITION, "E_DUPLICATE", lambda: mallory.unary(
-        "Join", {"learner": 0, "incarnation": -1}))
+    expect_rejection(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "E_DUPLICATE",
+        lambda: mallory.unary("Join", {"learner": 0, "incarnation": -1}),
+    )
     st = a.status()
     assert st["live"] == [0] and st["learners"]["0"]["incarnation"] == inc
 
@@ -56,14 +81,19 @@ def test_another_token_holder_cannot_act_as_a_live_learner(syncer_factory):
     assert a.push(h, data)["status"] == "accepted"
     assert mallory.push(signed, data)["status"] == "duplicate"
     bumped = {**signed, "seq": signed["seq"] + 1}
-    expect_rejection(grpc.StatusCode.FAILED_PRECONDITION, "E_SESSION",
-                     lambda: mallory.push(bumped, data))
+    expect_rejection(
+        grpc.StatusCode.FAILED_PRECONDITION, "E_SESSION", lambda: mallory.push(bumped, data)
+    )
     # a captured heartbeat replayed is refused (its counter does not increase)
     assert a.unary("Heartbeat", {"learner": 0, "incarnation": inc})["rejoin"] is False
     hb = a.sign({"learner": 0, "incarnation": inc, "hb": a._hb})
-    expect_rejection(grpc.StatusCode.FAILED_PRECONDITION, "E_SESSION",
-                     lambda: mallory.control.unary_unary(wire.method("Heartbeat"))(
-                         wire.pack(hb), timeout=5, metadata=mallory._md))
+    expect_rejection(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "E_SESSION",
+        lambda: mallory.control.unary_unary(wire.method("Heartbeat"))(
+            wire.pack(hb), timeout=5, metadata=mallory._md
+        ),
+    )
     # the live learner itself rejoins (its Join carries its session's MAC)
     assert a.unary("Join", {"learner": 0, "incarnation": inc})["incarnation"] == inc
 
@@ -81,10 +111,31 @@ def test_a_second_process_with_a_live_learner_id_exits_non_zero(syncer_factory, 
     from ddiloco.config import TrainConfig, dump_config
 
     cfg = tmp_path / "cfg.toml"
-    dump_config(TrainConfig(**{**TINY, "engine": "processes", "learners": 1, "steps": 100_000,
-                               "eval_every": 1000, "speeds": (0.5,)}), cfg)
-    cmd = [sys.executable, "-m", "ddiloco.runtime.cli", "learner", "--syncer", s.address,
-           "--learner", "0", "--config", str(cfg)]
+    dump_config(
+        TrainConfig(
+            **{
+                **TINY,
+                "engine": "processes",
+                "learners": 1,
+                "steps": 100_000,
+                "eval_every": 1000,
+                "speeds": (0.5,),
+            }
+        ),
+        cfg,
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "ddiloco.runtime.cli",
+        "learner",
+        "--syncer",
+        s.address,
+        "--learner",
+        "0",
+        "--config",
+        str(cfg),
+    ]
     first = subprocess.Popen(cmd, env=s.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         client = SyncerClient(s.address, s.token)
@@ -94,8 +145,9 @@ def test_a_second_process_with_a_live_learner_id_exits_non_zero(syncer_factory, 
             time.sleep(0.2)
         second = subprocess.run(cmd, env=s.env, capture_output=True, text=True, timeout=60)
         assert second.returncode != 0
-        assert "E_DUPLICATE" in second.stderr and "already live" in second.stderr, \
-            second.stderr[-2000:]
+        assert "E_DUPLICATE" in second.stderr and "already live" in second.stderr, second.stderr[
+            -2000:
+        ]
         assert first.poll() is None, "the first process trains on"
         st = client.status()
         assert st["live"] == [0]

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from runtime_helpers import read_jsonl, tiny_config
 
 from ddiloco.runtime.launch.launcher import Launcher
 from ddiloco.runtime.syncer.shards import ShardMap, aggregate_status, parse_shards
-from runtime_helpers import read_jsonl, tiny_config
 
 
 def test_shard_map_and_parsing():
@@ -25,19 +25,49 @@ def test_shard_map_and_parsing():
 
 
 def test_aggregate_status_takes_versions_from_owners_and_sums():
-    a = {"boot_id": "x", "versions": [3, 0, 5, 0], "merges": 8, "live": [0, 1],
-         "learners": {"0": {"state": "live", "incarnation": 1, "last_heartbeat_age_s": 0.2,
-                            "report": {"step": 10}, "syncer_ledger": {"merged": 4.0}}},
-         "counters": {"bytes_in": 10}, "rejections": {}, "mean_quorum": 1.0,
-         "steps_done": 20, "budget_spent": False, "uptime_s": 5.0, "initialised": True}
-    b = {**a, "boot_id": "y", "versions": [0, 2, 0, 7], "merges": 9, "live": [0, 2],
-         "learners": {"0": {"state": "live", "incarnation": 2, "last_heartbeat_age_s": 0.1,
-                            "report": {"step": 11}, "syncer_ledger": {"merged": 5.0}}},
-         "mean_quorum": 2.0}
+    a = {
+        "boot_id": "x",
+        "versions": [3, 0, 5, 0],
+        "merges": 8,
+        "live": [0, 1],
+        "learners": {
+            "0": {
+                "state": "live",
+                "incarnation": 1,
+                "last_heartbeat_age_s": 0.2,
+                "report": {"step": 10},
+                "syncer_ledger": {"merged": 4.0},
+            }
+        },
+        "counters": {"bytes_in": 10},
+        "rejections": {},
+        "mean_quorum": 1.0,
+        "steps_done": 20,
+        "budget_spent": False,
+        "uptime_s": 5.0,
+        "initialised": True,
+    }
+    b = {
+        **a,
+        "boot_id": "y",
+        "versions": [0, 2, 0, 7],
+        "merges": 9,
+        "live": [0, 2],
+        "learners": {
+            "0": {
+                "state": "live",
+                "incarnation": 2,
+                "last_heartbeat_age_s": 0.1,
+                "report": {"step": 11},
+                "syncer_ledger": {"merged": 5.0},
+            }
+        },
+        "mean_quorum": 2.0,
+    }
     st = aggregate_status([a, b])
     assert st["versions"] == [3, 2, 5, 7] and st["merges"] == 17 and st["live"] == [0, 1, 2]
     assert st["learners"]["0"]["syncer_ledger"]["merged"] == 9.0
-    assert st["learners"]["0"]["report"] == {"step": 11}       # the freshest
+    assert st["learners"]["0"]["report"] == {"step": 11}  # the freshest
     assert st["counters"]["bytes_in"] == 20 and st["boot_id"] == "x+y"
     assert abs(st["mean_quorum"] - (8 * 1 + 9 * 2) / 17) < 1e-9
     st = aggregate_status([a, None])
@@ -67,7 +97,9 @@ def test_two_shards_train_like_one(tmp_path):
         if S == 2:
             # each shard merged exactly its own fragments, and every fragment moved
             for k in (0, 1):
-                frags = {r["fragment"] for r in _merges_by_fragment(run, f"syncer_{k}.metrics.jsonl")}
+                frags = {
+                    r["fragment"] for r in _merges_by_fragment(run, f"syncer_{k}.metrics.jsonl")
+                }
                 assert frags == {p for p in range(cfg.fragments) if p % 2 == k}, (k, frags)
             assert all(v > 0 for v in s["versions"])
             assert (run / "checkpoint" / "shard_0" / "syncer.pt").is_file()
@@ -85,8 +117,9 @@ def test_a_dead_shard_stalls_only_its_own_fragments(tmp_path):
     run = tmp_path / "run"
     chaos = tmp_path / "chaos.json"
     # shard 1 is SIGKILLed once the learners are at step 40 and stays down 6 s
-    chaos.write_text(json.dumps({"syncer_kill_at_step": 40, "syncer_kill_shard": 1,
-                                 "syncer_downtime_s": 6.0}))
+    chaos.write_text(
+        json.dumps({"syncer_kill_at_step": 40, "syncer_kill_shard": 1, "syncer_downtime_s": 6.0})
+    )
     cfg = tiny_config(run, learners=2, steps=200, shards=2, chaos=str(chaos))
     with Launcher(cfg) as la:
         s = la.run()
@@ -105,8 +138,11 @@ def test_a_dead_shard_stalls_only_its_own_fragments(tmp_path):
     assert max(b - a for a, b in zip([t0 + 1.0, *during], [*during, t1])) < 4.0
     # learners kept stepping, and shard 1 came back (resumed) and merged again
     for m in (0, 1):
-        steps = [r["wall"] for r in read_jsonl(run / f"learner_{m}" / "metrics.jsonl")
-                 if r["kind"] == "step" and t0 <= r["wall"] <= t1]
+        steps = [
+            r["wall"]
+            for r in read_jsonl(run / f"learner_{m}" / "metrics.jsonl")
+            if r["kind"] == "step" and t0 <= r["wall"] <= t1
+        ]
         assert len(steps) > 10, (m, len(steps))
     assert any(t > t1 for t in m1)
     assert not any(t0 + 0.5 < t < t1 for t in m1)

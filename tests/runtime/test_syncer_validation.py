@@ -7,24 +7,34 @@ import time
 from datetime import timedelta
 
 import grpc
-
 import pytest
 import torch
+from runtime_helpers import expect_rejection, init_syncer, tiny_model
 
 from ddiloco.algorithm.codecs import get_codec
-from ddiloco.runtime.transport import wire
 from ddiloco.runtime.learner.client import SyncerClient, SyncerError
 from ddiloco.runtime.learner.hook import DecoupledLearner
+from ddiloco.runtime.transport import wire
 from ddiloco.runtime.transport.spec import fragmentation_from_spec
-from runtime_helpers import expect_rejection, init_syncer, tiny_model
 
 
 def _push(client, frag, p, tensors, *, inc, seq=1, codec="fp32", **override):
     c = get_codec(codec)
     data = b"".join(c.encode(t) for t in tensors)
-    h = {"learner": 0, "incarnation": inc, "fragment": p, "seq": seq, "base_version": 0,
-         "c_steps": 4, "c_tokens": 400, "codec": codec, "delta": False,
-         "numels": list(frag.fragments[p].numels), "nbytes": len(data), "step": 4}
+    h = {
+        "learner": 0,
+        "incarnation": inc,
+        "fragment": p,
+        "seq": seq,
+        "base_version": 0,
+        "c_steps": 4,
+        "c_tokens": 400,
+        "codec": codec,
+        "delta": False,
+        "numels": list(frag.fragments[p].numels),
+        "nbytes": len(data),
+        "step": 4,
+    }
     payload = override.pop("payload", data)
     h.update(override)
     return client.stream("Push", wire.chunks(client.sign(h), payload, chunk_bytes=4096))
@@ -41,36 +51,86 @@ def test_bad_pushes_are_rejected_and_the_global_model_is_unchanged(syncer_factor
     good = [t.clone().view(-1) for t in before[0][1]]
 
     bad_token = SyncerClient(s.address, "not-the-token")
-    expect_rejection(grpc.StatusCode.UNAUTHENTICATED, "E_AUTH",
-            lambda: _push(bad_token, frag, 0, good, inc=inc))
+    expect_rejection(
+        grpc.StatusCode.UNAUTHENTICATED, "E_AUTH", lambda: _push(bad_token, frag, 0, good, inc=inc)
+    )
     expect_rejection(grpc.StatusCode.UNAUTHENTICATED, "E_AUTH", lambda: bad_token.status())
     wrong_shape = list(frag.fragments[0].numels)
     wrong_shape[0] += 1
-    expect_rejection(grpc.StatusCode.INVALID_ARGUMENT, "E_SHAPE",
-            lambda: _push(client, frag, 0, good, inc=inc, numels=wrong_shape))
+    expect_rejection(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "E_SHAPE",
+        lambda: _push(client, frag, 0, good, inc=inc, numels=wrong_shape),
+    )
     nan = [t.clone() for t in good]
     nan[0][3] = float("nan")
-    expect_rejection(grpc.StatusCode.INVALID_ARGUMENT, "E_NONFINITE",
-            lambda: _push(client, frag, 0, nan, inc=inc))
-    expect_rejection(grpc.StatusCode.RESOURCE_EXHAUSTED, "E_OVERSIZE",
-            lambda: _push(client, frag, 0, good, inc=inc, nbytes=10 ** 9))
-    expect_rejection(grpc.StatusCode.RESOURCE_EXHAUSTED, "E_OVERSIZE",  # more bytes than declared
-            lambda: _push(client, frag, 0, good, inc=inc,
-                          payload=b"".join(t.numpy().tobytes() for t in good) + b"\0" * 8))
-    expect_rejection(grpc.StatusCode.INVALID_ARGUMENT, "E_SIZE",
-            lambda: _push(client, frag, 0, good, inc=inc, nbytes=12))
-    expect_rejection(grpc.StatusCode.INVALID_ARGUMENT, "E_FRAGMENT",
-            lambda: _push(client, frag, 0, good, inc=inc, fragment=7))
-    expect_rejection(grpc.StatusCode.INVALID_ARGUMENT, "E_CODEC",
-            lambda: client.stream("Push", iter([wire.pack({
-                "learner": 0, "incarnation": inc, "fragment": 0, "seq": 1, "base_version": 0,
-                "c_steps": 1, "c_tokens": 1, "codec": "fp64", "nbytes": 8,
-                "numels": list(frag.fragments[0].numels)})])))
-    expect_rejection(grpc.StatusCode.FAILED_PRECONDITION, "E_UNKNOWN_LEARNER",
-            lambda: _push(client, frag, 0, good, inc=inc, learner=5))
-    expect_rejection(grpc.StatusCode.FAILED_PRECONDITION, "E_SPEC",
-            lambda: client.unary("Join", {"learner": 1, "incarnation": -1,
-                                          "fingerprint": "0" * 16}))
+    expect_rejection(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "E_NONFINITE",
+        lambda: _push(client, frag, 0, nan, inc=inc),
+    )
+    expect_rejection(
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "E_OVERSIZE",
+        lambda: _push(client, frag, 0, good, inc=inc, nbytes=10**9),
+    )
+    expect_rejection(
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "E_OVERSIZE",  # more bytes than declared
+        lambda: _push(
+            client,
+            frag,
+            0,
+            good,
+            inc=inc,
+            payload=b"".join(t.numpy().tobytes() for t in good) + b"\0" * 8,
+        ),
+    )
+    expect_rejection(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "E_SIZE",
+        lambda: _push(client, frag, 0, good, inc=inc, nbytes=12),
+    )
+    expect_rejection(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "E_FRAGMENT",
+        lambda: _push(client, frag, 0, good, inc=inc, fragment=7),
+    )
+    expect_rejection(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "E_CODEC",
+        lambda: client.stream(
+            "Push",
+            iter(
+                [
+                    wire.pack(
+                        {
+                            "learner": 0,
+                            "incarnation": inc,
+                            "fragment": 0,
+                            "seq": 1,
+                            "base_version": 0,
+                            "c_steps": 1,
+                            "c_tokens": 1,
+                            "codec": "fp64",
+                            "nbytes": 8,
+                            "numels": list(frag.fragments[0].numels),
+                        }
+                    )
+                ]
+            ),
+        ),
+    )
+    expect_rejection(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "E_UNKNOWN_LEARNER",
+        lambda: _push(client, frag, 0, good, inc=inc, learner=5),
+    )
+    expect_rejection(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "E_SPEC",
+        lambda: client.unary("Join", {"learner": 1, "incarnation": -1, "fingerprint": "0" * 16}),
+    )
 
     after = client.fetch(None)
     for p in before:
@@ -79,8 +139,17 @@ def test_bad_pushes_are_rejected_and_the_global_model_is_unchanged(syncer_factor
             assert torch.equal(a, b)
     st = client.status()
     assert st["versions"] == [0, 0] and st["merges"] == 0
-    for code in ("E_AUTH", "E_SHAPE", "E_NONFINITE", "E_OVERSIZE", "E_SIZE", "E_FRAGMENT",
-                 "E_CODEC", "E_UNKNOWN_LEARNER", "E_SPEC"):
+    for code in (
+        "E_AUTH",
+        "E_SHAPE",
+        "E_NONFINITE",
+        "E_OVERSIZE",
+        "E_SIZE",
+        "E_FRAGMENT",
+        "E_CODEC",
+        "E_UNKNOWN_LEARNER",
+        "E_SPEC",
+    ):
         assert st["rejections"].get(code, 0) >= 1, (code, st["rejections"])
 
     # a valid push merges (one live learner: all-live); its retry is merged at most once
@@ -93,8 +162,16 @@ def test_bad_pushes_are_rejected_and_the_global_model_is_unchanged(syncer_factor
     st = client.status()
     assert st["versions"] == [1, 0] and st["merges"] == 1
     # int8 delta against the base version is reconstructed on the syncer
-    r = _push(client, frag, 1, [torch.zeros_like(t).view(-1) for t in before[1][1]], inc=inc,
-              seq=12, codec="int8", delta=True)
+    r = _push(
+        client,
+        frag,
+        1,
+        [torch.zeros_like(t).view(-1) for t in before[1][1]],
+        inc=inc,
+        seq=12,
+        codec="int8",
+        delta=True,
+    )
     assert r["status"] == "accepted"
     bad_token.close()
     client.close()
@@ -111,9 +188,19 @@ def test_hook_api_trains_against_the_syncer(syncer_factory):
     x = torch.randint(0, 64, (4, 16), generator=g)
     # the step-count schedule: 24 steps send 12 pushes whatever the machine's timing
     # (the time-driven schedule has its own tests in test_schedule_goodput.py)
-    with DecoupledLearner(model, opt, syncer=s.address, learner=0, P=2, H=4, tau=1,
-                          schedule="steps", codec="int8", tokens_per_step=64,
-                          token=s.token) as dl:
+    with DecoupledLearner(
+        model,
+        opt,
+        syncer=s.address,
+        learner=0,
+        P=2,
+        H=4,
+        tau=1,
+        schedule="steps",
+        codec="int8",
+        tokens_per_step=64,
+        token=s.token,
+    ) as dl:
         for _ in range(24):
             _, loss = model(x[:, :-1], x[:, 1:])
             loss.backward()
@@ -150,8 +237,16 @@ def test_a_failed_communication_thread_stops_training_with_a_clear_error(syncer_
 def test_the_syncer_step_budget_tells_learners_to_stop(syncer_factory):
     s = syncer_factory("--step-budget", "30")
     model = tiny_model()
-    with DecoupledLearner(model, syncer=s.address, learner=0, P=2, H=4, tau=1, token=s.token,
-                          heartbeat_interval=timedelta(milliseconds=100)) as dl:
+    with DecoupledLearner(
+        model,
+        syncer=s.address,
+        learner=0,
+        P=2,
+        H=4,
+        tau=1,
+        token=s.token,
+        heartbeat_interval=timedelta(milliseconds=100),
+    ) as dl:
         assert dl.step_budget == 30 and not dl.should_stop
         steps = 0
         while not dl.should_stop and steps < 500:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from runtime_helpers import max_gap_ratio, read_jsonl, step_walls, tiny_config
 
 from ddiloco.runtime.launch.launcher import Launcher
-from runtime_helpers import max_gap_ratio, read_jsonl, step_walls, tiny_config
 
 
 @pytest.mark.timeout(120)
@@ -14,8 +14,10 @@ def test_three_learners_train_and_eval_loss_falls(tmp_path):
     with Launcher(cfg) as la:
         s = la.run()
     assert s["ok"], s
-    assert s["final_eval_loss"] < s["initial_eval_loss"] - 0.5, (s["initial_eval_loss"],
-                                                                 s["final_eval_loss"])
+    assert s["final_eval_loss"] < s["initial_eval_loss"] - 0.5, (
+        s["initial_eval_loss"],
+        s["final_eval_loss"],
+    )
     assert s["merges"] > 0 and s["rejections"] == {}
     # a global budget of 3 x 80 inner steps (a few more: learners hear it is spent by heartbeat)
     assert 240 <= sum(pl["steps"] for pl in s["per_learner"]) <= 240 + 3 * 20
@@ -39,8 +41,10 @@ def test_sigkill_a_learner_the_others_never_pause_and_it_rejoins(tmp_path):
     # CPU-bound processes (and the restarted learner's start-up) would otherwise dominate the
     # step-gap distribution. A learner that blocked on the network or on its dead peer would
     # still show as a long gap.
-    chaos.write_text('{"kill_at_step": [[1, 60]], "kill_downtime_s": 2.0, '
-                     '"slowdown": {"0": 5.0, "1": 5.0, "2": 5.0}}')
+    chaos.write_text(
+        '{"kill_at_step": [[1, 60]], "kill_downtime_s": 2.0, '
+        '"slowdown": {"0": 5.0, "1": 5.0, "2": 5.0}}'
+    )
     # steps of a few hundred ms, so that OS scheduling hiccups stay small beside them
     cfg = tiny_config(run, learners=3, steps=160, batch_size=48, block_size=64, chaos=str(chaos))
     with Launcher(cfg) as la:
@@ -52,16 +56,21 @@ def test_sigkill_a_learner_the_others_never_pause_and_it_rejoins(tmp_path):
     # the others never pause
     for m in (0, 2):
         ratio, gap, med = max_gap_ratio(step_walls(run, m))
-        assert ratio <= 3.0, f"learner {m}: longest gap {gap:.3f} s = {ratio:.1f}x median {med:.3f} s"
+        assert ratio <= 3.0, (
+            f"learner {m}: longest gap {gap:.3f} s = {ratio:.1f}x median {med:.3f} s"
+        )
     # it rejoins with the current global parameters, at the step it had saved
     rows = read_jsonl(run / "learner_1" / "metrics.jsonl")
     starts = [i for i, r in enumerate(rows) if r["kind"] == "learner_start"]
     assert len(starts) == 2 and rows[starts[1]]["step"] >= 50
     assert rows[starts[1]]["resumed_optimizer"]  # its AdamW moments, saved with its progress
-    first_loss_after = next(r["loss"] for r in rows[starts[1]:] if r["kind"] == "step")
+    first_loss_after = next(r["loss"] for r in rows[starts[1] :] if r["kind"] == "step")
     assert first_loss_after < s["initial_eval_loss"] - 0.5
-    joins = [r for r in read_jsonl(run / "syncer.metrics.jsonl")
-             if r["kind"] == "join" and r["learner"] == 1]
+    joins = [
+        r
+        for r in read_jsonl(run / "syncer.metrics.jsonl")
+        if r["kind"] == "join" and r["learner"] == 1
+    ]
     assert [j["incarnation"] for j in joins] == [1, 2]
     # the token ledger balances for everyone
     for pl in s["per_learner"]:
@@ -95,8 +104,9 @@ def test_the_global_step_budget_lets_a_fast_learner_make_up_for_a_slow_one(tmp_p
 def test_sigkill_the_syncer_and_resume_loses_no_merged_update(tmp_path):
     run = tmp_path / "run"
     chaos = run.parent / "chaos.json"
-    chaos.write_text('{"syncer_kill_at_step": 50, "syncer_downtime_s": 2.0, '
-                     '"slowdown": {"0": 5.0, "1": 5.0}}')
+    chaos.write_text(
+        '{"syncer_kill_at_step": 50, "syncer_downtime_s": 2.0, "slowdown": {"0": 5.0, "1": 5.0}}'
+    )
     cfg = tiny_config(run, learners=2, steps=160, batch_size=16, block_size=64, chaos=str(chaos))
     with Launcher(cfg) as la:
         s = la.run()
@@ -112,7 +122,9 @@ def test_sigkill_the_syncer_and_resume_loses_no_merged_update(tmp_path):
         # learners keep stepping while the syncer is down ...
         assert sum(kill < w < back for w in walls) >= 3, f"learner {m} paused"
         ratio, gap, med = max_gap_ratio(walls)
-        assert ratio <= 3.0, f"learner {m}: longest gap {gap:.3f} s = {ratio:.1f}x median {med:.3f} s"
+        assert ratio <= 3.0, (
+            f"learner {m}: longest gap {gap:.3f} s = {ratio:.1f}x median {med:.3f} s"
+        )
         # ... the versions they install never go back ...
         seen: dict[str, int] = {}
         for r in read_jsonl(run / f"learner_{m}" / "metrics.jsonl"):

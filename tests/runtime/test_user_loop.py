@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from runtime_helpers import init_syncer, tiny_model
 
 from ddiloco.runtime.export import state_dict_from_syncer
 from ddiloco.runtime.learner.client import SyncerClient, SyncerError
 from ddiloco.runtime.learner.hook import DecoupledLearner
-from runtime_helpers import init_syncer, tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -53,8 +53,18 @@ def test_the_global_model_comes_into_the_users_model(syncer_factory):
     s = syncer_factory()
     model = tiny_model()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    with DecoupledLearner(model, opt, syncer=s.address, learner=0, P=2, H=4, tau=1,
-                          tokens_per_step=64, token=s.token, load_global_on_exit=True) as dl:
+    with DecoupledLearner(
+        model,
+        opt,
+        syncer=s.address,
+        learner=0,
+        P=2,
+        H=4,
+        tau=1,
+        tokens_per_step=64,
+        token=s.token,
+        load_global_on_exit=True,
+    ) as dl:
         for i, (x, y) in enumerate(_batches(40)):
             model(x, y)[1].backward()
             opt.step()
@@ -97,8 +107,12 @@ with DecoupledLearner(model, opt, syncer={address!r}, learner=1, P=2, H=4, tau=1
 
 def _user_loop(address: str, token: str, steps: int) -> subprocess.Popen:
     code = _LOOP.format(tests=str(Path(__file__).parent), address=address, steps=steps)
-    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
-                            env={**__import__("os").environ, "DDILOCO_TOKEN": token})
+    return subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**__import__("os").environ, "DDILOCO_TOKEN": token},
+    )
 
 
 @pytest.mark.timeout(120)
@@ -136,8 +150,14 @@ def test_a_mismatched_model_is_refused_naming_what_differs(syncer_factory):
     client.close()
 
     def join(model, **kw):
-        dl = DecoupledLearner(model, syncer=s.address, learner=5, token=s.token,
-                              connect_timeout=timedelta(seconds=5), **{"P": 2, **kw})
+        dl = DecoupledLearner(
+            model,
+            syncer=s.address,
+            learner=5,
+            token=s.token,
+            connect_timeout=timedelta(seconds=5),
+            **{"P": 2, **kw},
+        )
         with pytest.raises(SyncerError) as ei:
             dl.start()
         dl.client.close()
@@ -147,12 +167,16 @@ def test_a_mismatched_model_is_refused_naming_what_differs(syncer_factory):
 
     assert "P (fragments): syncer 2, learner 3" in join(tiny_model(), P=3)
     assert "fragmentation strategy: syncer 'balanced', learner 'strided'" in join(
-        tiny_model(), strategy="strided")
+        tiny_model(), strategy="strided"
+    )
     from ddiloco.models import build_model
+
     torch.manual_seed(0)
     wider = build_model("gpt_tiny", n_layer=1, n_embd=48, n_head=2)
     msg = join(wider)
-    assert "tensor shapes differ" in msg and "tok_emb.weight: syncer [64, 32], learner [64, 48]" in msg
+    assert (
+        "tensor shapes differ" in msg and "tok_emb.weight: syncer [64, 32], learner [64, 48]" in msg
+    )
     msg = join(tiny_model().double())
     assert "tensor dtypes differ" in msg and "syncer float32, learner float64" in msg
     torch.manual_seed(0)
@@ -179,8 +203,13 @@ def test_the_documented_user_loop_examples_run(doc, syncer_factory, monkeypatch)
         code = re.sub(r'syncer="[^"]*"', f'syncer="{s.address}"', block)
         assert code != block, f"{doc} example {i} names no syncer address"
         model = tiny_model()
-        ns.update(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=3e-3),
-                  loader=_batches(30, seed=i), B=4, T=16)
+        ns.update(
+            model=model,
+            optimizer=torch.optim.AdamW(model.parameters(), lr=3e-3),
+            loader=_batches(30, seed=i),
+            B=4,
+            T=16,
+        )
         t0 = time.monotonic()
         exec(compile(code, f"{doc}[example {i}]", "exec"), ns)  # noqa: S102 - the docs' own code
         print(f"{doc} example {i}: {time.monotonic() - t0:.1f} s")

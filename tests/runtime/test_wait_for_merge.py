@@ -9,7 +9,6 @@ from datetime import timedelta
 
 import pytest
 import torch
-
 from runtime_helpers import tiny_model
 
 H, ROUNDS, M = 4, 3, 2
@@ -22,8 +21,17 @@ def _train(address: str, m: int, start: threading.Barrier, out: dict) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     g = torch.Generator().manual_seed(100 + m)
     seen = []
-    with DecoupledLearner(model, syncer=address, learner=m, P=1, H=H, tau=0, codec="fp32",
-                          token="test-token", heartbeat_interval=timedelta(milliseconds=200)) as dl:
+    with DecoupledLearner(
+        model,
+        syncer=address,
+        learner=m,
+        P=1,
+        H=H,
+        tau=0,
+        codec="fp32",
+        token="test-token",
+        heartbeat_interval=timedelta(milliseconds=200),
+    ) as dl:
         start.wait(timeout=60)
         for step in range(1, H * ROUNDS + 1):
             x = torch.randint(0, 64, (4, 16), generator=g)
@@ -35,8 +43,12 @@ def _train(address: str, m: int, start: threading.Barrier, out: dict) -> None:
             if step % H == 0:
                 assert installed == [0], (m, step, installed)
                 assert not dl.sync.frags[0].waiting
-                seen.append((dl.sync.frags[0].base_version,
-                             torch.cat([p.detach().flatten().clone() for p in model.parameters()])))
+                seen.append(
+                    (
+                        dl.sync.frags[0].base_version,
+                        torch.cat([p.detach().flatten().clone() for p in model.parameters()]),
+                    )
+                )
             else:
                 assert installed == []
     out[m] = seen
@@ -62,6 +74,7 @@ def test_every_learner_waits_for_and_installs_the_same_merge(syncer_factory):
 
 def test_wait_installs_refuses_islands():
     from ddiloco.runtime import DecoupledLearner
+
     dl = DecoupledLearner.__new__(DecoupledLearner)
     dl.group = object()
     with pytest.raises(ValueError, match="islands"):

@@ -2,14 +2,21 @@ import math
 
 import pytest
 
-from ddiloco.bandwidth import (METHODS, BandwidthConfig, min_bandwidth, period,
-                               step_time_from_flops, time_to_train, utilisation, with_method)
+from ddiloco.bandwidth import (
+    METHODS,
+    BandwidthConfig,
+    min_bandwidth,
+    period,
+    step_time_from_flops,
+    time_to_train,
+    utilisation,
+    with_method,
+)
 
 
 @pytest.mark.parametrize("method", METHODS)
 def test_min_bandwidth_is_the_inverse_of_utilisation(method):
-    cfg = BandwidthConfig(method=method, params=5e9, step_time_s=2.0, datacenters=8,
-                          latency_s=0.05)
+    cfg = BandwidthConfig(method=method, params=5e9, step_time_s=2.0, datacenters=8, latency_s=0.05)
     for target in (0.5, 0.9, 0.95):
         bw = min_bandwidth(cfg, target)
         assert utilisation(cfg, bw) == pytest.approx(target, rel=1e-9)
@@ -43,8 +50,9 @@ def test_12b_over_4_regions_at_2_to_5_gbps_is_over_20x_faster_than_dp():
 
 def test_overlap_and_compression_lower_the_requirement():
     base = BandwidthConfig(method="decoupled", params=5e9, step_time_s=1.0)
-    assert min_bandwidth(BandwidthConfig(method="decoupled", up_bits=4, params=5e9),
-                         0.95) < min_bandwidth(base, 0.95)
+    assert min_bandwidth(
+        BandwidthConfig(method="decoupled", up_bits=4, params=5e9), 0.95
+    ) < min_bandwidth(base, 0.95)
     no_overlap = BandwidthConfig(method="streaming", tau=0, params=5e9)
     overlap = BandwidthConfig(method="streaming", tau=2, params=5e9)
     assert min_bandwidth(overlap, 0.95) < min_bandwidth(no_overlap, 0.95)
@@ -60,9 +68,16 @@ def test_step_time_from_flops():
     assert step_time_from_flops(1e9, 1e6, 100, 1e14, 0.5) == pytest.approx(6e15 / 5e15)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(method="x"), "method"), (dict(params=0), "params"), (dict(datacenters=1), "datacenters"),
-    (dict(method="streaming", inner_steps=25), "divisible"), (dict(up_bits=0), "up_bits")])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(method="x"), "method"),
+        (dict(params=0), "params"),
+        (dict(datacenters=1), "datacenters"),
+        (dict(method="streaming", inner_steps=25), "divisible"),
+        (dict(up_bits=0), "up_bits"),
+    ],
+)
 def test_bandwidth_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         BandwidthConfig(**kwargs)
@@ -79,30 +94,75 @@ def test_decoupled_sends_one_fragment_every_h_over_p_steps():
 
 def test_hub_syncer_carries_every_byte_and_fractional_codec_bits():
     n, d = 1e6, 4
-    sharded = BandwidthConfig(method="decoupled", params=n, datacenters=d, up_bits=4.5,
-                              down_bits=8.5, fragments=8, inner_steps=24)
-    hub = BandwidthConfig(method="decoupled", params=n, datacenters=d, up_bits=4.5,
-                          down_bits=8.5, fragments=8, inner_steps=24, syncer="hub")
+    sharded = BandwidthConfig(
+        method="decoupled",
+        params=n,
+        datacenters=d,
+        up_bits=4.5,
+        down_bits=8.5,
+        fragments=8,
+        inner_steps=24,
+    )
+    hub = BandwidthConfig(
+        method="decoupled",
+        params=n,
+        datacenters=d,
+        up_bits=4.5,
+        down_bits=8.5,
+        fragments=8,
+        inner_steps=24,
+        syncer="hub",
+    )
     assert period(hub)[1] == pytest.approx(13 * n / 8)
     assert period(sharded)[1] == pytest.approx(period(hub)[1] * (d - 1) / d)
-    dl = BandwidthConfig(method="diloco", params=n, datacenters=d, up_bits=4.5, down_bits=8.5,
-                         inner_steps=24, syncer="hub")
+    dl = BandwidthConfig(
+        method="diloco",
+        params=n,
+        datacenters=d,
+        up_bits=4.5,
+        down_bits=8.5,
+        inner_steps=24,
+        syncer="hub",
+    )
     assert period(dl) == (24.0, pytest.approx(13 * n), 0.0)
     with pytest.raises(ValueError, match="syncer"):
         BandwidthConfig(syncer="edge")
 
 
 def test_pulls_and_control_traffic_add_to_decoupled_bits():
-    base = BandwidthConfig(method="decoupled", params=1e6, fragments=8, inner_steps=24,
-                           up_bits=4.5, down_bits=8.5, syncer="hub", step_time_s=0.2)
-    more = BandwidthConfig(method="decoupled", params=1e6, fragments=8, inner_steps=24,
-                           up_bits=4.5, down_bits=8.5, syncer="hub", step_time_s=0.2,
-                           pulls_per_push=1.5, control_bps=1e5)
+    base = BandwidthConfig(
+        method="decoupled",
+        params=1e6,
+        fragments=8,
+        inner_steps=24,
+        up_bits=4.5,
+        down_bits=8.5,
+        syncer="hub",
+        step_time_s=0.2,
+    )
+    more = BandwidthConfig(
+        method="decoupled",
+        params=1e6,
+        fragments=8,
+        inner_steps=24,
+        up_bits=4.5,
+        down_bits=8.5,
+        syncer="hub",
+        step_time_s=0.2,
+        pulls_per_push=1.5,
+        control_bps=1e5,
+    )
     k, bits, _ = period(more)
     assert bits - period(base)[1] == pytest.approx(0.5 * 8.5 * 1e6 / 8 + 1e5 * k * 0.2)
     assert utilisation(more, 1e6) < utilisation(base, 1e6)
     with pytest.raises(ValueError, match="pulls_per_push"):
         BandwidthConfig(pulls_per_push=0.5)
-    more = BandwidthConfig(method="diloco", params=1e6, syncer="hub", up_bits=4.5,
-                           down_bits=8.5, push_overhead_bits=800.0)
+    more = BandwidthConfig(
+        method="diloco",
+        params=1e6,
+        syncer="hub",
+        up_bits=4.5,
+        down_bits=8.5,
+        push_overhead_bits=800.0,
+    )
     assert period(more)[1] == pytest.approx(13 * 1e6 + 800.0)

@@ -9,8 +9,27 @@ from ddiloco.sim.cli import main
 
 
 def test_simulate_json(capsys):
-    assert main(["simulate", "--system", "decoupled", "--chips", "300000", "--learners", "4",
-                 "--mtbi-years", "1", "--seeds", "3", "--hours", "2", "--json"]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                "--system",
+                "decoupled",
+                "--chips",
+                "300000",
+                "--learners",
+                "4",
+                "--mtbi-years",
+                "1",
+                "--seeds",
+                "3",
+                "--hours",
+                "2",
+                "--json",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr()
     data = json.loads(out.out)
     assert {"goodput", "uptime", "goodput_ci95"} <= data.keys()
@@ -19,21 +38,42 @@ def test_simulate_json(capsys):
 
 
 def test_simulate_text_and_overrides(capsys):
-    assert main(["simulate", "--system", "elastic-dp", "--chips", "150000", "--seeds", "2",
-                 "--hours", "2", "--set", "reconfig_s=60"]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                "--system",
+                "elastic-dp",
+                "--chips",
+                "150000",
+                "--seeds",
+                "2",
+                "--hours",
+                "2",
+                "--set",
+                "reconfig_s=60",
+            ]
+        )
+        == 0
+    )
     assert "goodput" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("argv,match", [
-    (["--system", "dp", "--chips", "0"], "--chips"),
-    (["--system", "dp", "--chips", "1000", "--learners", "2"], "decoupled only"),
-    (["--system", "decoupled", "--chips", "100000", "--learners", "2", "--quorum", "3"],
-     "exceeds"),
-    (["--system", "decoupled", "--chips", "1000", "--learners", "8"], "fewer than M"),
-    (["--chips", "1000"], "required"),
-    (["--system", "dp", "--chips", "1000", "--set", "nope=1"], "FIELD"),
-    (["--system", "dp", "--chips", "1000", "--set", "reconfig_s=-1"], "reconfig_s"),
-])
+@pytest.mark.parametrize(
+    "argv,match",
+    [
+        (["--system", "dp", "--chips", "0"], "--chips"),
+        (["--system", "dp", "--chips", "1000", "--learners", "2"], "decoupled only"),
+        (
+            ["--system", "decoupled", "--chips", "100000", "--learners", "2", "--quorum", "3"],
+            "exceeds",
+        ),
+        (["--system", "decoupled", "--chips", "1000", "--learners", "8"], "fewer than M"),
+        (["--chips", "1000"], "required"),
+        (["--system", "dp", "--chips", "1000", "--set", "nope=1"], "FIELD"),
+        (["--system", "dp", "--chips", "1000", "--set", "reconfig_s=-1"], "reconfig_s"),
+    ],
+)
 def test_simulate_bad_flags_exit_2_with_a_message(argv, match, capsys):
     with pytest.raises(SystemExit) as e:
         main(["simulate", *argv])
@@ -50,8 +90,25 @@ def test_simulate_grid_writes_png_and_table(tmp_path, capsys):
 
 
 def test_bandwidth_json(capsys):
-    assert main(["bandwidth", "--params", "12e9", "--step-time", "2", "--datacenters", "4",
-                 "--bandwidth-gbps", "5", "--tokens", "1e12", "--json"]) == 0
+    assert (
+        main(
+            [
+                "bandwidth",
+                "--params",
+                "12e9",
+                "--step-time",
+                "2",
+                "--datacenters",
+                "4",
+                "--bandwidth-gbps",
+                "5",
+                "--tokens",
+                "1e12",
+                "--json",
+            ]
+        )
+        == 0
+    )
     data = json.loads(capsys.readouterr().out)
     by = {r["method"]: r for r in data["methods"]}
     assert set(by) == {"dp", "diloco", "streaming", "decoupled"}
@@ -68,16 +125,23 @@ def test_bandwidth_bad_flags(capsys):
 
 
 def test_module_runs_as_a_subprocess():
-    r = subprocess.run([sys.executable, "-m", "ddiloco.sim.cli", "bandwidth", "--json"],
-                       capture_output=True, text=True, timeout=60, env=dict(os.environ))
+    r = subprocess.run(
+        [sys.executable, "-m", "ddiloco.sim.cli", "bandwidth", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ),
+    )
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["methods"]
 
 
 def test_sim_and_bandwidth_do_not_import_torch():
-    code = ("import sys, ddiloco.sim, ddiloco.sim.cli, ddiloco.sim.grid, ddiloco.sim.systems, "
-            "ddiloco.sim.calibration, ddiloco.bandwidth; "
-            "from ddiloco.sim.cli import main; main(['bandwidth', '--json']); "
-            "assert 'torch' not in sys.modules, 'torch imported'")
+    code = (
+        "import sys, ddiloco.sim, ddiloco.sim.cli, ddiloco.sim.grid, ddiloco.sim.systems, "
+        "ddiloco.sim.calibration, ddiloco.bandwidth; "
+        "from ddiloco.sim.cli import main; main(['bandwidth', '--json']); "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr

@@ -16,7 +16,9 @@ pytestmark = pytest.mark.skipif(REASON is not None, reason=f"no network namespac
 
 
 def _netns() -> set[str]:
-    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
+    out = subprocess.run(
+        ["ip", "netns", "list"], capture_output=True, text=True, check=False
+    ).stdout
     return {line.split()[0] for line in out.splitlines() if line.strip()}
 
 
@@ -47,9 +49,13 @@ def test_rebuild_removes_leftovers_and_cut_link_blocks():
     topo = Topology(prefix, [LinkSpec(None), LinkSpec(None)], hub=True)
     with topo:
         assert {f"{prefix}0", f"{prefix}1", f"{prefix}s", f"{prefix}r"} <= _netns()
-        probe = [*topo.exec_prefix(0), "python3", "-c",
-                 "import socket,sys; socket.create_connection((sys.argv[1], 9), timeout=1)",
-                 topo.ip("s")]
+        probe = [
+            *topo.exec_prefix(0),
+            "python3",
+            "-c",
+            "import socket,sys; socket.create_connection((sys.argv[1], 9), timeout=1)",
+            topo.ip("s"),
+        ]
         # reachable: refused (nothing listens on port 9), not timed out
         p = subprocess.run(probe, capture_output=True, text=True, timeout=30, check=False)
         assert "ConnectionRefused" in p.stderr

@@ -64,18 +64,18 @@ class Codec:
         n_packed = math.ceil(numel * self.bits / 8)
         out = torch.empty(nb * 4 + (nb * B * self.bits) // 8, dtype=torch.uint8)
         scale = out[: nb * 4].view(torch.float32)
-        payload = out[nb * 4:]
+        payload = out[nb * 4 :]
         cb = _CHUNK // B  # blocks per chunk
         chunks = [(b0, min(nb, b0 + cb)) for b0 in range(0, nb, cb)]
         if self.bits == 1:
             for b0, b1 in chunks:
-                blocks = flat[b0 * B:b1 * B].view(b1 - b0, B)
+                blocks = flat[b0 * B : b1 * B].view(b1 - b0, B)
                 torch.sum(blocks.abs(), dim=1, out=scale[b0:b1])
                 q = (blocks >= 0).view(torch.uint8).view(-1, 8)
                 acc = q[:, 0].clone()
                 for i in range(1, 8):
                     acc |= q[:, i] << i
-                payload[b0 * B // 8:b1 * B // 8] = acc
+                payload[b0 * B // 8 : b1 * B // 8] = acc
             counts = torch.full((nb,), float(B))
             counts[-1] = numel - (nb - 1) * B
             scale.div_(counts)
@@ -84,7 +84,7 @@ class Codec:
         per = 8 // self.bits
         lo = torch.empty(nb)
         for b0, b1 in chunks:  # absmax per block = max(max, -min): no abs temporary
-            blocks = flat[b0 * B:b1 * B].view(b1 - b0, B)
+            blocks = flat[b0 * B : b1 * B].view(b1 - b0, B)
             torch.amax(blocks, dim=1, out=scale[b0:b1])
             torch.amin(blocks, dim=1, out=lo[b0:b1])
         torch.maximum(scale, lo.neg_(), out=scale)
@@ -95,14 +95,14 @@ class Codec:
         cbuf = torch.empty(cb * B, dtype=torch.uint8)
         for b0, b1 in chunks:
             q = qf[: b1 - b0]
-            torch.mul(flat[b0 * B:b1 * B].view(b1 - b0, B), inv[b0:b1], out=q)
+            torch.mul(flat[b0 * B : b1 * B].view(b1 - b0, B), inv[b0:b1], out=q)
             q.add_(offset[b0:b1])
             # adding 2^23 rounds to the nearest integer (ties to even, like torch.round) and
             # leaves it in the low mantissa bits: the low byte of each fp32 word is the code,
             # and an int32 -> uint8 copy keeps exactly that byte
             q.add_(_ROUND_MAGIC)
             words = q.view(-1).view(torch.int32)
-            dst = payload[b0 * B * self.bits // 8:b1 * B * self.bits // 8]
+            dst = payload[b0 * B * self.bits // 8 : b1 * B * self.bits // 8]
             if per == 1:
                 dst.copy_(words)
                 continue
@@ -132,7 +132,7 @@ class Codec:
         off = 0
         for t in tensors:
             nb = self.nbytes(t.numel())
-            out[off:off + nb].view(torch.bfloat16).copy_(t.detach().reshape(-1))
+            out[off : off + nb].view(torch.bfloat16).copy_(t.detach().reshape(-1))
             off += nb
         return [memoryview(out.numpy()).toreadonly()]
 
@@ -140,8 +140,9 @@ class Codec:
         """Decode to a flat fp32 tensor; raises ValueError if the size does not match."""
         expected = self.nbytes(numel)
         if len(buf) != expected:
-            raise ValueError(f"{self.name} payload for {numel} elements must be {expected} bytes, "
-                             f"got {len(buf)}")
+            raise ValueError(
+                f"{self.name} payload for {numel} elements must be {expected} bytes, got {len(buf)}"
+            )
         if numel == 0:
             return torch.zeros(0)
         if self.name == "fp32":  # numpy's view holds the GIL (torch.frombuffer releases it)
@@ -152,7 +153,7 @@ class Codec:
         nb = math.ceil(numel / B)
         raw = torch.frombuffer(_writable(buf), dtype=torch.uint8)
         scale_all = raw[: nb * 4].view(torch.float32)
-        packed = raw[nb * 4:]
+        packed = raw[nb * 4 :]
         full = nb * B * self.bits // 8
         if packed.numel() != full:
             packed = torch.cat([packed, packed.new_zeros(full - packed.numel())])
@@ -166,8 +167,8 @@ class Codec:
             step, neg = (2 * scale_all / levels)[:, None], -scale_all[:, None]
         for b0 in range(0, nb, cb):
             b1 = min(nb, b0 + cb)
-            pv = packed[b0 * B * self.bits // 8:b1 * B * self.bits // 8].view(b1 - b0, -1)
-            o2 = out[b0 * B:b1 * B].view(b1 - b0, B)
+            pv = packed[b0 * B * self.bits // 8 : b1 * B * self.bits // 8].view(b1 - b0, -1)
+            o2 = out[b0 * B : b1 * B].view(b1 - b0, B)
             if per == 1:
                 o2.copy_(pv)
             else:  # unpack the codes into fp32
@@ -221,7 +222,11 @@ def get_codec(name: str) -> Codec:
         b = int(block) if block.isdigit() else 0
         if 8 <= b <= _CHUNK and b & (b - 1) == 0:
             return Codec(name, CODECS[base].bits, b)
-        raise ValueError(f"codec {name!r}: the block size must be a power of two from 8 to "
-                         f"{_CHUNK}, got {block!r}")
-    raise ValueError(f"unknown codec {name!r}; choose one of {tuple(CODECS)} (quantised ones "
-                     f"with another block size as e.g. 'int2/4096')")
+        raise ValueError(
+            f"codec {name!r}: the block size must be a power of two from 8 to "
+            f"{_CHUNK}, got {block!r}"
+        )
+    raise ValueError(
+        f"unknown codec {name!r}; choose one of {tuple(CODECS)} (quantised ones "
+        f"with another block size as e.g. 'int2/4096')"
+    )

@@ -117,8 +117,10 @@ def fragment_parameters(
             raise ValueError(f"the number of fragments P must be >= 1, got {P}")
         if strategy == "balanced":
             if P > len(items):
-                raise ValueError(f"P={P} fragments but the model has only {len(items)} tensors; "
-                                 f"balanced fragmentation keeps tensors whole: use P <= {len(items)}")
+                raise ValueError(
+                    f"P={P} fragments but the model has only {len(items)} tensors; "
+                    f"balanced fragmentation keeps tensors whole: use P <= {len(items)}"
+                )
             groups = [[] for _ in range(P)]
             load = [0] * P
             # Largest first into the lightest bin (LPT); ties broken by index for determinism.
@@ -129,8 +131,10 @@ def fragment_parameters(
         else:
             layers = _layers(names)
             if P > len(layers):
-                raise ValueError(f"P={P} fragments but the model has only {len(layers)} layers; "
-                                 f"{strategy} fragmentation needs P <= {len(layers)}")
+                raise ValueError(
+                    f"P={P} fragments but the model has only {len(layers)} layers; "
+                    f"{strategy} fragmentation needs P <= {len(layers)}"
+                )
             groups = [[] for _ in range(P)]
             for li, layer in enumerate(layers):
                 b = li % P if strategy == "strided" else li * P // len(layers)
@@ -138,26 +142,35 @@ def fragment_parameters(
     frags = []
     for k, g in enumerate(groups):
         g = sorted(g)
-        frags.append(Fragment(
-            index=k,
-            names=tuple(names[i] for i in g),
-            numels=tuple(items[i][1] for i in g),
-            nbytes=sum(sizes[i] for i in g),
-            embedding=tuple(names[i] in emb for i in g),
-        ))
+        frags.append(
+            Fragment(
+                index=k,
+                names=tuple(names[i] for i in g),
+                numels=tuple(items[i][1] for i in g),
+                nbytes=sum(sizes[i] for i in g),
+                embedding=tuple(names[i] in emb for i in g),
+            )
+        )
     result = Fragmentation(strategy=strategy, fragments=tuple(frags))
     assert sorted(n for f in frags for n in f.names) == sorted(names)
     return result
 
 
-def fragment_model(model, P: int, strategy: str = "balanced",  # noqa: N803
-                   embedding_names: Iterable[str] = ()) -> Fragmentation:
+def fragment_model(
+    model,
+    P: int,
+    strategy: str = "balanced",  # noqa: N803
+    embedding_names: Iterable[str] = (),
+) -> Fragmentation:
     """Fragment a ``torch.nn.Module``'s parameters. ``embedding_names`` are the parameters
     merged by plain averaging instead of RDA (``ddiloco.models.embedding_param_names`` finds
     them for the built-in models)."""
     return fragment_parameters(
         ((n, p.numel(), p.element_size()) for n, p in model.named_parameters()),
-        P, strategy, embedding_names)
+        P,
+        strategy,
+        embedding_names,
+    )
 
 
 __all__.append("fragment_model")

@@ -25,8 +25,7 @@ try:
 except ImportError:  # built without a C compiler
     _ext = None
 
-__all__ = ["available", "enabled", "set_enabled", "nesterov_stepped", "all_finite",
-           "is_plain_f32"]
+__all__ = ["available", "enabled", "set_enabled", "nesterov_stepped", "all_finite", "is_plain_f32"]
 
 _enabled = os.environ.get("DDILOCO_KERNELS", "1") != "0"
 
@@ -56,20 +55,29 @@ def _empty_f32(shape: torch.Size) -> torch.Tensor:
 
 def is_plain_f32(t: torch.Tensor) -> bool:
     """A contiguous fp32 CPU tensor outside autograd: its memory is the flat fp32 array."""
-    return (t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
-            and not t.requires_grad)
+    return (
+        t.dtype == torch.float32
+        and t.device.type == "cpu"
+        and t.is_contiguous()
+        and not t.requires_grad
+    )
 
 
 def _fits(t: torch.Tensor, numel: int) -> bool:
     return t.numel() == numel and is_plain_f32(t)
 
 
-def nesterov_stepped(params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor], *,
-                     lr: float, momentum: float, scale: float = 1.0,
-                     grads: Sequence[torch.Tensor] | None = None,
-                     anchors: Sequence[torch.Tensor] | None = None,
-                     pushes: Sequence[torch.Tensor] | None = None,
-                     ) -> tuple[list[torch.Tensor], list[torch.Tensor], bool] | None:
+def nesterov_stepped(
+    params: Sequence[torch.Tensor],
+    buffers: Sequence[torch.Tensor],
+    *,
+    lr: float,
+    momentum: float,
+    scale: float = 1.0,
+    grads: Sequence[torch.Tensor] | None = None,
+    anchors: Sequence[torch.Tensor] | None = None,
+    pushes: Sequence[torch.Tensor] | None = None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor], bool] | None:
     """``OuterNesterov.stepped`` into new tensors, fused: ``b' = mu*b + s*g``,
     ``theta' = theta - lr*s*g - lr*mu*b'`` with ``g = grads`` or ``g = anchors - pushes``
     (computed on the fly, never stored). Returns (theta', b', every theta' finite), or
@@ -94,9 +102,21 @@ def nesterov_stepped(params: Sequence[torch.Tensor], buffers: Sequence[torch.Ten
         x = ins[1][j].data_ptr() if len(ins) == 2 else 0
         np_, nb = _empty_f32(p.shape), _empty_f32(b.shape)
         if p.numel():
-            finite &= _ext.nesterov(p.data_ptr(), b.data_ptr(), a.data_ptr(), x, np_.data_ptr(),
-                                    nb.data_ptr(), p.numel(), momentum, scale, -lr,
-                                    -lr * scale, -lr * momentum, scale == 1.0)
+            finite &= _ext.nesterov(
+                p.data_ptr(),
+                b.data_ptr(),
+                a.data_ptr(),
+                x,
+                np_.data_ptr(),
+                nb.data_ptr(),
+                p.numel(),
+                momentum,
+                scale,
+                -lr,
+                -lr * scale,
+                -lr * momentum,
+                scale == 1.0,
+            )
         new_p.append(np_)
         new_b.append(nb)
     return new_p, new_b, finite

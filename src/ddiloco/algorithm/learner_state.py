@@ -42,14 +42,17 @@ class Outgoing:
     """Call before reading ``params`` when set (an asynchronous device-to-host copy)."""
 
 
-Snapshot = Callable[[Sequence[torch.Tensor], "list[torch.Tensor] | None"],
-                    "tuple[list[torch.Tensor], Callable[[], None] | None]"]
+Snapshot = Callable[
+    [Sequence[torch.Tensor], "list[torch.Tensor] | None"],
+    "tuple[list[torch.Tensor], Callable[[], None] | None]",
+]
 """Copies a fragment's tensors into fp32 host buffers (the given ones, or new ones) and
 returns them with an optional ``ready`` to call before reading them."""
 
 
-def host_snapshot(src: Sequence[torch.Tensor],
-                  bufs: list[torch.Tensor] | None) -> tuple[list[torch.Tensor], None]:
+def host_snapshot(
+    src: Sequence[torch.Tensor], bufs: list[torch.Tensor] | None
+) -> tuple[list[torch.Tensor], None]:
     """The synchronous ``Snapshot``: a plain copy into fp32 host buffers."""
     if bufs is None:
         bufs = [torch.empty(t.shape, dtype=torch.float32) for t in src]
@@ -84,8 +87,17 @@ class StepLedger:
     unpushed: float = 0.0
 
     def balance_error(self) -> float:
-        return abs(self.computed - (self.merged + self.dropped + self.overwritten + self.lost
-                                    + self.pending + self.unpushed))
+        return abs(
+            self.computed
+            - (
+                self.merged
+                + self.dropped
+                + self.overwritten
+                + self.lost
+                + self.pending
+                + self.unpushed
+            )
+        )
 
 
 @dataclass(slots=True)
@@ -94,8 +106,8 @@ class _Frag:
     c_tokens: int = 0
     unpushed_steps: int = 0
     base_version: int = -1
-    waiting: bool = False          # a push is out and its merged value not yet installed
-    due_step: int = 0              # install not before this step
+    waiting: bool = False  # a push is out and its merged value not yet installed
+    due_step: int = 0  # install not before this step
     target_version: int | None = None  # install the first received version >= this
     received: tuple[int, list[torch.Tensor], Callable[[], None] | None] | None = None
     """The latest (version, params, ready) received."""
@@ -105,16 +117,25 @@ class _Frag:
 class LearnerSync:
     """Counters, sends and installs for one learner."""
 
-    def __init__(self, params: Mapping[str, torch.Tensor], fragmentation: Fragmentation,
-                 schedule: FragmentSchedule, *, alpha: float = 0.0,
-                 slot_s: float | None = None, snapshot: Snapshot = host_snapshot) -> None:
+    def __init__(
+        self,
+        params: Mapping[str, torch.Tensor],
+        fragmentation: Fragmentation,
+        schedule: FragmentSchedule,
+        *,
+        alpha: float = 0.0,
+        slot_s: float | None = None,
+        snapshot: Snapshot = host_snapshot,
+    ) -> None:
         """``slot_s``: None sends on the learner's own step count; a duration (the nominal
         step time) sends on elapsed time instead (``after_step(tokens, now_s)``), so that
         learners of different speeds send each fragment together. ``snapshot`` copies a
         fragment out at send time (asynchronously for a device, see
         ``ddiloco.runtime.learner.device``)."""
         if schedule.P != fragmentation.P:
-            raise ValueError(f"schedule has P={schedule.P} but the fragmentation has {fragmentation.P}")
+            raise ValueError(
+                f"schedule has P={schedule.P} but the fragmentation has {fragmentation.P}"
+            )
         if not 0.0 <= alpha < 1.0:
             raise ValueError(f"alpha must be in [0, 1), got {alpha}")
         self.params = params
@@ -138,8 +159,12 @@ class LearnerSync:
         return [self.params[n] for n in self.fragmentation.fragments[p].names]
 
     # -- (re)start ------------------------------------------------------------------------
-    def load_global(self, global_params: Mapping[str, torch.Tensor], versions: list[int],
-                    now_s: float | None = None) -> None:
+    def load_global(
+        self,
+        global_params: Mapping[str, torch.Tensor],
+        versions: list[int],
+        now_s: float | None = None,
+    ) -> None:
         """Install the whole global model (start or rejoin); counters reset."""
         if now_s is not None:
             self.last_s = now_s
@@ -204,9 +229,17 @@ class LearnerSync:
         fr.waiting = True
         fr.due_step = self.schedule.install_step(self.step)
         fr.target_version = None
-        return Outgoing(fragment=p, params=snap, c_steps=fr.c_steps, c_tokens=fr.c_tokens,
-                        base_version=fr.base_version, seq=self.seq, send_step=self.step,
-                        covered_steps=covered, ready=ready)
+        return Outgoing(
+            fragment=p,
+            params=snap,
+            c_steps=fr.c_steps,
+            c_tokens=fr.c_tokens,
+            base_version=fr.base_version,
+            seq=self.seq,
+            send_step=self.step,
+            covered_steps=covered,
+            ready=ready,
+        )
 
     def _snapshot(self, p: int) -> tuple[list[torch.Tensor], Callable[[], None] | None]:
         """Copy fragment p into fp32 host buffers: released ones when there are some (the
@@ -239,8 +272,13 @@ class LearnerSync:
             if fr.waiting:  # nothing will contain our push: install the latest global we have
                 fr.target_version = -1
 
-    def receive(self, p: int, version: int, params: list[torch.Tensor],
-                ready: Callable[[], None] | None = None) -> None:
+    def receive(
+        self,
+        p: int,
+        version: int,
+        params: list[torch.Tensor],
+        ready: Callable[[], None] | None = None,
+    ) -> None:
         """A merged version of fragment p arrived (kept until its install step). ``ready``,
         when given, is called before ``params`` are used (a staged device copy)."""
         fr = self.frags[p]

@@ -17,8 +17,17 @@ import torch
 
 from ddiloco.algorithm import kernels
 
-__all__ = ["MERGE_RULES", "token_weight", "weighted_average", "rda", "merge_outer_gradients",
-           "OuterNesterov", "alpha_mix", "all_finite", "all_finite_list"]
+__all__ = [
+    "MERGE_RULES",
+    "token_weight",
+    "weighted_average",
+    "rda",
+    "merge_outer_gradients",
+    "OuterNesterov",
+    "alpha_mix",
+    "all_finite",
+    "all_finite_list",
+]
 
 MERGE_RULES = ("rda", "average")
 
@@ -101,8 +110,12 @@ def rda(vs: Sequence[torch.Tensor], weights: Sequence[float], eps: float = 1e-12
     return direction.mul_(radius / dn)
 
 
-def merge_outer_gradients(deltas: Sequence[Sequence[torch.Tensor]], weights: Sequence[float],
-                          embedding: Sequence[bool], rule: str = "rda") -> list[torch.Tensor]:
+def merge_outer_gradients(
+    deltas: Sequence[Sequence[torch.Tensor]],
+    weights: Sequence[float],
+    embedding: Sequence[bool],
+    rule: str = "rda",
+) -> list[torch.Tensor]:
     """Merge per-learner outer gradients of one fragment, tensor by tensor.
 
     ``deltas[m][j]`` is learner m's outer gradient for the fragment's j-th tensor. RDA
@@ -140,8 +153,12 @@ class OuterNesterov:
         if not 0.0 <= self.momentum < 1.0:
             raise ValueError(f"outer momentum must be in [0, 1), got {self.momentum}")
 
-    def step(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
-             buffers: Sequence[torch.Tensor]) -> None:
+    def step(
+        self,
+        params: Sequence[torch.Tensor],
+        grads: Sequence[torch.Tensor],
+        buffers: Sequence[torch.Tensor],
+    ) -> None:
         """Update ``params`` and momentum ``buffers`` in place (buffers start at zero)."""
         for p, g, b in zip(params, grads, buffers, strict=True):
             if self.momentum > 0:
@@ -150,9 +167,13 @@ class OuterNesterov:
             else:
                 p.sub_(g, alpha=self.lr)
 
-    def stepped(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
-                buffers: Sequence[torch.Tensor], scale: float = 1.0
-                ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def stepped(
+        self,
+        params: Sequence[torch.Tensor],
+        grads: Sequence[torch.Tensor],
+        buffers: Sequence[torch.Tensor],
+        scale: float = 1.0,
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """``step`` on ``scale * grads`` into new tensors, inputs untouched except ``grads``
         (reused as scratch), in multi-tensor calls: what a syncer publishes while the
         previous version may still be read. With ``scale == 1`` the operations (and so
@@ -164,19 +185,24 @@ class OuterNesterov:
             return torch._foreach_add(params, grads, alpha=-self.lr * scale), buffers
         new_b = torch._foreach_mul(buffers, self.momentum)
         if scale == 1.0:
-            torch._foreach_add_(new_b, grads)                                # mu*b + g
-            torch._foreach_add_(grads, new_b, alpha=self.momentum)           # g + mu*b'
+            torch._foreach_add_(new_b, grads)  # mu*b + g
+            torch._foreach_add_(grads, new_b, alpha=self.momentum)  # g + mu*b'
             return torch._foreach_add(params, grads, alpha=-self.lr), new_b
         torch._foreach_add_(new_b, grads, alpha=scale)
         new_p = torch._foreach_add(params, grads, alpha=-self.lr * scale)
         torch._foreach_add_(new_p, new_b, alpha=-self.lr * self.momentum)
         return new_p, new_b
 
-    def stepped_checked(self, params: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor],
-                        scale: float = 1.0, *, grads: Sequence[torch.Tensor] | None = None,
-                        anchors: Sequence[torch.Tensor] | None = None,
-                        pushes: Sequence[torch.Tensor] | None = None,
-                        ) -> tuple[list[torch.Tensor], list[torch.Tensor], bool]:
+    def stepped_checked(
+        self,
+        params: Sequence[torch.Tensor],
+        buffers: Sequence[torch.Tensor],
+        scale: float = 1.0,
+        *,
+        grads: Sequence[torch.Tensor] | None = None,
+        anchors: Sequence[torch.Tensor] | None = None,
+        pushes: Sequence[torch.Tensor] | None = None,
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], bool]:
         """``stepped`` on ``grads``, or on ``anchors - pushes``, and whether every new
         parameter is finite. Only ``grads`` may be written (scratch, as in ``stepped``).
         Where the C kernel runs (``kernels``: contiguous fp32 CPU tensors, momentum > 0)
@@ -185,9 +211,16 @@ class OuterNesterov:
         if (grads is None) == (anchors is None or pushes is None):
             raise ValueError("give either grads or both anchors and pushes")
         if self.momentum > 0:
-            fused = kernels.nesterov_stepped(params, buffers, lr=self.lr, momentum=self.momentum,
-                                             scale=scale, grads=grads, anchors=anchors,
-                                             pushes=pushes)
+            fused = kernels.nesterov_stepped(
+                params,
+                buffers,
+                lr=self.lr,
+                momentum=self.momentum,
+                scale=scale,
+                grads=grads,
+                anchors=anchors,
+                pushes=pushes,
+            )
             if fused is not None:
                 return fused
         if grads is None:

@@ -19,8 +19,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["Ema", "PolicyConfig", "QuorumGracePolicy", "MergeNow", "WaitUntil", "WaitForMore",
-           "grace_window_s"]
+__all__ = [
+    "Ema",
+    "PolicyConfig",
+    "QuorumGracePolicy",
+    "MergeNow",
+    "WaitUntil",
+    "WaitForMore",
+    "grace_window_s",
+]
 
 
 @dataclass(slots=True)
@@ -41,8 +48,9 @@ class Ema:
         return default if self.value is None else self.value
 
 
-def grace_window_s(tau: int, xi_step_s: float, xi_quorum_s: float, xi_sync_s: float,
-                   gamma: float) -> float:
+def grace_window_s(
+    tau: int, xi_step_s: float, xi_quorum_s: float, xi_sync_s: float, gamma: float
+) -> float:
     """Grace window after the quorum: ``max(0, gamma * (tau*xi_step - (xi_quorum + xi_sync)))``."""
     slack = tau * xi_step_s - (xi_quorum_s + xi_sync_s)
     return max(0.0, gamma * slack)
@@ -114,11 +122,17 @@ class QuorumGracePolicy:
     def grace_s(self) -> float:
         if not self.config.grace:
             return 0.0
-        return grace_window_s(self.config.tau, self.xi_step.get(), self.xi_quorum.get(),
-                              self.xi_sync.get(), self.config.gamma)
+        return grace_window_s(
+            self.config.tau,
+            self.xi_step.get(),
+            self.xi_quorum.get(),
+            self.xi_sync.get(),
+            self.config.gamma,
+        )
 
-    def decide(self, *, now_s: float, n_arrived: int, n_live: int,
-               quorum_at_s: float | None) -> Decision:
+    def decide(
+        self, *, now_s: float, n_arrived: int, n_live: int, quorum_at_s: float | None
+    ) -> Decision:
         """Decide for a round with ``n_arrived`` distinct contributions.
 
         ``quorum_at_s`` is when the round reached its quorum (None if not yet); the caller

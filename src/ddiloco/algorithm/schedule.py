@@ -39,13 +39,17 @@ class FragmentSchedule:
         if self.H < 1:
             raise ValueError(f"H (inner steps per sync) must be >= 1, got {self.H}")
         if self.P > self.H:
-            raise ValueError(f"P={self.P} fragments cannot be staggered over H={self.H} steps: "
-                             f"use P <= H (P = H sends one fragment per step)")
+            raise ValueError(
+                f"P={self.P} fragments cannot be staggered over H={self.H} steps: "
+                f"use P <= H (P = H sends one fragment per step)"
+            )
         if self.tau < 0:
             raise ValueError(f"tau (overlap steps) must be >= 0, got {self.tau}")
         if self.tau >= self.H:
-            raise ValueError(f"tau={self.tau} must be < H={self.H}: a fragment's merged value "
-                             f"must be installed before the fragment is sent again")
+            raise ValueError(
+                f"tau={self.tau} must be < H={self.H}: a fragment's merged value "
+                f"must be installed before the fragment is sent again"
+            )
         by_phase: dict[int, list[int]] = {}
         for p in range(self.P):
             by_phase.setdefault(self.offset(p), []).append(p)
@@ -78,8 +82,11 @@ class FragmentSchedule:
         both are elapsed time in units of the nominal step time. Every learner then sends
         fragment p at about the same moment whatever its speed, so a grace window can
         gather them; a faster learner's push carries more steps and tokens (and weight)."""
-        return tuple(p for p in range(self.P)
-                     if self.slots_until(p, now_steps) > self.slots_until(p, prev_steps))
+        return tuple(
+            p
+            for p in range(self.P)
+            if self.slots_until(p, now_steps) > self.slots_until(p, prev_steps)
+        )
 
     def send_steps(self, p: int, n_steps: int) -> list[int]:
         """All steps in [1, n_steps] at which fragment p is sent."""
@@ -120,8 +127,12 @@ class SlotClock:
     @classmethod
     def from_dict(cls, d: dict) -> SlotClock:
         try:
-            return cls(epoch_s=float(d["epoch_s"]), t0_s=float(d["t0_s"]), x0=float(d["x0"]),
-                       slot_s=float(d["slot_s"]))
+            return cls(
+                epoch_s=float(d["epoch_s"]),
+                t0_s=float(d["t0_s"]),
+                x0=float(d["x0"]),
+                slot_s=float(d["slot_s"]),
+            )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"malformed slot clock {d!r}: {e}") from None
 
@@ -134,9 +145,16 @@ def measured_slot_s(step_times_s: list[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
-def next_clock(current: SlotClock | None, *, epoch_s: float, slot_s: float | None,
-               now_s: float, lead_s: float, tolerance: float = 0.1,
-               min_interval_s: float = 0.0) -> SlotClock | None:
+def next_clock(
+    current: SlotClock | None,
+    *,
+    epoch_s: float,
+    slot_s: float | None,
+    now_s: float,
+    lead_s: float,
+    tolerance: float = 0.1,
+    min_interval_s: float = 0.0,
+) -> SlotClock | None:
     """The clock the syncer announces next, or None to keep ``current``.
 
     The first clock starts once a slot length is measured, as if that length had held since
@@ -149,8 +167,11 @@ def next_clock(current: SlotClock | None, *, epoch_s: float, slot_s: float | Non
     at = now_s + lead_s
     if current is None:
         return SlotClock(epoch_s=epoch_s, t0_s=at, x0=(at - epoch_s) / slot_s, slot_s=slot_s)
-    if abs(slot_s - current.slot_s) <= tolerance * current.slot_s \
-            or at < current.t0_s + min_interval_s or at <= current.t0_s:
+    if (
+        abs(slot_s - current.slot_s) <= tolerance * current.slot_s
+        or at < current.t0_s + min_interval_s
+        or at <= current.t0_s
+    ):
         return None
     return SlotClock(epoch_s=current.epoch_s, t0_s=at, x0=current.nominal(at), slot_s=slot_s)
 

@@ -27,20 +27,36 @@ from __future__ import annotations
 import contextlib
 import enum
 from collections import deque
-from collections.abc import Callable
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from ddiloco.algorithm.fragments import Fragmentation
-from ddiloco.algorithm.merge import (MERGE_RULES, OuterNesterov, all_finite,
-                                     merge_outer_gradients, token_weight)
-from ddiloco.algorithm.policy import (MergeNow, PolicyConfig, QuorumGracePolicy, WaitForMore,
-                                      WaitUntil)
+from ddiloco.algorithm.merge import (
+    MERGE_RULES,
+    OuterNesterov,
+    all_finite,
+    merge_outer_gradients,
+    token_weight,
+)
+from ddiloco.algorithm.policy import (
+    MergeNow,
+    PolicyConfig,
+    QuorumGracePolicy,
+    WaitForMore,
+    WaitUntil,
+)
 
-__all__ = ["SyncerConfig", "Contribution", "Status", "SubmitResult", "Merged", "SyncerState",
-           "LedgerEntry"]
+__all__ = [
+    "SyncerConfig",
+    "Contribution",
+    "Status",
+    "SubmitResult",
+    "Merged",
+    "SyncerState",
+    "LedgerEntry",
+]
 
 ANCHORS = ("current", "base")
 
@@ -80,8 +96,7 @@ class SyncerConfig:
         if self.max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
         if not 0.0 < self.staleness_discount <= 1.0:
-            raise ValueError(f"staleness_discount must be in (0, 1], got "
-                             f"{self.staleness_discount}")
+            raise ValueError(f"staleness_discount must be in (0, 1], got {self.staleness_discount}")
         if self.history < 0:
             raise ValueError(f"history must be >= 0, got {self.history}")
         if self.anchor == "base" and self.history < self.max_staleness:
@@ -182,8 +197,12 @@ class _FragmentState:
 class SyncerState:
     """Global fragments, outer optimizer state, versions, rounds and the token ledger."""
 
-    def __init__(self, fragmentation: Fragmentation, initial: dict[str, torch.Tensor],
-                 config: SyncerConfig | None = None) -> None:
+    def __init__(
+        self,
+        fragmentation: Fragmentation,
+        initial: dict[str, torch.Tensor],
+        config: SyncerConfig | None = None,
+    ) -> None:
         self.config = config or SyncerConfig()
         self.fragmentation = fragmentation
         self.policy = QuorumGracePolicy(self.config.policy)
@@ -194,8 +213,9 @@ class SyncerState:
         self.frags: list[_FragmentState] = []
         for f in fragmentation.fragments:
             theta = [initial[n].detach().float().clone() for n in f.names]
-            self.frags.append(_FragmentState(theta=theta,
-                                             momentum=[torch.zeros_like(t) for t in theta]))
+            self.frags.append(
+                _FragmentState(theta=theta, momentum=[torch.zeros_like(t) for t in theta])
+            )
         self.live: set[int] = set()
         self.ledger: dict[int, LedgerEntry] = {}
         self._seen_seq: dict[tuple[int, int], int] = {}
@@ -243,8 +263,11 @@ class SyncerState:
 
     def global_params(self) -> dict[str, torch.Tensor]:
         """The current global model (views of the syncer's tensors; copy before mutating)."""
-        return {n: t for f, s in zip(self.fragmentation.fragments, self.frags)
-                for n, t in zip(f.names, s.theta)}
+        return {
+            n: t
+            for f, s in zip(self.fragmentation.fragments, self.frags)
+            for n, t in zip(f.names, s.theta)
+        }
 
     def published(self, p: int, version: int) -> list[torch.Tensor] | None:
         """Fragment p as published at ``version`` if still held."""
@@ -268,14 +291,16 @@ class SyncerState:
         self.policy.xi_sync.update(sync_s)
 
     # -- events -------------------------------------------------------------------------
-    def submit(self, c: Contribution, now_s: float, *, finite_checked: bool = False
-               ) -> SubmitResult:
+    def submit(
+        self, c: Contribution, now_s: float, *, finite_checked: bool = False
+    ) -> SubmitResult:
         """A contribution arrived. Validates, stages it in fragment p's round and decides.
         ``finite_checked``: the caller already rejected NaN/inf values (skips that pass)."""
         led = self.ledger.get(c.learner)
         if led is None or c.learner not in self.live:
-            return SubmitResult(Status.UNKNOWN_LEARNER,
-                                f"learner {c.learner} has not joined (or was declared dead)")
+            return SubmitResult(
+                Status.UNKNOWN_LEARNER, f"learner {c.learner} has not joined (or was declared dead)"
+            )
         err = self._validate(c, finite_checked)
         if err:
             led.pushes_rejected += 1
@@ -286,18 +311,25 @@ class SyncerState:
         s = self.frags[c.fragment]
         if c.base_version < 0:
             led.pushes_rejected += 1
-            return SubmitResult(Status.NO_BASE, "learner has not installed a published version "
-                                "of this fragment; fetch the global parameters first")
+            return SubmitResult(
+                Status.NO_BASE,
+                "learner has not installed a published version "
+                "of this fragment; fetch the global parameters first",
+            )
         if c.base_version > s.version:
             led.pushes_rejected += 1
-            return SubmitResult(Status.FUTURE, f"base version {c.base_version} is ahead of the "
-                                f"syncer's {s.version}")
+            return SubmitResult(
+                Status.FUTURE, f"base version {c.base_version} is ahead of the syncer's {s.version}"
+            )
         self._seen_seq[key] = c.seq
         if s.version - c.base_version > self.config.max_staleness:
             led.pushes_dropped += 1
             led.tokens_dropped += self._tokens(c)
-            return SubmitResult(Status.STALE, f"base version {c.base_version} is "
-                                f"{s.version - c.base_version} behind (max {self.config.max_staleness})")
+            return SubmitResult(
+                Status.STALE,
+                f"base version {c.base_version} is "
+                f"{s.version - c.base_version} behind (max {self.config.max_staleness})",
+            )
         if self.config.anchor == "base" and self.published(c.fragment, c.base_version) is None:
             led.pushes_dropped += 1
             led.tokens_dropped += self._tokens(c)
@@ -306,7 +338,9 @@ class SyncerState:
         if r.opened_s is None:
             r.opened_s = now_s
         old = r.pending.get(c.learner)
-        if old is not None:  # counters are cumulative since the last receipt: the newer push supersedes
+        if (
+            old is not None
+        ):  # counters are cumulative since the last receipt: the newer push supersedes
             led.tokens_pending -= self._tokens(old)
         r.pending[c.learner] = c
         led.tokens_pending += self._tokens(c)
@@ -323,8 +357,11 @@ class SyncerState:
         out = self._evaluate(c.fragment, now_s)
         if isinstance(out, Merged):
             return SubmitResult(Status.ACCEPTED, target_version=target, merged=out)
-        return SubmitResult(Status.ACCEPTED, target_version=target,
-                            wake_at_s=out.at_s if isinstance(out, WaitUntil) else None)
+        return SubmitResult(
+            Status.ACCEPTED,
+            target_version=target,
+            wake_at_s=out.at_s if isinstance(out, WaitUntil) else None,
+        )
 
     def on_timer(self, p: int, now_s: float) -> Merged | WaitUntil | None:
         """A timer for fragment p fired. Merges if the round's grace window has expired."""
@@ -337,7 +374,9 @@ class SyncerState:
 
     def flush(self, now_s: float) -> list[Merged]:
         """Merge every round holding contributions, quorum or not (end of training)."""
-        merged = [self._merge(p, now_s, "flush") for p, s in enumerate(self.frags) if s.round.pending]
+        merged = [
+            self._merge(p, now_s, "flush") for p, s in enumerate(self.frags) if s.round.pending
+        ]
         return [m for m in merged if m is not None]
 
     def _evaluate(self, p: int, now_s: float) -> Merged | WaitUntil | None:
@@ -351,8 +390,7 @@ class SyncerState:
             # the last round of a finishing learner gathers every live learner, so that the
             # final global model holds everyone's last steps at full weight (a K = 1 merge would
             # take 1 / n_live of one learner's last progress)
-            waiting = [m for m in self.live - set(r.pending)
-                       if p in self._finishing.get(m, (p,))]
+            waiting = [m for m in self.live - set(r.pending) if p in self._finishing.get(m, (p,))]
             return None if waiting else self._merge(p, now_s, "final")
         if r.quorum_s is None and len(r.pending) >= self.policy.effective_quorum(n_live):
             r.quorum_s = now_s
@@ -360,8 +398,9 @@ class SyncerState:
         if r.deadline_s is not None and now_s >= r.deadline_s:
             d = MergeNow("grace-expired")
         else:
-            d = self.policy.decide(now_s=now_s, n_arrived=len(r.pending), n_live=n_live,
-                                   quorum_at_s=r.quorum_s)
+            d = self.policy.decide(
+                now_s=now_s, n_arrived=len(r.pending), n_live=n_live, quorum_at_s=r.quorum_s
+            )
         if isinstance(d, WaitForMore):
             return None
         if isinstance(d, WaitUntil):
@@ -378,11 +417,14 @@ class SyncerState:
         frag = self.fragmentation.fragments[p]
         contribs = [s.round.pending[m] for m in sorted(s.round.pending)]
         raw_w = [token_weight(c.c_tokens, c.c_steps) for c in contribs]
-        decay = [self.config.staleness_discount ** max(0, s.version - c.base_version)
-                 for c in contribs]
+        decay = [
+            self.config.staleness_discount ** max(0, s.version - c.base_version) for c in contribs
+        ]
         weights = [w * d for w, d in zip(raw_w, decay)]
-        anchors = [s.theta if self.config.anchor == "current" else
-                   self.published(p, c.base_version) for c in contribs]
+        anchors = [
+            s.theta if self.config.anchor == "current" else self.published(p, c.base_version)
+            for c in contribs
+        ]
         n_live = max(len(contribs), len(self.live | set(s.round.pending)))
         scale = 1.0
         if self.config.scale_partial and len(contribs) < n_live:
@@ -404,14 +446,19 @@ class SyncerState:
                     finite = all(bool(torch.isfinite(t).all()) for t in theta)
                 elif len(contribs) == 1:  # the merged outer gradient is the push's own
                     theta, momentum, finite = self.outer.stepped_checked(
-                        theta0, momentum0, scale, anchors=anchors[0], pushes=contribs[0].params)
+                        theta0, momentum0, scale, anchors=anchors[0], pushes=contribs[0].params
+                    )
                 else:
-                    deltas = [torch._foreach_sub(list(a), [x.float() for x in c.params])
-                              for a, c in zip(anchors, contribs)]
-                    update = merge_outer_gradients(deltas, weights, frag.embedding,
-                                                   self.config.merge_rule)
+                    deltas = [
+                        torch._foreach_sub(list(a), [x.float() for x in c.params])
+                        for a, c in zip(anchors, contribs)
+                    ]
+                    update = merge_outer_gradients(
+                        deltas, weights, frag.embedding, self.config.merge_rule
+                    )
                     theta, momentum, finite = self.outer.stepped_checked(
-                        theta0, momentum0, scale, grads=update)
+                        theta0, momentum0, scale, grads=update
+                    )
         finally:
             s.merging = False
         merged = None
@@ -429,9 +476,16 @@ class SyncerState:
             self._settle(contribs, merged=True)
             self.merges += 1
             self.quorum_sizes.append(len(contribs))
-            merged = Merged(fragment=p, version=s.version, params=list(s.theta),
-                            learners=tuple(c.learner for c in contribs), weights=tuple(weights),
-                            reason=reason, at_s=now_s, seqs=tuple(c.seq for c in contribs))
+            merged = Merged(
+                fragment=p,
+                version=s.version,
+                params=list(s.theta),
+                learners=tuple(c.learner for c in contribs),
+                weights=tuple(weights),
+                reason=reason,
+                at_s=now_s,
+                seqs=tuple(c.seq for c in contribs),
+            )
         if s.round.pending:  # arrived while the lock was released
             nxt = self._evaluate(p, now_s)
             if nxt is not None:
@@ -460,12 +514,16 @@ class SyncerState:
             return f"fragment {c.fragment} has {len(theta)} tensors, push has {len(c.params)}"
         for j, (x, ref) in enumerate(zip(c.params, theta)):
             if tuple(x.shape) != tuple(ref.shape):
-                return (f"tensor {self.fragmentation.fragments[c.fragment].names[j]} has shape "
-                        f"{tuple(ref.shape)}, push has {tuple(x.shape)}")
+                return (
+                    f"tensor {self.fragmentation.fragments[c.fragment].names[j]} has shape "
+                    f"{tuple(ref.shape)}, push has {tuple(x.shape)}"
+                )
             if not x.is_floating_point():
                 return f"tensor {j} has dtype {x.dtype}; a floating dtype is required"
             if not finite_checked and not all_finite(x):
-                return f"tensor {self.fragmentation.fragments[c.fragment].names[j]} has NaN/inf values"
+                return (
+                    f"tensor {self.fragmentation.fragments[c.fragment].names[j]} has NaN/inf values"
+                )
         return ""
 
     # -- checkpointing ------------------------------------------------------------------
@@ -484,7 +542,9 @@ class SyncerState:
 
     def load_state_dict(self, sd: dict) -> None:
         if len(sd["theta"]) != len(self.frags):
-            raise ValueError(f"checkpoint has {len(sd['theta'])} fragments, syncer has {len(self.frags)}")
+            raise ValueError(
+                f"checkpoint has {len(sd['theta'])} fragments, syncer has {len(self.frags)}"
+            )
         for s, th, mo, v in zip(self.frags, sd["theta"], sd["momentum"], sd["versions"]):
             if [tuple(t.shape) for t in th] != [tuple(t.shape) for t in s.theta]:
                 raise ValueError("checkpoint tensor shapes do not match the model")

@@ -19,7 +19,24 @@ from ddiloco.config.sections import (
     WorldConfig,
 )
 
-__all__ = ["TrainConfig", "ModelConfig", "DataConfig", "OptimConfig", "SyncConfig",
-           "WorldConfig", "RuntimeConfig", "SECTIONS", "FLAT", "METHODS", "ENGINES",
-           "INNER_OPTIMIZERS", "preset", "PRESETS", "load_config", "loads_config",
-           "dump_config", "dumps_config", "CONFIG_FILE"]
+__all__ = [
+    "TrainConfig",
+    "ModelConfig",
+    "DataConfig",
+    "OptimConfig",
+    "SyncConfig",
+    "WorldConfig",
+    "RuntimeConfig",
+    "SECTIONS",
+    "FLAT",
+    "METHODS",
+    "ENGINES",
+    "INNER_OPTIMIZERS",
+    "preset",
+    "PRESETS",
+    "load_config",
+    "loads_config",
+    "dump_config",
+    "dumps_config",
+    "CONFIG_FILE",
+]

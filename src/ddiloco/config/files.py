@@ -68,8 +68,10 @@ def from_nested(data: dict[str, Any]) -> TrainConfig:
             if not isinstance(v, dict):
                 raise ValueError(f"{k} must be a table ([{k}]), got {v!r}")
         elif k not in top:
-            raise ValueError(f"unknown field {k!r}; top-level fields are "
-                             f"{', '.join(sorted(top))}, sections are {', '.join(SECTIONS)}")
+            raise ValueError(
+                f"unknown field {k!r}; top-level fields are "
+                f"{', '.join(sorted(top))}, sections are {', '.join(SECTIONS)}"
+            )
     if isinstance(data.get("world", {}).get("speeds"), list):
         data = {**data, "world": {**data["world"], "speeds": tuple(data["world"]["speeds"])}}
     return TrainConfig.from_flat(data)

@@ -27,8 +27,16 @@ from ddiloco.config.files import load_config
 from ddiloco.config.run import FLAT, PRESETS, TrainConfig, preset
 from ddiloco.config.sections import SECTIONS, RuntimeConfig, SyncConfig
 
-__all__ = ["ConfigError", "TrainArgs", "SyncerArgs", "LearnerArgs", "parse_train",
-           "parse_syncer", "parse_learner", "flag_names"]
+__all__ = [
+    "ConfigError",
+    "TrainArgs",
+    "SyncerArgs",
+    "LearnerArgs",
+    "parse_train",
+    "parse_syncer",
+    "parse_learner",
+    "flag_names",
+]
 
 
 class ConfigError(Exception):
@@ -37,9 +45,13 @@ class ConfigError(Exception):
 
 SHORT = {"learners": ("-M",), "H": ("-H",), "fragments": ("-P",), "quorum": ("-K",)}
 """Single-letter flags: the paper's symbols."""
-EXTRA = {"down_codec": ("--downlink-codec",), "heartbeat_timeout_s": ("--heartbeat-timeout",),
-         "handshake_timeout_s": ("--handshake-timeout",),
-         "connect_timeout_s": ("--connect-timeout",), "metrics_sinks": ("--metrics-sink",)}
+EXTRA = {
+    "down_codec": ("--downlink-codec",),
+    "heartbeat_timeout_s": ("--heartbeat-timeout",),
+    "handshake_timeout_s": ("--handshake-timeout",),
+    "connect_timeout_s": ("--connect-timeout",),
+    "metrics_sinks": ("--metrics-sink",),
+}
 """Older spellings kept working."""
 
 
@@ -56,8 +68,9 @@ def _speeds(args: list[str]) -> tuple[float, ...]:
     try:
         return tuple(float(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise ValueError(f"expected comma-separated speed factors like 1,1,0.85,0.85, got "
-                         f"{text!r}") from None
+        raise ValueError(
+            f"expected comma-separated speed factors like 1,1,0.85,0.85, got {text!r}"
+        ) from None
 
 
 def _registry(taken: frozenset[str] = frozenset()) -> ConstructorRegistry:
@@ -71,9 +84,12 @@ def _registry(taken: frozenset[str] = frozenset()) -> ConstructorRegistry:
         if info.type != tuple[float, ...]:
             return None
         return PrimitiveConstructorSpec(
-            nargs="*", metavar="S,S,...", instance_from_str=_speeds,
+            nargs="*",
+            metavar="S,S,...",
+            instance_from_str=_speeds,
             is_instance=lambda x: isinstance(x, tuple),
-            str_from_instance=lambda t: [",".join(f"{s:g}" for s in t)] if t else [])
+            str_from_instance=lambda t: [",".join(f"{s:g}" for s in t)] if t else [],
+        )
 
     @reg.struct_rule
     def sections(info):
@@ -86,11 +102,13 @@ def _registry(taken: frozenset[str] = frozenset()) -> ConstructorRegistry:
         for f in spec.fields:
             flat = next((k for k, v in FLAT.items() if v == (by_cls.get(info.type), f.name)), None)
             if flat is not None and flat not in taken:
-                f = dataclasses.replace(f, type=Annotated[f.type, tyro.conf.arg(
-                    aliases=flag_names(flat))])
+                f = dataclasses.replace(
+                    f, type=Annotated[f.type, tyro.conf.arg(aliases=flag_names(flat))]
+                )
             elif info.type is TrainConfig and f.name in SHORT:
-                f = dataclasses.replace(f, type=Annotated[f.type, tyro.conf.arg(
-                    aliases=SHORT[f.name])])
+                f = dataclasses.replace(
+                    f, type=Annotated[f.type, tyro.conf.arg(aliases=SHORT[f.name])]
+                )
             fields.append(f)
 
         def instantiate(**kw: Any) -> Any:
@@ -98,6 +116,7 @@ def _registry(taken: frozenset[str] = frozenset()) -> ConstructorRegistry:
                 return spec.instantiate(**kw)
             except (ValueError, TypeError) as e:
                 raise ConfigError(str(e)) from None
+
         return StructConstructorSpec(instantiate=instantiate, fields=tuple(fields))
 
     return reg
@@ -125,8 +144,9 @@ def _base(config: str | None) -> TrainConfig:
 
 def _cli(cls: type, argv: list[str], default: Any, prog: str, description: str) -> Any:
     own = frozenset(f.name for f in dataclasses.fields(cls))  # the command's own options
-    return tyro.cli(cls, args=argv, default=default, prog=prog, description=description,
-                    registry=_registry(own))
+    return tyro.cli(
+        cls, args=argv, default=default, prog=prog, description=description, registry=_registry(own)
+    )
 
 
 # -- ddiloco train ---------------------------------------------------------------------------
@@ -155,12 +175,16 @@ def parse_train(argv: list[str]) -> TrainArgs:
         base = preset(name, base)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    return _cli(TrainArgs, argv, TrainArgs(config=pre.config, preset=name, run=base),
-                "ddiloco train",
-                "Train a model with M learners. Every field of the run's configuration is a "
-                "flag: --section.field or its flat alias (-H, -P, -K, -M, --codec...). "
-                "--config FILE reads a TOML file (every run directory holds its resolved "
-                "config.toml, which replays the run); flags override it.")
+    return _cli(
+        TrainArgs,
+        argv,
+        TrainArgs(config=pre.config, preset=name, run=base),
+        "ddiloco train",
+        "Train a model with M learners. Every field of the run's configuration is a "
+        "flag: --section.field or its flat alias (-H, -P, -K, -M, --codec...). "
+        "--config FILE reads a TOML file (every run directory holds its resolved "
+        "config.toml, which replays the run); flags override it.",
+    )
 
 
 # -- ddiloco syncer --------------------------------------------------------------------------
@@ -196,12 +220,15 @@ class SyncerArgs:
 def parse_syncer(argv: list[str]) -> SyncerArgs:
     pre = _pre(argv, "config")
     base = _base(pre.config)
-    args = _cli(SyncerArgs, argv, SyncerArgs(config=pre.config, sync=base.sync,
-                                             runtime=base.runtime, run=base),
-                "ddiloco syncer",
-                "Run the Decoupled DiLoCo syncer (gRPC). The shared-secret token comes "
-                "from $DDILOCO_TOKEN or --token-file. Its settings are the [sync] and "
-                "[runtime] tables of --config FILE, overridden by flags.")
+    args = _cli(
+        SyncerArgs,
+        argv,
+        SyncerArgs(config=pre.config, sync=base.sync, runtime=base.runtime, run=base),
+        "ddiloco syncer",
+        "Run the Decoupled DiLoCo syncer (gRPC). The shared-secret token comes "
+        "from $DDILOCO_TOKEN or --token-file. Its settings are the [sync] and "
+        "[runtime] tables of --config FILE, overridden by flags.",
+    )
     try:
         # a bare syncer does not know M: the quorum alone bounds it
         m = base.learners if pre.config else max(base.learners, args.sync.quorum)
@@ -239,12 +266,15 @@ class LearnerArgs:
 def parse_learner(argv: list[str]) -> LearnerArgs:
     pre = _pre(argv, "config")
     base = _base(pre.config)
-    args = _cli(LearnerArgs, argv, LearnerArgs(syncer=tyro.MISSING, config=pre.config,
-                                               run=base),
-                "ddiloco learner",
-                "Train a built-in model against a syncer, as learner m of the run in "
-                "--config FILE (flags override it). Under torchrun the ranks form one "
-                "island (DDP inside).")
+    args = _cli(
+        LearnerArgs,
+        argv,
+        LearnerArgs(syncer=tyro.MISSING, config=pre.config, run=base),
+        "ddiloco learner",
+        "Train a built-in model against a syncer, as learner m of the run in "
+        "--config FILE (flags override it). Under torchrun the ranks form one "
+        "island (DDP inside).",
+    )
     if args.learner is not None and args.learner < 0:
         raise ConfigError(f"--learner must be >= 0, got {args.learner}")
     return args

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ddiloco.config.sections import (
     ENGINES,
@@ -66,6 +66,11 @@ class TrainConfig:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     """The real runtime: syncer address, transport, security, checkpoints, islands."""
 
+    if TYPE_CHECKING:
+        # every section field is also readable flat (``cfg.H`` is ``cfg.sync.H``): the
+        # read-only properties are made from FLAT below, where a type checker cannot see them
+        def __getattr__(self, name: str) -> Any: ...
+
     def __post_init__(self) -> None:
         one_of("method", self.method, METHODS)
         one_of("engine", self.engine, ENGINES)
@@ -73,22 +78,28 @@ class TrainConfig:
             at_least(name, getattr(self, name), 1)
         for name, cls in SECTIONS.items():
             if not isinstance(getattr(self, name), cls):
-                raise TypeError(f"{name} must be a {cls.__name__}, got "
-                                f"{type(getattr(self, name)).__name__}")
+                raise TypeError(
+                    f"{name} must be a {cls.__name__}, got {type(getattr(self, name)).__name__}"
+                )
         if self.engine == "processes" and self.method != "decoupled":
-            raise ValueError(f"engine processes runs method decoupled; run {self.method} with "
-                             f"engine inproc")
+            raise ValueError(
+                f"engine processes runs method decoupled; run {self.method} with engine inproc"
+            )
         image_model = self.model.name.startswith("vit")
         if image_model != (self.data.source.split(":")[0] in ("digits", "images")):
-            raise ValueError(f"model.name {self.model.name!r} does not fit data.source "
-                             f"{self.data.source!r}: image models (vit_*) need image data "
-                             f"(digits, images:PATH) and vice versa")
+            raise ValueError(
+                f"model.name {self.model.name!r} does not fit data.source "
+                f"{self.data.source!r}: image models (vit_*) need image data "
+                f"(digits, images:PATH) and vice versa"
+            )
         if self.sync.quorum > self.learners:
-            raise ValueError(f"sync.quorum K={self.sync.quorum} cannot exceed learners "
-                             f"M={self.learners}")
+            raise ValueError(
+                f"sync.quorum K={self.sync.quorum} cannot exceed learners M={self.learners}"
+            )
         if self.world.speeds and len(self.world.speeds) != self.learners:
-            raise ValueError(f"world.speeds has {len(self.world.speeds)} entries for "
-                             f"{self.learners} learners")
+            raise ValueError(
+                f"world.speeds has {len(self.world.speeds)} entries for {self.learners} learners"
+            )
 
     # -- derived values -------------------------------------------------------------------
     def lr_at(self, step: int) -> float:
@@ -175,9 +186,11 @@ def _section(sec: str, values: Any) -> Any:
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - known)
     if unknown:
-        raise ValueError(f"unknown field{'s' if len(unknown) > 1 else ''} "
-                         f"{', '.join(f'{sec}.{u}' for u in unknown)}; {sec} has "
-                         f"{', '.join(sorted(known))}")
+        raise ValueError(
+            f"unknown field{'s' if len(unknown) > 1 else ''} "
+            f"{', '.join(f'{sec}.{u}' for u in unknown)}; {sec} has "
+            f"{', '.join(sorted(known))}"
+        )
     return cls(**values)
 
 
@@ -190,7 +203,8 @@ def _nest(fields: dict[str, Any]) -> dict[str, Any]:
             out.setdefault(k, {}).update(v)
         elif k in SECTIONS and isinstance(v, SECTIONS[k]):
             out.setdefault(k, {}).update(
-                {f.name: getattr(v, f.name) for f in dataclasses.fields(v)})
+                {f.name: getattr(v, f.name) for f in dataclasses.fields(v)}
+            )
         elif k in FLAT and k not in _TOP:
             sec, name = FLAT[k]
             out.setdefault(sec, {})[name] = v
@@ -204,8 +218,7 @@ _dataclass_init = TrainConfig.__init__
 
 
 def _init(self: TrainConfig, **fields: Any) -> None:
-    if all(k in _TOP or (k in SECTIONS and isinstance(v, SECTIONS[k]))
-           for k, v in fields.items()):
+    if all(k in _TOP or (k in SECTIONS and isinstance(v, SECTIONS[k])) for k, v in fields.items()):
         _dataclass_init(self, **fields)
         return
     kw: dict[str, Any] = {}
@@ -224,8 +237,9 @@ TrainConfig.__init__ = _init  # type: ignore[method-assign]
 
 
 def _flat_property(sec: str, name: str) -> property:
-    return property(lambda self: getattr(getattr(self, sec), name),
-                    doc=f"``{sec}.{name}`` (read-only).")
+    return property(
+        lambda self: getattr(getattr(self, sec), name), doc=f"``{sec}.{name}`` (read-only)."
+    )
 
 
 for _flat, (_sec, _name) in FLAT.items():

@@ -18,9 +18,20 @@ from ddiloco.algorithm.merge import MERGE_RULES
 from ddiloco.algorithm.policy import PolicyConfig
 from ddiloco.algorithm.syncer_state import SyncerConfig
 
-__all__ = ["ModelConfig", "DataConfig", "OptimConfig", "SyncConfig", "WorldConfig",
-           "RuntimeConfig", "SECTIONS", "METHODS", "ENGINES", "INNER_OPTIMIZERS", "Method",
-           "Engine"]
+__all__ = [
+    "ModelConfig",
+    "DataConfig",
+    "OptimConfig",
+    "SyncConfig",
+    "WorldConfig",
+    "RuntimeConfig",
+    "SECTIONS",
+    "METHODS",
+    "ENGINES",
+    "INNER_OPTIMIZERS",
+    "Method",
+    "Engine",
+]
 
 METHODS = ("local", "dp", "diloco", "streaming", "decoupled")
 ENGINES = ("auto", "inproc", "processes")
@@ -58,6 +69,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         from ddiloco.models import MODEL_PRESETS
+
         one_of("model.name", self.name, tuple(MODEL_PRESETS))
 
 
@@ -75,6 +87,7 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         from ddiloco.data import parse_data_spec
+
         try:
             parse_data_spec(self.source)  # validates the kind and the path's presence
         except ValueError as e:
@@ -185,8 +198,9 @@ class SyncConfig:
         one_of("sync.anchor", self.anchor, ("current", "base"))
         at_least("sync.max_staleness", self.max_staleness, 0)
         if not 0.0 < self.staleness_discount <= 1.0:
-            raise ValueError(f"sync.staleness_discount must be in (0, 1], got "
-                             f"{self.staleness_discount}")
+            raise ValueError(
+                f"sync.staleness_discount must be in (0, 1], got {self.staleness_discount}"
+            )
         if self.history is not None:
             at_least("sync.history", self.history, 0)
 
@@ -199,13 +213,18 @@ class SyncConfig:
         """The syncer state machine's configuration: the same for the in-process engine and
         the real syncer."""
         return SyncerConfig(
-            policy=PolicyConfig(quorum=self.quorum, grace=self.grace, gamma=self.gamma,
-                                tau=self.tau),
-            merge_rule=self.merge_rule, outer_lr=self.outer_lr,
-            outer_momentum=self.outer_momentum, max_staleness=self.max_staleness,
+            policy=PolicyConfig(
+                quorum=self.quorum, grace=self.grace, gamma=self.gamma, tau=self.tau
+            ),
+            merge_rule=self.merge_rule,
+            outer_lr=self.outer_lr,
+            outer_momentum=self.outer_momentum,
+            max_staleness=self.max_staleness,
             staleness_discount=self.staleness_discount,
-            anchor=self.anchor, history=self.resolved_history(),
-            scale_partial=self.scale_partial)
+            anchor=self.anchor,
+            history=self.resolved_history(),
+            scale_partial=self.scale_partial,
+        )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -238,12 +257,17 @@ class WorldConfig:
         if any(not s > 0 for s in self.speeds):
             raise ValueError(f"world.speeds must all be > 0, got {list(self.speeds)}")
         positive("world.step_time_s", self.step_time_s)
-        for name in ("step_noise", "mtbi_s", "downtime_s", "latency_s", "bandwidth_Bps",
-                     "merge_time_s"):
+        for name in (
+            "step_noise",
+            "mtbi_s",
+            "downtime_s",
+            "latency_s",
+            "bandwidth_Bps",
+            "merge_time_s",
+        ):
             at_least(f"world.{name}", getattr(self, name), 0)
         if self.mtbi_s > 0 and self.downtime_s <= 0:
-            raise ValueError("failures need a downtime: set world.downtime_s > 0 with "
-                             "world.mtbi_s")
+            raise ValueError("failures need a downtime: set world.downtime_s > 0 with world.mtbi_s")
         if not self.chaos:
             raise ValueError("world.chaos must name a preset or a JSON file (none: no chaos)")
 
@@ -317,11 +341,14 @@ class RuntimeConfig:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"runtime.port must be in [0, 65535] (0: a free one), got {self.port}")
         if not -1 <= self.bulk_port <= 65535:
-            raise ValueError(f"runtime.bulk_port must be in [0, 65535] (0: a free one, -1: "
-                             f"off), got {self.bulk_port}")
+            raise ValueError(
+                f"runtime.bulk_port must be in [0, 65535] (0: a free one, -1: "
+                f"off), got {self.bulk_port}"
+            )
         if self.http_port is not None and not 0 <= self.http_port <= 65535:
-            raise ValueError(f"runtime.http_port must be in [0, 65535] (0: a free one), got "
-                             f"{self.http_port}")
+            raise ValueError(
+                f"runtime.http_port must be in [0, 65535] (0: a free one), got {self.http_port}"
+            )
         positive("runtime.handshake_timeout_s", self.handshake_timeout_s)
         for name in ("max_connections", "max_connections_per_peer", "data_workers"):
             at_least(f"runtime.{name}", getattr(self, name), 1)
@@ -337,6 +364,7 @@ class RuntimeConfig:
         positive("runtime.connect_timeout_s", self.connect_timeout_s)
         one_of("runtime.log_level", self.log_level, ("debug", "info", "warning", "error"))
         from ddiloco.metrics.sinks import parse_sinks
+
         try:
             self.metrics_sinks = ",".join(parse_sinks(self.metrics_sinks)) or "jsonl"
         except ValueError as e:
@@ -345,6 +373,12 @@ class RuntimeConfig:
         one_of("runtime.autocast", self.autocast, ("none", "bf16"))
 
 
-SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig,
-                             "sync": SyncConfig, "world": WorldConfig, "runtime": RuntimeConfig}
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "optim": OptimConfig,
+    "sync": SyncConfig,
+    "world": WorldConfig,
+    "runtime": RuntimeConfig,
+}
 """Section name -> section class, in file order."""

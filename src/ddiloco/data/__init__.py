@@ -24,8 +24,18 @@ import torch
 from ddiloco.data.stream import BatchStream
 from ddiloco.data.synthetic import MarkovConfig, MarkovLanguage, SyntheticStream, eval_batches
 
-__all__ = ["BatchStream", "MarkovConfig", "MarkovLanguage", "SyntheticStream", "eval_batches",
-           "DATA_KINDS", "DataConfig", "parse_data_spec", "build_stream", "build_eval_batches"]
+__all__ = [
+    "BatchStream",
+    "MarkovConfig",
+    "MarkovLanguage",
+    "SyntheticStream",
+    "eval_batches",
+    "DATA_KINDS",
+    "DataConfig",
+    "parse_data_spec",
+    "build_stream",
+    "build_eval_batches",
+]
 
 DATA_KINDS = ("synthetic", "text", "bin", "hf", "digits", "images")
 """Valid values of ``DataConfig.kind``."""
@@ -64,11 +74,13 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         if self.kind not in DATA_KINDS:
-            raise ValueError(f"unknown data kind {self.kind!r}; valid kinds: "
-                             f"{', '.join(DATA_KINDS)}")
+            raise ValueError(
+                f"unknown data kind {self.kind!r}; valid kinds: {', '.join(DATA_KINDS)}"
+            )
         if self.kind in _PATH_KINDS and not self.path:
-            raise ValueError(f"data kind {self.kind!r} needs a path, e.g. "
-                             f"'{self.kind}:/path/to/data'")
+            raise ValueError(
+                f"data kind {self.kind!r} needs a path, e.g. '{self.kind}:/path/to/data'"
+            )
         if self.eval_fraction is not None and not 0.0 <= self.eval_fraction < 1.0:
             raise ValueError(f"eval_fraction must be in [0, 1), got {self.eval_fraction}")
         if self.channels not in (1, 3):
@@ -84,7 +96,7 @@ class DataConfig:
     @property
     def vocab_size(self) -> int | None:
         """Token vocabulary implied by the source (a ``ddiloco prepare`` folder's from its
-    meta.json), or None (token files, images)."""
+        meta.json), or None (token files, images)."""
         if self.kind == "synthetic":
             return self.markov.vocab_size
         if self.kind == "bin" and self.path and Path(self.path).is_dir():
@@ -111,8 +123,11 @@ def _tokens(cfg: DataConfig) -> Any:
         return text.load_token_bin(cfg.path, dtype=cfg.dtype)  # type: ignore[arg-type]
     from ddiloco.data.hf import load_hf_text_bytes
 
-    return load_hf_text_bytes(cfg.path, text_column=cfg.text_column,  # type: ignore[arg-type]
-                              split=cfg.split)
+    return load_hf_text_bytes(
+        cfg.path,
+        text_column=cfg.text_column,  # type: ignore[arg-type]
+        split=cfg.split,
+    )
 
 
 def _images(cfg: DataConfig) -> Any:
@@ -120,48 +135,90 @@ def _images(cfg: DataConfig) -> Any:
 
     if cfg.kind == "digits":
         return images.load_digits()
-    return images.load_image_folder(cfg.path, image_size=cfg.image_size,  # type: ignore[arg-type]
-                                    channels=cfg.channels)
+    return images.load_image_folder(
+        cfg.path,
+        image_size=cfg.image_size,  # type: ignore[arg-type]
+        channels=cfg.channels,
+    )
 
 
-def build_stream(spec: str | DataConfig, *, learner: int, n_learners: int, batch_size: int,
-                 block_size: int, seed: int = 0) -> BatchStream:
+def build_stream(
+    spec: str | DataConfig,
+    *,
+    learner: int,
+    n_learners: int,
+    batch_size: int,
+    block_size: int,
+    seed: int = 0,
+) -> BatchStream:
     """Learner ``learner``'s training stream (of ``n_learners``) for ``spec``.
     ``block_size`` is ignored by image sources."""
     cfg = parse_data_spec(spec)
     if cfg.kind == "synthetic":
-        return SyntheticStream(MarkovLanguage(cfg.markov), learner=learner,
-                               n_learners=n_learners, batch_size=batch_size,
-                               block_size=block_size, seed=seed)
+        return SyntheticStream(
+            MarkovLanguage(cfg.markov),
+            learner=learner,
+            n_learners=n_learners,
+            batch_size=batch_size,
+            block_size=block_size,
+            seed=seed,
+        )
     if cfg.kind in ("digits", "images"):
         from ddiloco.data.images import ImageStream
 
-        return ImageStream(_images(cfg), learner=learner, n_learners=n_learners,
-                           batch_size=batch_size, seed=seed, eval_fraction=cfg.held_out,
-                           split_seed=cfg.split_seed)
+        return ImageStream(
+            _images(cfg),
+            learner=learner,
+            n_learners=n_learners,
+            batch_size=batch_size,
+            seed=seed,
+            eval_fraction=cfg.held_out,
+            split_seed=cfg.split_seed,
+        )
     from ddiloco.data.text import TokenStream
 
-    return TokenStream(_tokens(cfg), learner=learner, n_learners=n_learners,
-                       batch_size=batch_size, block_size=block_size, seed=seed,
-                       eval_fraction=cfg.held_out)
+    return TokenStream(
+        _tokens(cfg),
+        learner=learner,
+        n_learners=n_learners,
+        batch_size=batch_size,
+        block_size=block_size,
+        seed=seed,
+        eval_fraction=cfg.held_out,
+    )
 
 
-def build_eval_batches(spec: str | DataConfig, *, n_batches: int, batch_size: int,
-                       block_size: int, seed: int = 0
-                       ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def build_eval_batches(
+    spec: str | DataConfig, *, n_batches: int, batch_size: int, block_size: int, seed: int = 0
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The held-out eval set for ``spec``, disjoint from every learner's stream. For image
     sources the whole held-out split is returned and ``n_batches`` and ``seed`` are
     ignored."""
     cfg = parse_data_spec(spec)
     if cfg.kind == "synthetic":
-        return eval_batches(MarkovLanguage(cfg.markov), n_batches=n_batches,
-                            batch_size=batch_size, block_size=block_size, seed=seed)
+        return eval_batches(
+            MarkovLanguage(cfg.markov),
+            n_batches=n_batches,
+            batch_size=batch_size,
+            block_size=block_size,
+            seed=seed,
+        )
     if cfg.kind in ("digits", "images"):
         from ddiloco.data.images import image_eval_batches
 
-        return image_eval_batches(_images(cfg), batch_size=batch_size,
-                                  split_seed=cfg.split_seed, eval_fraction=cfg.held_out)
+        return image_eval_batches(
+            _images(cfg),
+            batch_size=batch_size,
+            split_seed=cfg.split_seed,
+            eval_fraction=cfg.held_out,
+        )
     from ddiloco.data.text import token_eval_batches
 
-    return token_eval_batches(_tokens(cfg), n_batches=n_batches, batch_size=batch_size,
-                              block_size=block_size, seed=seed, eval_fraction=cfg.held_out)
+    return token_eval_batches(
+        _tokens(cfg),
+        n_batches=n_batches,
+        batch_size=batch_size,
+        block_size=block_size,
+        seed=seed,
+        eval_fraction=cfg.held_out,
+    )

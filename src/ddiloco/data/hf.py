@@ -27,19 +27,22 @@ def _import_datasets() -> Any:
     try:
         import datasets
     except ImportError as e:
-        raise ImportError("loading Hugging Face datasets needs the 'datasets' package: "
-                          "pip install ddiloco[hf]") from e
+        raise ImportError(
+            "loading Hugging Face datasets needs the 'datasets' package: pip install ddiloco[hf]"
+        ) from e
     return datasets
 
 
-def open_text_dataset(path: str | Path, *, text_column: str = "text",
-                      split: str | None = None) -> Any:
+def open_text_dataset(
+    path: str | Path, *, text_column: str = "text", split: str | None = None
+) -> Any:
     """The ``datasets.Dataset`` saved at ``path`` (for a ``DatasetDict``, its ``split``,
     default ``"train"`` when present), checked to have ``text_column``."""
     p = Path(path)
     if not p.exists():
-        raise FileNotFoundError(f"dataset folder {p} does not exist; save one with "
-                                f"Dataset.save_to_disk({str(p)!r})")
+        raise FileNotFoundError(
+            f"dataset folder {p} does not exist; save one with Dataset.save_to_disk({str(p)!r})"
+        )
     datasets = _import_datasets()
     ds = datasets.load_from_disk(str(p))
     if isinstance(ds, datasets.DatasetDict):
@@ -49,13 +52,15 @@ def open_text_dataset(path: str | Path, *, text_column: str = "text",
             raise ValueError(f"{p} holds splits {names}; pass split= one of them")
         ds = ds[chosen]
     if text_column not in ds.column_names:
-        raise ValueError(f"{p} has no column {text_column!r}; columns: {ds.column_names}; "
-                         f"pass text_column=")
+        raise ValueError(
+            f"{p} has no column {text_column!r}; columns: {ds.column_names}; pass text_column="
+        )
     return ds
 
 
-def load_hf_text_bytes(path: str | Path, *, text_column: str = "text",
-                       split: str | None = None) -> np.ndarray:
+def load_hf_text_bytes(
+    path: str | Path, *, text_column: str = "text", split: str | None = None
+) -> np.ndarray:
     """UTF-8 bytes (uint8) of ``text_column`` of the dataset saved at ``path``, rows
     separated by a newline, read in batches of rows."""
     ds = open_text_dataset(path, text_column=text_column, split=split)
@@ -70,8 +75,8 @@ def load_hf_text_bytes(path: str | Path, *, text_column: str = "text",
     return np.frombuffer(buf, dtype=np.uint8)
 
 
-def hf_stream(path: str | Path, *, text_column: str = "text", split: str | None = None,
-              **stream_kw: Any) -> TokenStream:
+def hf_stream(
+    path: str | Path, *, text_column: str = "text", split: str | None = None, **stream_kw: Any
+) -> TokenStream:
     """:class:`TokenStream` over :func:`load_hf_text_bytes`."""
-    return TokenStream(load_hf_text_bytes(path, text_column=text_column, split=split),
-                       **stream_kw)
+    return TokenStream(load_hf_text_bytes(path, text_column=text_column, split=split), **stream_kw)

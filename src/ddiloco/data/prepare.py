@@ -31,8 +31,17 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-__all__ = ["EOT", "PrepareResult", "iter_documents", "train_tokenizer", "load_or_train",
-           "write_shards", "prepare", "add_prepare_parser", "cmd_prepare"]
+__all__ = [
+    "EOT",
+    "PrepareResult",
+    "iter_documents",
+    "train_tokenizer",
+    "load_or_train",
+    "write_shards",
+    "prepare",
+    "add_prepare_parser",
+    "cmd_prepare",
+]
 
 EOT = "<|endoftext|>"
 """The special token written after every document."""
@@ -45,9 +54,13 @@ def _text_files(path: Path) -> list[Path]:
 
     if path.is_file():
         return [path]
-    files = sorted(f for f in path.rglob("*") if f.is_file()
-                   and not any(part.startswith(".") for part in f.relative_to(path).parts)
-                   and f.suffix.lower() in TEXT_SUFFIXES)
+    files = sorted(
+        f
+        for f in path.rglob("*")
+        if f.is_file()
+        and not any(part.startswith(".") for part in f.relative_to(path).parts)
+        and f.suffix.lower() in TEXT_SUFFIXES
+    )
     if not files:
         raise ValueError(f"no {'/'.join(TEXT_SUFFIXES)} files under {path}")
     return files
@@ -59,8 +72,9 @@ def _check_sources(sources: Sequence[str]) -> None:
     for s in sources:
         p = Path(s[3:] if s.startswith("hf:") else s)
         if not p.exists():
-            raise FileNotFoundError(f"source {s} does not exist (relative paths are resolved "
-                                    f"from {Path.cwd()})")
+            raise FileNotFoundError(
+                f"source {s} does not exist (relative paths are resolved from {Path.cwd()})"
+            )
 
 
 def _source_bytes(sources: Sequence[str]) -> int:
@@ -74,8 +88,9 @@ def _source_bytes(sources: Sequence[str]) -> int:
     return total
 
 
-def iter_documents(sources: Sequence[str], *, text_column: str = "text",
-                   split: str | None = None) -> Iterator[str]:
+def iter_documents(
+    sources: Sequence[str], *, text_column: str = "text", split: str | None = None
+) -> Iterator[str]:
     """The documents of ``sources``, one at a time: each text file whole (decoded as UTF-8,
     invalid bytes replaced), each row of an ``hf:`` dataset's ``text_column``."""
     for s in sources:
@@ -100,9 +115,12 @@ def train_tokenizer(documents: Iterator[str], *, vocab_size: int) -> Any:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOT],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(documents, trainer=trainer)
     return tok
 
@@ -111,12 +129,19 @@ def _import_tokenizers() -> None:
     try:
         import tokenizers  # noqa: F401
     except ImportError as e:
-        raise ImportError("ddiloco prepare needs the 'tokenizers' package: "
-                          "pip install ddiloco[hf]") from e
+        raise ImportError(
+            "ddiloco prepare needs the 'tokenizers' package: pip install ddiloco[hf]"
+        ) from e
 
 
-def load_or_train(path: str | Path, sources: Sequence[str], *, vocab_size: int,
-                  text_column: str = "text", split: str | None = None) -> tuple[Any, bool]:
+def load_or_train(
+    path: str | Path,
+    sources: Sequence[str],
+    *,
+    vocab_size: int,
+    text_column: str = "text",
+    split: str | None = None,
+) -> tuple[Any, bool]:
     """(tokenizer, trained): the tokenizer saved at ``path``, or one trained on ``sources``
     and saved there."""
     _import_tokenizers()
@@ -126,11 +151,14 @@ def load_or_train(path: str | Path, sources: Sequence[str], *, vocab_size: int,
     if p.is_file():
         tok = Tokenizer.from_file(str(p))
         if tok.token_to_id(EOT) is None:
-            raise ValueError(f"tokenizer {p} has no {EOT} token; add it as a special token "
-                             f"or let ddiloco prepare train one (pass a new --tokenizer path)")
+            raise ValueError(
+                f"tokenizer {p} has no {EOT} token; add it as a special token "
+                f"or let ddiloco prepare train one (pass a new --tokenizer path)"
+            )
         return tok, False
-    tok = train_tokenizer(iter_documents(sources, text_column=text_column, split=split),
-                          vocab_size=vocab_size)
+    tok = train_tokenizer(
+        iter_documents(sources, text_column=text_column, split=split), vocab_size=vocab_size
+    )
     p.parent.mkdir(parents=True, exist_ok=True)
     tok.save(str(p))
     return tok, True
@@ -163,11 +191,11 @@ class _ShardWriter:
         while len(ids):
             if self._f is None or self._n == self.shard_tokens:
                 self._open()
-            take = ids[:self.shard_tokens - self._n]
+            take = ids[: self.shard_tokens - self._n]
             take.astype(self.dtype).tofile(self._f)
             self._n += len(take)
             self.shards[-1] = (self.shards[-1][0], self._n)
-            ids = ids[len(take):]
+            ids = ids[len(take) :]
 
     def _open(self) -> None:
         self.close()
@@ -182,9 +210,15 @@ class _ShardWriter:
             self._f = None
 
 
-def write_shards(documents: Iterator[str], tokenizer: Any, out: str | Path, *,
-                 shard_tokens: int = 1 << 28, total_bytes: int | None = None,
-                 progress: bool = True) -> tuple[int, int, str, list[tuple[str, int]]]:
+def write_shards(
+    documents: Iterator[str],
+    tokenizer: Any,
+    out: str | Path,
+    *,
+    shard_tokens: int = 1 << 28,
+    total_bytes: int | None = None,
+    progress: bool = True,
+) -> tuple[int, int, str, list[tuple[str, int]]]:
     """Tokenize ``documents`` in batches (``EOT`` after each) into shards under ``out``;
     returns (tokens, documents, dtype, [(shard, tokens)])."""
     if shard_tokens < 1:
@@ -198,8 +232,9 @@ def write_shards(documents: Iterator[str], tokenizer: Any, out: str | Path, *,
     eot = tokenizer.token_to_id(EOT)
     writer = _ShardWriter(folder, dtype, shard_tokens)
     n_tokens = n_docs = 0
-    bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenizing",
-               disable=not progress)
+    bar = tqdm(
+        total=total_bytes, unit="B", unit_scale=True, desc="tokenizing", disable=not progress
+    )
     try:
         batch: list[str] = []
         for doc in documents:
@@ -227,30 +262,56 @@ def _encode(batch: list[str], tokenizer: Any, eot: int, writer: _ShardWriter, ba
     return n
 
 
-def prepare(sources: Sequence[str], *, tokenizer: str | Path, out: str | Path,
-            vocab_size: int = 8192, shard_tokens: int = 1 << 28, text_column: str = "text",
-            split: str | None = None, progress: bool = True) -> PrepareResult:
+def prepare(
+    sources: Sequence[str],
+    *,
+    tokenizer: str | Path,
+    out: str | Path,
+    vocab_size: int = 8192,
+    shard_tokens: int = 1 << 28,
+    text_column: str = "text",
+    split: str | None = None,
+    progress: bool = True,
+) -> PrepareResult:
     """Load or train the tokenizer, then write the token shards and ``meta.json`` of
     ``sources`` into ``out`` (see the module docstring)."""
     _check_sources(sources)
-    tok, trained = load_or_train(tokenizer, sources, vocab_size=vocab_size,
-                                 text_column=text_column, split=split)
+    tok, trained = load_or_train(
+        tokenizer, sources, vocab_size=vocab_size, text_column=text_column, split=split
+    )
     n_tokens, n_docs, dtype, shards = write_shards(
-        iter_documents(sources, text_column=text_column, split=split), tok, out,
-        shard_tokens=shard_tokens, total_bytes=_source_bytes(sources), progress=progress)
+        iter_documents(sources, text_column=text_column, split=split),
+        tok,
+        out,
+        shard_tokens=shard_tokens,
+        total_bytes=_source_bytes(sources),
+        progress=progress,
+    )
     if n_tokens == n_docs:
         raise ValueError(f"sources {list(sources)} hold no text")
     folder = Path(out)
-    meta = {"vocab_size": tok.get_vocab_size(), "dtype": dtype, "n_tokens": n_tokens,
-            "n_documents": n_docs, "eot_id": tok.token_to_id(EOT),
-            "shards": [{"file": f, "tokens": n} for f, n in shards],
-            "tokenizer": str(Path(tokenizer).resolve()), "sources": list(sources)}
+    meta = {
+        "vocab_size": tok.get_vocab_size(),
+        "dtype": dtype,
+        "n_tokens": n_tokens,
+        "n_documents": n_docs,
+        "eot_id": tok.token_to_id(EOT),
+        "shards": [{"file": f, "tokens": n} for f, n in shards],
+        "tokenizer": str(Path(tokenizer).resolve()),
+        "sources": list(sources),
+    }
     tmp = folder / ".meta.json.tmp"
     tmp.write_text(json.dumps(meta, indent=2))
     os.replace(tmp, folder / "meta.json")
-    return PrepareResult(out=folder, n_tokens=n_tokens, n_documents=n_docs,
-                         vocab_size=meta["vocab_size"], dtype=dtype, shards=[f for f, _ in shards],
-                         tokenizer_trained=trained)
+    return PrepareResult(
+        out=folder,
+        n_tokens=n_tokens,
+        n_documents=n_docs,
+        vocab_size=meta["vocab_size"],
+        dtype=dtype,
+        shards=[f for f, _ in shards],
+        tokenizer_trained=trained,
+    )
 
 
 def add_prepare_parser(subparsers: Any) -> Any:
@@ -258,17 +319,26 @@ def add_prepare_parser(subparsers: Any) -> Any:
     import argparse
 
     p = subparsers.add_parser(
-        "prepare", help="tokenize text into token shards for --data bin:DIR",
+        "prepare",
+        help="tokenize text into token shards for --data bin:DIR",
         description="Tokenize text files, folders (.txt/.md) and hf:PATH datasets saved on "
         "disk with a byte-level BPE tokenizer (loaded from --tokenizer, or trained offline "
         "and saved there), into nanoGPT-style .bin shards and meta.json in --out. Train on "
         "them with `ddiloco train --data bin:OUT`.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("sources", nargs="+", metavar="SOURCE",
-                   help="text file, folder of .txt/.md files, or hf:PATH")
-    p.add_argument("--tokenizer", required=True,
-                   help="tokenizer.json to load; trained on the sources and saved here when "
-                        "the file does not exist")
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "sources",
+        nargs="+",
+        metavar="SOURCE",
+        help="text file, folder of .txt/.md files, or hf:PATH",
+    )
+    p.add_argument(
+        "--tokenizer",
+        required=True,
+        help="tokenizer.json to load; trained on the sources and saved here when "
+        "the file does not exist",
+    )
     p.add_argument("--vocab-size", type=int, default=8192, help="BPE vocabulary when training")
     p.add_argument("--out", required=True, help="output folder for the shards and meta.json")
     p.add_argument("--shard-tokens", type=int, default=1 << 28, help="tokens per .bin shard")
@@ -283,15 +353,23 @@ def cmd_prepare(args: Any) -> int:
     import sys
 
     try:
-        r = prepare(args.sources, tokenizer=args.tokenizer, out=args.out,
-                    vocab_size=args.vocab_size, shard_tokens=args.shard_tokens,
-                    text_column=args.text_column, split=args.split,
-                    progress=not args.no_progress)
+        r = prepare(
+            args.sources,
+            tokenizer=args.tokenizer,
+            out=args.out,
+            vocab_size=args.vocab_size,
+            shard_tokens=args.shard_tokens,
+            text_column=args.text_column,
+            split=args.split,
+            progress=not args.no_progress,
+        )
     except (ValueError, FileNotFoundError, ImportError) as e:
         print(f"ddiloco prepare: error: {e}", file=sys.stderr)
         return 2
     how = "trained and saved to" if r.tokenizer_trained else "loaded from"
-    print(f"ddiloco prepare: {r.n_tokens:,} tokens from {r.n_documents:,} documents "
-          f"(vocabulary {r.vocab_size}, {r.dtype}, tokenizer {how} {args.tokenizer}) in "
-          f"{len(r.shards)} shard(s) under {r.out}; train with --data bin:{r.out}")
+    print(
+        f"ddiloco prepare: {r.n_tokens:,} tokens from {r.n_documents:,} documents "
+        f"(vocabulary {r.vocab_size}, {r.dtype}, tokenizer {how} {args.tokenizer}) in "
+        f"{len(r.shards)} shard(s) under {r.out}; train with --data bin:{r.out}"
+    )
     return 0

@@ -17,8 +17,15 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-__all__ = ["BatchStream", "TRAIN", "EVAL", "seed_sequence", "rng_for", "check_learner",
-           "check_state"]
+__all__ = [
+    "BatchStream",
+    "TRAIN",
+    "EVAL",
+    "seed_sequence",
+    "rng_for",
+    "check_learner",
+    "check_state",
+]
 
 TRAIN = 0
 """Key domain of per-learner training data."""
@@ -73,9 +80,11 @@ def check_state(state: dict[str, Any], expected: dict[str, Any]) -> int:
         raise ValueError(f"stream state has no 'position' (keys: {sorted(state)})")
     for key, value in expected.items():
         if key in state and state[key] != value:
-            raise ValueError(f"stream state was saved with {key}={state[key]!r} but this "
-                             f"stream has {key}={value!r}; load the state of the matching "
-                             f"learner/dataset")
+            raise ValueError(
+                f"stream state was saved with {key}={state[key]!r} but this "
+                f"stream has {key}={value!r}; load the state of the matching "
+                f"learner/dataset"
+            )
     position = int(state["position"])
     if position < 0:
         raise ValueError(f"stream position must be >= 0, got {position}")

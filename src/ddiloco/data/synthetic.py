@@ -58,13 +58,17 @@ class MarkovConfig:
         if self.order < 1:
             raise ValueError(f"MarkovConfig.order must be >= 1, got {self.order}")
         if not 1 <= self.support <= self.vocab_size:
-            raise ValueError(f"MarkovConfig.support must be in [1, vocab_size={self.vocab_size}],"
-                             f" got {self.support}")
+            raise ValueError(
+                f"MarkovConfig.support must be in [1, vocab_size={self.vocab_size}],"
+                f" got {self.support}"
+            )
         if not self.concentration > 0:
             raise ValueError(f"MarkovConfig.concentration must be > 0, got {self.concentration}")
-        if self.vocab_size ** self.order > _MAX_STATES:
-            raise ValueError(f"vocab_size**order = {self.vocab_size ** self.order} contexts is "
-                             f"more than {_MAX_STATES}; lower vocab_size or order")
+        if self.vocab_size**self.order > _MAX_STATES:
+            raise ValueError(
+                f"vocab_size**order = {self.vocab_size**self.order} contexts is "
+                f"more than {_MAX_STATES}; lower vocab_size or order"
+            )
         if self.seed < 0:
             raise ValueError(f"MarkovConfig.seed must be >= 0, got {self.seed}")
 
@@ -86,7 +90,7 @@ class MarkovLanguage:
     def __init__(self, cfg: MarkovConfig | None = None) -> None:
         self.cfg = cfg = cfg if cfg is not None else MarkovConfig()
         V, k, S = cfg.vocab_size, cfg.order, cfg.support
-        self.n_states = C = V ** k
+        self.n_states = C = V**k
         rng = rng_for(cfg.seed, 2)  # domain 2: structure of the language, apart from data
         last = np.arange(C) % V  # most recent token of each context
         successor = (last + 1) % V
@@ -129,9 +133,11 @@ class MarkovLanguage:
             if np.abs(new - pi).sum() < tol:
                 return new
             pi = new
-        raise RuntimeError(f"stationary distribution did not converge in {max_iter} "
-                           f"iterations; raise MarkovConfig.concentration (very small "
-                           f"probabilities make the chain mix slowly)")
+        raise RuntimeError(
+            f"stationary distribution did not converge in {max_iter} "
+            f"iterations; raise MarkovConfig.concentration (very small "
+            f"probabilities make the chain mix slowly)"
+        )
 
     @property
     def entropy_rate(self) -> float:
@@ -163,7 +169,7 @@ class MarkovLanguage:
             raise ValueError(f"T must be >= 1, got {T}")
         k = self.cfg.order
         h = self.prefix_conditional_entropies()  # h_0..h_{k-1}
-        early = h[1: min(k, T + 1)]  # targets t = 0..min(k-1, T)-1
+        early = h[1 : min(k, T + 1)]  # targets t = 0..min(k-1, T)-1
         return float((early.sum() + (T - len(early)) * self.entropy_rate) / T)
 
     def sample(self, n: int, T: int, rng: np.random.Generator) -> np.ndarray:
@@ -199,8 +205,9 @@ class MarkovLanguage:
         V, k, C = self.cfg.vocab_size, self.cfg.order, self.n_states
         out = np.empty((n, max(L - 1, 0)))
         joint = self.stationary.reshape((V,) * k)
-        marginals = [joint.sum(axis=tuple(range(j, k))) if j < k else joint
-                     for j in range(1, k + 1)]  # marginals[j-1]: law of (s_0..s_{j-1})
+        marginals = [
+            joint.sum(axis=tuple(range(j, k))) if j < k else joint for j in range(1, k + 1)
+        ]  # marginals[j-1]: law of (s_0..s_{j-1})
         for t in range(1, min(k, L)):
             num = marginals[t][tuple(seqs[:, i] for i in range(t + 1))]
             den = marginals[t - 1][tuple(seqs[:, i] for i in range(t))]
@@ -227,13 +234,23 @@ class SyntheticStream:
     does not depend on how many peers it has.
     """
 
-    def __init__(self, lang: MarkovLanguage, *, learner: int, n_learners: int,
-                 batch_size: int, block_size: int, seed: int = 0,
-                 chunk_batches: int | None = None) -> None:
+    def __init__(
+        self,
+        lang: MarkovLanguage,
+        *,
+        learner: int,
+        n_learners: int,
+        batch_size: int,
+        block_size: int,
+        seed: int = 0,
+        chunk_batches: int | None = None,
+    ) -> None:
         check_learner(learner, n_learners)
         if batch_size < 1 or block_size < 1:
-            raise ValueError(f"batch_size and block_size must be >= 1, got "
-                             f"batch_size={batch_size}, block_size={block_size}")
+            raise ValueError(
+                f"batch_size and block_size must be >= 1, got "
+                f"batch_size={batch_size}, block_size={block_size}"
+            )
         self.lang = lang
         self.learner, self.n_learners = learner, n_learners
         self.batch_size, self.block_size, self.seed = batch_size, block_size, seed
@@ -260,28 +277,43 @@ class SyntheticStream:
         if j != self._chunk_index:
             self._load_chunk(j)
         assert self._chunk is not None
-        rows = self._chunk[i * self.batch_size:(i + 1) * self.batch_size]
+        rows = self._chunk[i * self.batch_size : (i + 1) * self.batch_size]
         self._position += 1
         seq = torch.from_numpy(rows)
         return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"kind": "synthetic", "position": self._position, "learner": self.learner,
-                "seed": self.seed, "batch_size": self.batch_size,
-                "block_size": self.block_size}
+        return {
+            "kind": "synthetic",
+            "position": self._position,
+            "learner": self.learner,
+            "seed": self.seed,
+            "batch_size": self.batch_size,
+            "block_size": self.block_size,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._position = check_state(state, {
-            "kind": "synthetic", "learner": self.learner, "seed": self.seed,
-            "batch_size": self.batch_size, "block_size": self.block_size})
+        self._position = check_state(
+            state,
+            {
+                "kind": "synthetic",
+                "learner": self.learner,
+                "seed": self.seed,
+                "batch_size": self.batch_size,
+                "block_size": self.block_size,
+            },
+        )
 
 
-def eval_batches(lang: MarkovLanguage, *, n_batches: int, batch_size: int, block_size: int,
-                 seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def eval_batches(
+    lang: MarkovLanguage, *, n_batches: int, batch_size: int, block_size: int, seed: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """A fixed held-out set of ``n_batches`` (x, y) batches, drawn from the random stream
     keyed (seed, EVAL), independent of every learner's training stream."""
     if n_batches < 1 or batch_size < 1 or block_size < 1:
-        raise ValueError(f"n_batches, batch_size and block_size must be >= 1, got "
-                         f"{n_batches}, {batch_size}, {block_size}")
+        raise ValueError(
+            f"n_batches, batch_size and block_size must be >= 1, got "
+            f"{n_batches}, {batch_size}, {block_size}"
+        )
     seqs = torch.from_numpy(lang.sample(n_batches * batch_size, block_size, rng_for(seed, EVAL)))
     return [(b[:, :-1].contiguous(), b[:, 1:].contiguous()) for b in seqs.split(batch_size)]

@@ -29,16 +29,28 @@ import torch
 
 from ddiloco.data.stream import EVAL, TRAIN, check_learner, check_state, rng_for
 
-__all__ = ["TEXT_SUFFIXES", "load_text_bytes", "load_token_bin", "token_layout", "TokenStream",
-           "token_eval_batches", "text_stream", "bin_stream", "ShardedTokens", "read_meta"]
+__all__ = [
+    "TEXT_SUFFIXES",
+    "load_text_bytes",
+    "load_token_bin",
+    "token_layout",
+    "TokenStream",
+    "token_eval_batches",
+    "text_stream",
+    "bin_stream",
+    "ShardedTokens",
+    "read_meta",
+]
 
 TEXT_SUFFIXES = (".txt", ".md")
 """Files read from a folder by :func:`load_text_bytes` unless ``all_files=True``."""
 
 
 def _missing(path: Path, what: str) -> FileNotFoundError:
-    return FileNotFoundError(f"{what} {path} does not exist; check the path (relative paths "
-                             f"are resolved from {Path.cwd()})")
+    return FileNotFoundError(
+        f"{what} {path} does not exist; check the path (relative paths "
+        f"are resolved from {Path.cwd()})"
+    )
 
 
 def load_text_bytes(path: str | Path, *, all_files: bool = False) -> np.ndarray:
@@ -50,12 +62,18 @@ def load_text_bytes(path: str | Path, *, all_files: bool = False) -> np.ndarray:
     if p.is_file():
         files = [p]
     else:
-        files = sorted(f for f in p.rglob("*") if f.is_file()
-                       and not any(part.startswith(".") for part in f.relative_to(p).parts)
-                       and (all_files or f.suffix.lower() in TEXT_SUFFIXES))
+        files = sorted(
+            f
+            for f in p.rglob("*")
+            if f.is_file()
+            and not any(part.startswith(".") for part in f.relative_to(p).parts)
+            and (all_files or f.suffix.lower() in TEXT_SUFFIXES)
+        )
         if not files:
-            raise ValueError(f"no {'/'.join(TEXT_SUFFIXES)} files under {p}; add some, or "
-                             f"pass all_files=True to read every file")
+            raise ValueError(
+                f"no {'/'.join(TEXT_SUFFIXES)} files under {p}; add some, or "
+                f"pass all_files=True to read every file"
+            )
     data = b"\n".join(f.read_bytes() for f in files)
     if not data:
         raise ValueError(f"{p} is empty: no text to train on")
@@ -91,15 +109,18 @@ def read_meta(folder: str | Path) -> dict[str, Any]:
     """``meta.json`` of a folder written by ``ddiloco prepare``."""
     p = Path(folder) / "meta.json"
     if not p.is_file():
-        raise ValueError(f"{folder} is a folder without meta.json; pass a .bin file of token "
-                         f"ids, or a folder written by `ddiloco prepare`")
+        raise ValueError(
+            f"{folder} is a folder without meta.json; pass a .bin file of token "
+            f"ids, or a folder written by `ddiloco prepare`"
+        )
     import json
 
     return json.loads(p.read_text())
 
 
-def load_token_bin(path: str | Path, *, dtype: npt.DTypeLike = np.uint16
-                   ) -> np.ndarray | ShardedTokens:
+def load_token_bin(
+    path: str | Path, *, dtype: npt.DTypeLike = np.uint16
+) -> np.ndarray | ShardedTokens:
     """Memory-mapped 1-D token array from a flat binary file of ``dtype`` ids, or the
     shards of a ``ddiloco prepare`` folder (whose ``meta.json`` gives their dtype)."""
     p = Path(path)
@@ -110,48 +131,58 @@ def load_token_bin(path: str | Path, *, dtype: npt.DTypeLike = np.uint16
         parts = [load_token_bin(p / s["file"], dtype=meta["dtype"]) for s in meta["shards"]]
         for part, s in zip(parts, meta["shards"], strict=True):
             if len(part) != s["tokens"]:
-                raise ValueError(f"{p / s['file']} holds {len(part)} tokens, meta.json says "
-                                 f"{s['tokens']}; run `ddiloco prepare` again")
+                raise ValueError(
+                    f"{p / s['file']} holds {len(part)} tokens, meta.json says "
+                    f"{s['tokens']}; run `ddiloco prepare` again"
+                )
         return parts[0] if len(parts) == 1 else ShardedTokens(parts)  # type: ignore[return-value]
     dt = np.dtype(dtype)
     size = p.stat().st_size
     if size == 0:
         raise ValueError(f"token file {p} is empty")
     if size % dt.itemsize != 0:
-        raise ValueError(f"token file {p} has {size} bytes, not a multiple of the {dt} item "
-                         f"size ({dt.itemsize}); pass the dtype it was written with "
-                         f"(e.g. dtype='uint32')")
+        raise ValueError(
+            f"token file {p} has {size} bytes, not a multiple of the {dt} item "
+            f"size ({dt.itemsize}); pass the dtype it was written with "
+            f"(e.g. dtype='uint32')"
+        )
     return np.memmap(p, dtype=dt, mode="r")
 
 
-def token_layout(n_tokens: int, *, n_learners: int, block_size: int, eval_fraction: float
-                 ) -> tuple[list[tuple[int, int]], tuple[int, int]]:
+def token_layout(
+    n_tokens: int, *, n_learners: int, block_size: int, eval_fraction: float
+) -> tuple[list[tuple[int, int]], tuple[int, int]]:
     """([start, end) of each learner's shard, [start, end) of the held-out tail), checking
     that every piece holds at least one window of block_size + 1 tokens."""
     if not 0.0 <= eval_fraction < 1.0:
         raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
     if block_size < 1 or n_learners < 1:
-        raise ValueError(f"block_size and n_learners must be >= 1, got {block_size}, "
-                         f"{n_learners}")
+        raise ValueError(f"block_size and n_learners must be >= 1, got {block_size}, {n_learners}")
     n_eval = int(n_tokens * eval_fraction)
     n_train = n_tokens - n_eval
     if eval_fraction > 0 and n_eval < block_size + 1:
-        raise ValueError(f"held-out tail of {n_eval} tokens (eval_fraction={eval_fraction} of "
-                         f"{n_tokens}) is shorter than block_size + 1 = {block_size + 1}; use "
-                         f"more data, a larger eval_fraction or a smaller block_size")
-    bounds = [(m * n_train // n_learners, (m + 1) * n_train // n_learners)
-              for m in range(n_learners)]
+        raise ValueError(
+            f"held-out tail of {n_eval} tokens (eval_fraction={eval_fraction} of "
+            f"{n_tokens}) is shorter than block_size + 1 = {block_size + 1}; use "
+            f"more data, a larger eval_fraction or a smaller block_size"
+        )
+    bounds = [
+        (m * n_train // n_learners, (m + 1) * n_train // n_learners) for m in range(n_learners)
+    ]
     shortest = min(end - start for start, end in bounds)
     if shortest < block_size + 1:
-        raise ValueError(f"a learner shard has {shortest} tokens ({n_train} training tokens "
-                         f"/ {n_learners} learners), fewer than block_size + 1 = "
-                         f"{block_size + 1}; use more data, fewer learners or a smaller "
-                         f"block_size")
+        raise ValueError(
+            f"a learner shard has {shortest} tokens ({n_train} training tokens "
+            f"/ {n_learners} learners), fewer than block_size + 1 = "
+            f"{block_size + 1}; use more data, fewer learners or a smaller "
+            f"block_size"
+        )
     return bounds, (n_train, n_tokens)
 
 
-def _windows(tokens: np.ndarray, start: int, offsets: np.ndarray, block_size: int
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+def _windows(
+    tokens: np.ndarray, start: int, offsets: np.ndarray, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(x, y) from windows of block_size + 1 tokens at ``start + offsets``."""
     idx = start + offsets[:, None] + np.arange(block_size + 1)
     seq = torch.from_numpy(np.asarray(tokens[idx], dtype=np.int64))
@@ -162,8 +193,17 @@ class TokenStream:
     """Learner ``m``'s deterministic stream of (x, y) LongTensor [batch_size, block_size]
     batches from its shard of a 1-D token array (y is x shifted by one)."""
 
-    def __init__(self, tokens: np.ndarray, *, learner: int, n_learners: int, batch_size: int,
-                 block_size: int, seed: int = 0, eval_fraction: float = 0.05) -> None:
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        *,
+        learner: int,
+        n_learners: int,
+        batch_size: int,
+        block_size: int,
+        seed: int = 0,
+        eval_fraction: float = 0.05,
+    ) -> None:
         check_learner(learner, n_learners)
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -172,8 +212,9 @@ class TokenStream:
         self.tokens = tokens
         self.learner, self.n_learners = learner, n_learners
         self.batch_size, self.block_size, self.seed = batch_size, block_size, seed
-        bounds, _ = token_layout(len(tokens), n_learners=n_learners, block_size=block_size,
-                                 eval_fraction=eval_fraction)
+        bounds, _ = token_layout(
+            len(tokens), n_learners=n_learners, block_size=block_size, eval_fraction=eval_fraction
+        )
         self.shard = bounds[learner]
         """[start, end) of this learner's tokens."""
         self._position = 0
@@ -190,31 +231,53 @@ class TokenStream:
         return _windows(self.tokens, start, offsets, self.block_size)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"kind": "tokens", "position": self._position, "learner": self.learner,
-                "n_learners": self.n_learners, "seed": self.seed, "n_tokens": len(self.tokens)}
+        return {
+            "kind": "tokens",
+            "position": self._position,
+            "learner": self.learner,
+            "n_learners": self.n_learners,
+            "seed": self.seed,
+            "n_tokens": len(self.tokens),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._position = check_state(state, {
-            "kind": "tokens", "learner": self.learner, "n_learners": self.n_learners,
-            "seed": self.seed, "n_tokens": len(self.tokens)})
+        self._position = check_state(
+            state,
+            {
+                "kind": "tokens",
+                "learner": self.learner,
+                "n_learners": self.n_learners,
+                "seed": self.seed,
+                "n_tokens": len(self.tokens),
+            },
+        )
 
 
-def token_eval_batches(tokens: np.ndarray, *, n_batches: int, batch_size: int,
-                       block_size: int, seed: int = 0, eval_fraction: float = 0.05
-                       ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def token_eval_batches(
+    tokens: np.ndarray,
+    *,
+    n_batches: int,
+    batch_size: int,
+    block_size: int,
+    seed: int = 0,
+    eval_fraction: float = 0.05,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """A fixed held-out set: ``n_batches`` batches of windows from the tail of ``tokens``
     that no learner's shard contains."""
     if n_batches < 1 or batch_size < 1:
-        raise ValueError(f"n_batches and batch_size must be >= 1, got {n_batches}, "
-                         f"{batch_size}")
+        raise ValueError(f"n_batches and batch_size must be >= 1, got {n_batches}, {batch_size}")
     if eval_fraction <= 0:
         raise ValueError("eval_fraction is 0: there is no held-out set; use eval_fraction > 0")
-    _, (start, end) = token_layout(len(tokens), n_learners=1, block_size=block_size,
-                                   eval_fraction=eval_fraction)
+    _, (start, end) = token_layout(
+        len(tokens), n_learners=1, block_size=block_size, eval_fraction=eval_fraction
+    )
     rng = rng_for(seed, EVAL)
-    return [_windows(tokens, start,
-                     rng.integers(0, end - start - block_size, size=batch_size), block_size)
-            for _ in range(n_batches)]
+    return [
+        _windows(
+            tokens, start, rng.integers(0, end - start - block_size, size=batch_size), block_size
+        )
+        for _ in range(n_batches)
+    ]
 
 
 def text_stream(path: str | Path, *, all_files: bool = False, **stream_kw: Any) -> TokenStream:
@@ -222,7 +285,8 @@ def text_stream(path: str | Path, *, all_files: bool = False, **stream_kw: Any) 
     return TokenStream(load_text_bytes(path, all_files=all_files), **stream_kw)
 
 
-def bin_stream(path: str | Path, *, dtype: npt.DTypeLike = np.uint16, **stream_kw: Any
-               ) -> TokenStream:
+def bin_stream(
+    path: str | Path, *, dtype: npt.DTypeLike = np.uint16, **stream_kw: Any
+) -> TokenStream:
     """:class:`TokenStream` over the memory-mapped tokens of :func:`load_token_bin`."""
     return TokenStream(load_token_bin(path, dtype=dtype), **stream_kw)

@@ -7,7 +7,6 @@ runs here for side-by-side comparison at equal tokens.
 
 from __future__ import annotations
 
-
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,37 +42,57 @@ def run(cfg: TrainConfig) -> dict:
     from ddiloco.engine.sync import run_diloco, run_dp, run_local, run_streaming
 
     if cfg.engine == "processes":
-        raise ValueError("ddiloco.engine.run drives the inproc engine; use the launcher for "
-                         "engine='processes'")
+        raise ValueError(
+            "ddiloco.engine.run drives the inproc engine; use the launcher for engine='processes'"
+        )
     cfg = cfg.replace(engine="inproc")
     torch.set_num_threads(1)
     data, lang, floor, evals = eval_setup(cfg)
     recorder = Recorder(cfg)
     dump_config(cfg, Path(cfg.out) / CONFIG_FILE)  # `ddiloco train --config` replays the run
-    ctx = RunContext(data=data, evals=evals, floor=floor, global_model=new_model(cfg),
-                     recorder=recorder)
+    ctx = RunContext(
+        data=data, evals=evals, floor=floor, global_model=new_model(cfg), recorder=recorder
+    )
     recorder.row("config", **_jsonable(cfg.to_dict()))
     init_loss, _ = evaluate_metrics(ctx.global_model, evals)
     recorder.row("eval", t_s=0.0, step=0, eval_loss=init_loss, gap=_gap(init_loss, floor))
-    runner = {"local": run_local, "dp": run_dp, "diloco": run_diloco,
-              "streaming": run_streaming, "decoupled": run_decoupled}[cfg.method]
+    runner = {
+        "local": run_local,
+        "dp": run_dp,
+        "diloco": run_diloco,
+        "streaming": run_streaming,
+        "decoupled": run_decoupled,
+    }[cfg.method]
     res = runner(cfg, ctx)
     final, accuracy = evaluate_metrics(ctx.global_model, evals)
     learners = res.pop("learners", cfg.learners)
-    per_step = cfg.batch_size if data.kind in ("digits", "images") else cfg.batch_size * cfg.block_size
+    per_step = (
+        cfg.batch_size if data.kind in ("digits", "images") else cfg.batch_size * cfg.block_size
+    )
     tokens = learners * cfg.steps * per_step
     summary = {
-        "method": cfg.method, "engine": cfg.engine, "learners": learners, "steps": cfg.steps,
-        "tokens": tokens, "final_eval_loss": final, "entropy_floor": floor,
+        "method": cfg.method,
+        "engine": cfg.engine,
+        "learners": learners,
+        "steps": cfg.steps,
+        "tokens": tokens,
+        "final_eval_loss": final,
+        "entropy_floor": floor,
         "gap_to_floor": _gap(final, floor),
         "entropy_rate": lang.entropy_rate if lang is not None else None,
-        "eval_accuracy": accuracy, "data": cfg.data.source, "model": cfg.model.name,
+        "eval_accuracy": accuracy,
+        "data": cfg.data.source,
+        "model": cfg.model.name,
         "initial_eval_loss": init_loss,
-        "goodput": res.pop("goodput"), "goodput_available": res.pop("goodput_available"),
+        "goodput": res.pop("goodput"),
+        "goodput_available": res.pop("goodput_available"),
         "uptime": res.pop("uptime"),
-        "bytes_up": res.pop("bytes_up"), "bytes_down": res.pop("bytes_down"),
-        "merges": res.pop("merges"), "virtual_time_s": res.pop("end_s"),
-        **res, "config": _jsonable(cfg.to_dict()),
+        "bytes_up": res.pop("bytes_up"),
+        "bytes_down": res.pop("bytes_down"),
+        "merges": res.pop("merges"),
+        "virtual_time_s": res.pop("end_s"),
+        **res,
+        "config": _jsonable(cfg.to_dict()),
     }
     recorder.row("final", eval_loss=final, gap=_gap(final, floor), accuracy=accuracy)
     return recorder.finish(summary)
@@ -85,6 +104,3 @@ def _gap(loss: float, floor: float | None) -> float | None:
 
 def _jsonable(d: dict) -> dict:
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items()}
-
-
-

@@ -52,16 +52,33 @@ class Worker:
         return float(loss.detach())
 
 
-def build_workers(cfg: TrainConfig, data: DataConfig, init: dict[str, torch.Tensor]) -> list[Worker]:
+def build_workers(
+    cfg: TrainConfig, data: DataConfig, init: dict[str, torch.Tensor]
+) -> list[Worker]:
     workers = []
     tokens = tokens_per_step(cfg)
     for m in range(cfg.learners):
         model = new_model(cfg)
         model.load_state_dict(init)
-        stream = build_stream(data, learner=m, n_learners=cfg.learners, batch_size=cfg.batch_size,
-                              block_size=cfg.block_size, seed=cfg.seed)
-        workers.append(Worker(m, model, new_optimizer(cfg, model), stream,
-                              dict(model.named_parameters()), tokens, cfg))
+        stream = build_stream(
+            data,
+            learner=m,
+            n_learners=cfg.learners,
+            batch_size=cfg.batch_size,
+            block_size=cfg.block_size,
+            seed=cfg.seed,
+        )
+        workers.append(
+            Worker(
+                m,
+                model,
+                new_optimizer(cfg, model),
+                stream,
+                dict(model.named_parameters()),
+                tokens,
+                cfg,
+            )
+        )
     return workers
 
 
@@ -70,17 +87,21 @@ class World:
 
     def __init__(self, cfg: TrainConfig) -> None:
         self.cfg = cfg
-        self.step_rng = [np.random.default_rng([cfg.seed, _WORLD_DOMAIN, 1, m])
-                         for m in range(cfg.learners)]
-        self.fail_rng = [np.random.default_rng([cfg.seed, _WORLD_DOMAIN, 2, m])
-                         for m in range(cfg.learners)]
+        self.step_rng = [
+            np.random.default_rng([cfg.seed, _WORLD_DOMAIN, 1, m]) for m in range(cfg.learners)
+        ]
+        self.fail_rng = [
+            np.random.default_rng([cfg.seed, _WORLD_DOMAIN, 2, m]) for m in range(cfg.learners)
+        ]
         self.up_codec = get_codec(cfg.codec)
         self.down_codec = get_codec(cfg.down_codec)
 
     def step_s(self, m: int) -> float:
         base = self.cfg.step_time_s / self.cfg.speed(m)
         if self.cfg.step_noise > 0:
-            return base * max(0.1, 1.0 + self.cfg.step_noise * float(self.step_rng[m].standard_normal()))
+            return base * max(
+                0.1, 1.0 + self.cfg.step_noise * float(self.step_rng[m].standard_normal())
+            )
         return base
 
     def next_failure_s(self, m: int, now_s: float) -> float:
@@ -121,8 +142,9 @@ class Recorder:
         self.cfg = cfg
         self.dir = Path(cfg.out)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.sink = open_sinks(("jsonl", *parse_sinks(cfg.metrics_sinks)), self.dir,
-                               name="engine", mode="w")
+        self.sink = open_sinks(
+            ("jsonl", *parse_sinks(cfg.metrics_sinks)), self.dir, name="engine", mode="w"
+        )
         self.t0 = time.perf_counter()
 
     def row(self, kind: str, **fields) -> None:
@@ -144,11 +166,10 @@ class Recorder:
 class TimeBreakdown:
     """Per-learner time accounting (virtual seconds)."""
 
-    compute_s: float = 0.0   # steps whose work reached the model
-    lost_s: float = 0.0      # compute thrown away (failure, dropped push)
-    wait_s: float = 0.0      # idle, waiting for peers or the network
-    down_s: float = 0.0      # failed, restarting
+    compute_s: float = 0.0  # steps whose work reached the model
+    lost_s: float = 0.0  # compute thrown away (failure, dropped push)
+    wait_s: float = 0.0  # idle, waiting for peers or the network
+    down_s: float = 0.0  # failed, restarting
 
     def as_dict(self) -> dict:
         return {k: round(getattr(self, k), 3) for k in ("compute_s", "lost_s", "wait_s", "down_s")}
-

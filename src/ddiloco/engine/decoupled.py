@@ -31,15 +31,15 @@ __all__ = ["run_decoupled"]
 @dataclass(slots=True)
 class _Learner:
     alive: bool = True
-    inc: int = 0                 # incarnation: events of a dead incarnation are ignored
-    steps: int = 0               # completed inner steps (including work later lost)
+    inc: int = 0  # incarnation: events of a dead incarnation are ignored
+    steps: int = 0  # completed inner steps (including work later lost)
     finished: bool = False
     step_started_s: float = 0.0
     step_dt: float = 0.0
     next_fail_s: float = math.inf
     down_since_s: float = 0.0
     failures: int = 0
-    stepping: bool = False       # a step is in progress
+    stepping: bool = False  # a step is in progress
 
 
 def syncer_config(cfg: TrainConfig) -> SyncerConfig:
@@ -80,8 +80,9 @@ def run_decoupled(cfg: TrainConfig, ctx) -> dict:
     zero_up_s = 0.0
     eval_next = cfg.eval_every
     t = 0.0
-    bar = tqdm(total=M * N, desc=f"decoupled M={M}", disable=not cfg.progress, unit="step",
-               leave=False)
+    bar = tqdm(
+        total=M * N, desc=f"decoupled M={M}", disable=not cfg.progress, unit="step", leave=False
+    )
 
     def finish(m: int, now: float) -> None:
         nonlocal n_up, up_since
@@ -105,31 +106,61 @@ def run_decoupled(cfg: TrainConfig, ctx) -> dict:
         nbytes = world.up_codec.nbytes(sum(x.numel() for x in out.params))
         stats["bytes_up"] += nbytes
         stats["pushes"] += 1
-        q.push(now + world.transfer_s(nbytes), 1, "arrive",
-               (m, Contribution(learner=m, fragment=out.fragment, params=params,
-                                c_steps=out.c_steps, c_tokens=out.c_tokens,
-                                base_version=out.base_version, seq=out.seq,
-                                final=finals is not None, final_fragments=finals or ())))
+        q.push(
+            now + world.transfer_s(nbytes),
+            1,
+            "arrive",
+            (
+                m,
+                Contribution(
+                    learner=m,
+                    fragment=out.fragment,
+                    params=params,
+                    c_steps=out.c_steps,
+                    c_tokens=out.c_tokens,
+                    base_version=out.base_version,
+                    seq=out.seq,
+                    final=finals is not None,
+                    final_fragments=finals or (),
+                ),
+            ),
+        )
 
     def broadcast(mg: Merged, now: float) -> None:
         for mm in mg.learners:
             syncs[mm].mark_merged(mg.fragment, round_seq.pop((mm, mg.fragment)))
-        params = mg.params if cfg.down_codec == "fp32" else \
-            [world.down_codec.roundtrip(x) for x in mg.params]
+        params = (
+            mg.params
+            if cfg.down_codec == "fp32"
+            else [world.down_codec.roundtrip(x) for x in mg.params]
+        )
         nbytes = world.down_codec.nbytes(sum(x.numel() for x in params))
         done = now + cfg.merge_time_s
         syncer.observe_sync_s(cfg.merge_time_s + world.transfer_s(nbytes))
         for m in range(M):
             if L[m].alive and not L[m].finished:
                 stats["bytes_down"] += nbytes
-                q.push(done + world.transfer_s(nbytes), 2, "receive",
-                       (m, L[m].inc, mg.fragment, mg.version, params))
-        rec.row("merge", t_s=round(now, 4), fragment=mg.fragment, version=mg.version,
-                learners=list(mg.learners), reason=mg.reason)
+                q.push(
+                    done + world.transfer_s(nbytes),
+                    2,
+                    "receive",
+                    (m, L[m].inc, mg.fragment, mg.version, params),
+                )
+        rec.row(
+            "merge",
+            t_s=round(now, 4),
+            fragment=mg.fragment,
+            version=mg.version,
+            learners=list(mg.learners),
+            reason=mg.reason,
+        )
 
     while q:
         t_ev, kind, payload = q.pop()
-        if kind in ("start", "end", "fail", "rejoin", "leave", "receive") and payload[1] != L[payload[0]].inc:
+        if (
+            kind in ("start", "end", "fail", "rejoin", "leave", "receive")
+            and payload[1] != L[payload[0]].inc
+        ):
             continue  # an event of a dead incarnation
         if kind == "fail" and (not L[payload[0]].alive or L[payload[0]].finished):
             continue
@@ -165,8 +196,14 @@ def run_decoupled(cfg: TrainConfig, ctx) -> dict:
                 eval_next += cfg.eval_every
                 ctx.load_global(syncer.global_params())
                 ev = evaluate(ctx.global_model, ctx.evals)
-                rec.row("eval", t_s=round(t, 4), step=done_steps / M, eval_loss=ev,
-                        gap=None if ctx.floor is None else ev - ctx.floor, versions=sum(syncer.versions()))
+                rec.row(
+                    "eval",
+                    t_s=round(t, 4),
+                    step=done_steps / M,
+                    eval_loss=ev,
+                    gap=None if ctx.floor is None else ev - ctx.floor,
+                    versions=sum(syncer.versions()),
+                )
                 bar.set_postfix(eval=f"{ev:.3f}")
         elif kind == "arrive":
             m, c = payload
@@ -218,8 +255,12 @@ def run_decoupled(cfg: TrainConfig, ctx) -> dict:
             if n_up == 1:
                 up_since = t
             n_up -= 1
-            q.push(t + min(cfg.downtime_s, world.transfer_s(model_bytes_down)), 2, "leave",
-                   (m, L[m].inc))
+            q.push(
+                t + min(cfg.downtime_s, world.transfer_s(model_bytes_down)),
+                2,
+                "leave",
+                (m, L[m].inc),
+            )
             q.push(t + cfg.downtime_s, 4, "rejoin", (m, L[m].inc))
             rec.row("failure", t_s=round(t, 4), learner=m, step=L[m].steps)
         elif kind == "rejoin":
@@ -240,8 +281,13 @@ def run_decoupled(cfg: TrainConfig, ctx) -> dict:
             L[m].next_fail_s = world.next_failure_s(m, t + fetch_s)
             q.push(t + fetch_s, 9, "start", (m, inc))
             q.push(L[m].next_fail_s, 0, "fail", (m, inc))
-            rec.row("rejoin", t_s=round(t + fetch_s, 4), learner=m, step=L[m].steps,
-                    versions=sum(syncer.versions()))
+            rec.row(
+                "rejoin",
+                t_s=round(t + fetch_s, 4),
+                learner=m,
+                step=L[m].steps,
+                versions=sum(syncer.versions()),
+            )
         if not q:
             for mg in syncer.flush(t):
                 broadcast(mg, t)
@@ -259,16 +305,31 @@ def run_decoupled(cfg: TrainConfig, ctx) -> dict:
         times[m].compute_s = useful
         times[m].wait_s = max(0.0, end_s - useful - times[m].lost_s - times[m].down_s)
         useful_s += useful
-        per_learner.append({
-            "learner": m, "steps": L[m].steps, "failures": L[m].failures,
-            "ledger_steps": {k: round(getattr(led, k), 4) for k in
-                             ("computed", "merged", "dropped", "overwritten", "lost", "pending",
-                              "unpushed")},
-            "ledger_balance_error": led.balance_error(),
-            "syncer_tokens": {k: round(getattr(syncer.ledger[m], k), 3) for k in
-                              ("tokens_merged", "tokens_dropped", "tokens_pending")},
-            "time": times[m].as_dict(),
-        })
+        per_learner.append(
+            {
+                "learner": m,
+                "steps": L[m].steps,
+                "failures": L[m].failures,
+                "ledger_steps": {
+                    k: round(getattr(led, k), 4)
+                    for k in (
+                        "computed",
+                        "merged",
+                        "dropped",
+                        "overwritten",
+                        "lost",
+                        "pending",
+                        "unpushed",
+                    )
+                },
+                "ledger_balance_error": led.balance_error(),
+                "syncer_tokens": {
+                    k: round(getattr(syncer.ledger[m], k), 3)
+                    for k in ("tokens_merged", "tokens_dropped", "tokens_pending")
+                },
+                "time": times[m].as_dict(),
+            }
+        )
     tokens_merged = round(sum(syncer.ledger[m].tokens_merged for m in range(M)))
     return {
         "end_s": end_s,
@@ -278,19 +339,20 @@ def run_decoupled(cfg: TrainConfig, ctx) -> dict:
         "bytes_up": stats["bytes_up"],
         "bytes_down": stats["bytes_down"],
         "merges": syncer.merges,
-        "mean_quorum": (sum(syncer.quorum_sizes) / len(syncer.quorum_sizes)
-                        if syncer.quorum_sizes else 0.0),
+        "mean_quorum": (
+            sum(syncer.quorum_sizes) / len(syncer.quorum_sizes) if syncer.quorum_sizes else 0.0
+        ),
         "learners_per_merge": _ratio(sum(syncer.quorum_sizes), len(syncer.quorum_sizes)),
         "pushes": stats["pushes"],
         "rejected": stats["rejected"],
-        "mean_staleness": (sum(stats["staleness"]) / len(stats["staleness"])
-                           if stats["staleness"] else 0.0),
+        "mean_staleness": (
+            sum(stats["staleness"]) / len(stats["staleness"]) if stats["staleness"] else 0.0
+        ),
         "tokens_merged": tokens_merged,
         "failures": sum(x.failures for x in L),
         "fragments": frag.P,
         "per_learner": per_learner,
     }
-
 
 
 def _ratio(a: float, b: float) -> float:

@@ -12,8 +12,8 @@ from ddiloco.algorithm.merge import OuterNesterov, alpha_mix, merge_outer_gradie
 from ddiloco.algorithm.schedule import FragmentSchedule
 from ddiloco.config import TrainConfig
 from ddiloco.engine.common import TimeBreakdown, World, build_workers
-from ddiloco.recipe import evaluate, fragmentation_for, new_optimizer, set_lr
 from ddiloco.models import embedding_param_names
+from ddiloco.recipe import evaluate, fragmentation_for, new_optimizer, set_lr
 
 __all__ = ["run_local", "run_dp", "run_diloco", "run_streaming"]
 
@@ -36,8 +36,9 @@ class _Clock:
         the phase is redone. Returns the phase's start time."""
         while True:
             span = max(durations) + comm_s
-            fails = [(self.next_fail[m], m) for m in range(self.M)
-                     if self.next_fail[m] < self.t + span]
+            fails = [
+                (self.next_fail[m], m) for m in range(self.M) if self.next_fail[m] < self.t + span
+            ]
             if not fails:
                 for m, d in enumerate(durations):
                     self.times[m].compute_s += d
@@ -66,11 +67,14 @@ class _Clock:
         T = self.t  # noqa: N806
         useful = sum(x.compute_s for x in self.times)
         available = self.M * T - sum(x.down_s for x in self.times)
-        return {"end_s": T, "goodput": useful / (self.M * T) if T else 0.0,
-                "goodput_available": useful / available if available > 0 else 0.0,
-                "uptime": 1.0 - self.stall_s / T if T else 0.0, "failures": self.failures,
-                "per_learner": [{"learner": m, "time": x.as_dict()}
-                                for m, x in enumerate(self.times)]}
+        return {
+            "end_s": T,
+            "goodput": useful / (self.M * T) if T else 0.0,
+            "goodput_available": useful / available if available > 0 else 0.0,
+            "uptime": 1.0 - self.stall_s / T if T else 0.0,
+            "failures": self.failures,
+            "per_learner": [{"learner": m, "time": x.as_dict()} for m, x in enumerate(self.times)],
+        }
 
 
 def _model_numel(model: torch.nn.Module) -> int:
@@ -87,8 +91,13 @@ def _maybe_eval(ctx, rec_step: int, cfg: TrainConfig, t: float, bar, params=None
         if params is not None:
             ctx.load_global(params)
         ev = evaluate(ctx.global_model, ctx.evals)
-        ctx.recorder.row("eval", t_s=round(t, 4), step=rec_step, eval_loss=ev,
-                          gap=None if ctx.floor is None else ev - ctx.floor)
+        ctx.recorder.row(
+            "eval",
+            t_s=round(t, 4),
+            step=rec_step,
+            eval_loss=ev,
+            gap=None if ctx.floor is None else ev - ctx.floor,
+        )
         bar.set_postfix(eval=f"{ev:.3f}")
 
 
@@ -161,14 +170,23 @@ def run_diloco(cfg: TrainConfig, ctx) -> dict:
     done = merges = 0
     while done < cfg.steps:
         h = min(cfg.H, cfg.steps - done)
-        clock.phase([sum(world.step_s(m) for _ in range(h)) for m in range(M)],
-                    world.transfer_s(sync_bytes))
+        clock.phase(
+            [sum(world.step_s(m) for _ in range(h)) for m in range(M)], world.transfer_s(sync_bytes)
+        )
         for _ in range(h):
             for w in workers:
                 w.train_step()
             bar.update(1)
-        _outer_step(glob, names, embedding, workers, outer, momentum, cfg.merge_rule,
-                    workers[0].tokens_per_step)
+        _outer_step(
+            glob,
+            names,
+            embedding,
+            workers,
+            outer,
+            momentum,
+            cfg.merge_rule,
+            workers[0].tokens_per_step,
+        )
         merges += 1
         if done // cfg.eval_every != (done + h) // cfg.eval_every and done + h < cfg.steps:
             _maybe_eval(ctx, (done + h) // cfg.eval_every * cfg.eval_every, cfg, clock.t, bar, glob)
@@ -204,8 +222,16 @@ def run_streaming(cfg: TrainConfig, ctx) -> dict:
     def merge(p: int, k: int) -> None:
         nonlocal bytes_total, merges
         f = frag.fragments[p]
-        _outer_step(glob, f.names, f.embedding, workers, outer, momentum, cfg.merge_rule,
-                    workers[0].tokens_per_step * max(1, since[p]))
+        _outer_step(
+            glob,
+            f.names,
+            f.embedding,
+            workers,
+            outer,
+            momentum,
+            cfg.merge_rule,
+            workers[0].tokens_per_step * max(1, since[p]),
+        )
         since[p] = 0
         installs.setdefault(k + cfg.tau, []).append((p, {n: glob[n].clone() for n in f.names}))
         bytes_total += _ring_bytes(M, world.up_codec.nbytes(f.numel)) * M
@@ -213,8 +239,13 @@ def run_streaming(cfg: TrainConfig, ctx) -> dict:
 
     for k in range(1, cfg.steps + 1):
         sends = sched.fragments_to_send(k) if k < cfg.steps else tuple(range(frag.P))
-        comm = max((world.transfer_s(_ring_bytes(M, world.up_codec.nbytes(frag.fragments[p].numel)))
-                    for p in sends), default=0.0)
+        comm = max(
+            (
+                world.transfer_s(_ring_bytes(M, world.up_codec.nbytes(frag.fragments[p].numel)))
+                for p in sends
+            ),
+            default=0.0,
+        )
         step = max(world.step_s(m) for m in range(M))
         # the fragment's all-reduce is hidden behind tau steps; only the excess stalls
         clock.phase([step] * M, max(0.0, comm - cfg.tau * step) if cfg.tau else comm)
@@ -226,7 +257,7 @@ def run_streaming(cfg: TrainConfig, ctx) -> dict:
             merge(p, k)
         due = installs.pop(k, []) if k < cfg.steps else [x for v in installs.values() for x in v]
         with torch.no_grad():
-            for p, values in due:
+            for _p, values in due:
                 for w in workers:
                     for n, v in values.items():
                         alpha_mix(w.params[n], v, cfg.alpha)
@@ -235,12 +266,21 @@ def run_streaming(cfg: TrainConfig, ctx) -> dict:
     bar.close()
     ctx.load_global(glob)
     _final_eval_row(ctx, cfg, clock.t)
-    return {**clock.result(), "bytes_up": bytes_total, "bytes_down": bytes_total,
-            "merges": merges, "fragments": frag.P}
+    return {
+        **clock.result(),
+        "bytes_up": bytes_total,
+        "bytes_down": bytes_total,
+        "merges": merges,
+        "fragments": frag.P,
+    }
 
 
 def _final_eval_row(ctx, cfg: TrainConfig, t: float) -> None:
     ev = evaluate(ctx.global_model, ctx.evals)
-    ctx.recorder.row("eval", t_s=round(t, 4), step=cfg.steps, eval_loss=ev,
-                          gap=None if ctx.floor is None else ev - ctx.floor)
-
+    ctx.recorder.row(
+        "eval",
+        t_s=round(t, 4),
+        step=cfg.steps,
+        eval_loss=ev,
+        gap=None if ctx.floor is None else ev - ctx.floor,
+    )

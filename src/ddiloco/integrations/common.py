@@ -28,8 +28,10 @@ def learner_kwargs(kw: dict[str, Any]) -> dict[str, Any]:
     allowed = set(inspect.signature(DecoupledLearner.__init__).parameters) - {"self", *_OWN}
     bad = sorted(set(kw) - allowed)
     if bad:
-        raise TypeError(f"unknown DecoupledLearner option(s) {', '.join(bad)}; valid: "
-                        f"{', '.join(sorted(allowed))}")
+        raise TypeError(
+            f"unknown DecoupledLearner option(s) {', '.join(bad)}; valid: "
+            f"{', '.join(sorted(allowed))}"
+        )
     return dict(kw)
 
 
@@ -44,8 +46,11 @@ def _samples(batch: Any) -> int | None:
 
     if isinstance(batch, torch.Tensor):
         return int(batch.shape[0]) if batch.ndim > 0 else 1
-    items = batch.values() if isinstance(batch, dict) else (
-        batch if isinstance(batch, (list, tuple)) else ())
+    items = (
+        batch.values()
+        if isinstance(batch, dict)
+        else (batch if isinstance(batch, (list, tuple)) else ())
+    )
     for x in items:
         n = _samples(x)
         if n is not None:

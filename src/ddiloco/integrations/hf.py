@@ -27,8 +27,9 @@ from typing import Any
 try:
     from transformers import TrainerCallback
 except ImportError as e:  # pragma: no cover - depends on the environment
-    raise ImportError("ddiloco.integrations.hf needs the 'transformers' package: "
-                      "pip install ddiloco[hf]") from e
+    raise ImportError(
+        "ddiloco.integrations.hf needs the 'transformers' package: pip install ddiloco[hf]"
+    ) from e
 
 from ddiloco.integrations.common import island_group, learner_kwargs
 from ddiloco.runtime.learner.hook import DecoupledLearner
@@ -47,8 +48,9 @@ class DecoupledDiLoCoCallback(TrainerCallback):  # type: ignore[misc]
     (``include_num_input_tokens_seen``), the input tokens it saw.
     """
 
-    def __init__(self, *, syncer: str, learner: int, tokens_per_step: int | None = None,
-                 **learner_kw: Any) -> None:
+    def __init__(
+        self, *, syncer: str, learner: int, tokens_per_step: int | None = None, **learner_kw: Any
+    ) -> None:
         self.syncer, self.learner_index = syncer, learner
         self.tokens_per_step = tokens_per_step
         self.learner_kw = learner_kwargs(learner_kw)
@@ -60,12 +62,18 @@ class DecoupledDiLoCoCallback(TrainerCallback):  # type: ignore[misc]
         """Tokens (or samples) reported to the hook so far."""
         self._tokens_seen = 0
 
-    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None,
-                       **kwargs: Any) -> None:
+    def on_train_begin(
+        self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any
+    ) -> None:
         if model is None:
             raise ValueError("the Trainer passed no model to the callback")
-        self.learner = DecoupledLearner(model, syncer=self.syncer, learner=self.learner_index,
-                                        process_group=island_group(), **self.learner_kw)
+        self.learner = DecoupledLearner(
+            model,
+            syncer=self.syncer,
+            learner=self.learner_index,
+            process_group=island_group(),
+            **self.learner_kw,
+        )
         self.learner.start()
         self._tokens_seen = int(getattr(state, "num_input_tokens_seen", 0) or 0)
 
@@ -76,13 +84,18 @@ class DecoupledDiLoCoCallback(TrainerCallback):  # type: ignore[misc]
         if seen > self._tokens_seen:
             n, self._tokens_seen = seen - self._tokens_seen, seen
             return n
-        return int(args.per_device_train_batch_size * args.gradient_accumulation_steps
-                   * max(1, args.world_size))
+        return int(
+            args.per_device_train_batch_size
+            * args.gradient_accumulation_steps
+            * max(1, args.world_size)
+        )
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.learner is None:
-            raise RuntimeError("on_step_end before on_train_begin: add the callback to the "
-                               "Trainer before calling train()")
+            raise RuntimeError(
+                "on_step_end before on_train_begin: add the callback to the "
+                "Trainer before calling train()"
+            )
         tokens = self._tokens(args, state)
         self.tokens += tokens
         self.installed += len(self.learner.step(tokens))

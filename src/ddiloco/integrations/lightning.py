@@ -27,8 +27,10 @@ from typing import Any
 try:
     import lightning.pytorch as pl
 except ImportError as e:  # pragma: no cover - depends on the environment
-    raise ImportError("ddiloco.integrations.lightning needs the 'lightning' package: "
-                      "pip install ddiloco[lightning]") from e
+    raise ImportError(
+        "ddiloco.integrations.lightning needs the 'lightning' package: "
+        "pip install ddiloco[lightning]"
+    ) from e
 
 from ddiloco.integrations.common import batch_samples, island_group, learner_kwargs
 from ddiloco.runtime.learner.hook import DecoupledLearner
@@ -46,8 +48,9 @@ class DecoupledDiLoCo(pl.Callback):  # type: ignore[misc]
     dimension of each batch's first tensor) times the number of ranks.
     """
 
-    def __init__(self, *, syncer: str, learner: int, tokens_per_step: int | None = None,
-                 **learner_kw: Any) -> None:
+    def __init__(
+        self, *, syncer: str, learner: int, tokens_per_step: int | None = None, **learner_kw: Any
+    ) -> None:
         super().__init__()
         self.syncer, self.learner_index = syncer, learner
         self.tokens_per_step = tokens_per_step
@@ -64,19 +67,26 @@ class DecoupledDiLoCo(pl.Callback):  # type: ignore[misc]
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         if len(trainer.optimizers) != 1:
-            raise ValueError(f"DecoupledDiLoCo hooks one optimizer; configure_optimizers "
-                             f"returned {len(trainer.optimizers)}")
+            raise ValueError(
+                f"DecoupledDiLoCo hooks one optimizer; configure_optimizers "
+                f"returned {len(trainer.optimizers)}"
+            )
         self._trainer = trainer
-        self.learner = DecoupledLearner(pl_module, syncer=self.syncer,
-                                        learner=self.learner_index,
-                                        process_group=island_group(), **self.learner_kw)
+        self.learner = DecoupledLearner(
+            pl_module,
+            syncer=self.syncer,
+            learner=self.learner_index,
+            process_group=island_group(),
+            **self.learner_kw,
+        )
         self.learner.start()
         optimizer = trainer.optimizers[0]
         optimizer = getattr(optimizer, "optimizer", optimizer)  # a LightningOptimizer's own
         self._hook = optimizer.register_step_post_hook(lambda *_: self._after_step())
 
-    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
+    ) -> None:
         self._samples += batch_samples(batch)
 
     def _after_step(self) -> None:

@@ -31,8 +31,19 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["SINKS", "MetricsSink", "JsonlSink", "TensorBoardSink", "WandbSink", "MlflowSink",
-           "MultiSink", "open_sinks", "parse_sinks", "scalars", "check_available"]
+__all__ = [
+    "SINKS",
+    "MetricsSink",
+    "JsonlSink",
+    "TensorBoardSink",
+    "WandbSink",
+    "MlflowSink",
+    "MultiSink",
+    "open_sinks",
+    "parse_sinks",
+    "scalars",
+    "check_available",
+]
 
 SINKS = ("jsonl", "tensorboard", "wandb", "mlflow")
 """Valid sink names."""
@@ -57,8 +68,10 @@ def parse_sinks(spec: str | Iterable[str]) -> tuple[str, ...]:
     names = [s for s in names if s]
     bad = [s for s in names if s not in SINKS]
     if bad:
-        raise ValueError(f"unknown metrics sink {bad[0]!r}; valid sinks: {', '.join(SINKS)} "
-                         f"(comma-separated, e.g. jsonl,tensorboard)")
+        raise ValueError(
+            f"unknown metrics sink {bad[0]!r}; valid sinks: {', '.join(SINKS)} "
+            f"(comma-separated, e.g. jsonl,tensorboard)"
+        )
     return tuple(dict.fromkeys(names))
 
 
@@ -72,8 +85,9 @@ def check_available(names: str | Iterable[str]) -> None:
     for s in parse_sinks(names):
         pkg = _PACKAGES.get(s)
         if pkg is not None and importlib.util.find_spec(pkg) is None:
-            raise ImportError(f"the {s} metrics sink needs the '{pkg}' package: "
-                              f"pip install ddiloco[{s}]")
+            raise ImportError(
+                f"the {s} metrics sink needs the '{pkg}' package: pip install ddiloco[{s}]"
+            )
 
 
 def scalars(row: Mapping[str, Any]) -> dict[str, float]:
@@ -89,8 +103,7 @@ def scalars(row: Mapping[str, Any]) -> dict[str, float]:
 
 
 def _params(row: Mapping[str, Any]) -> dict[str, str]:
-    return {k: (v if isinstance(v, str) else json.dumps(v)) for k, v in row.items()
-            if k != "kind"}
+    return {k: (v if isinstance(v, str) else json.dumps(v)) for k, v in row.items() if k != "kind"}
 
 
 class _Closing:
@@ -152,8 +165,11 @@ class _ScalarSink(_Closing):
         values = scalars(row)
         if values:
             wall = row.get("wall")
-            self._log(values, self._step(row),
-                      float(wall) if isinstance(wall, (int, float)) else time.time())
+            self._log(
+                values,
+                self._step(row),
+                float(wall) if isinstance(wall, (int, float)) else time.time(),
+            )
 
     def _log(self, values: dict[str, float], step: int, wall: float) -> None:
         raise NotImplementedError
@@ -168,8 +184,10 @@ def _need(module: str, extra: str) -> Any:
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        raise ImportError(f"the {extra} metrics sink needs the '{module.split('.')[0]}' "
-                          f"package: pip install ddiloco[{extra}]") from e
+        raise ImportError(
+            f"the {extra} metrics sink needs the '{module.split('.')[0]}' "
+            f"package: pip install ddiloco[{extra}]"
+        ) from e
 
 
 class TensorBoardSink(_ScalarSink):
@@ -201,17 +219,30 @@ class WandbSink(_ScalarSink):
     """A Weights & Biases run in offline mode, its files under ``root/wandb``. Each row's
     step is logged beside its values as ``kind/step`` (wandb's own step counts rows)."""
 
-    def __init__(self, root: str | Path, *, name: str, group: str | None = None,
-                 project: str = "ddiloco") -> None:
+    def __init__(
+        self, root: str | Path, *, name: str, group: str | None = None, project: str = "ddiloco"
+    ) -> None:
         super().__init__()
         wandb = _need("wandb", "wandb")
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
-        settings = wandb.Settings(console="off", silent=True, x_disable_stats=True,
-                                  disable_git=True, save_code=False,
-                                  x_disable_machine_info=True)
-        self._run = wandb.init(mode="offline", dir=str(self.root), project=project, name=name,
-                               group=group, reinit="create_new", settings=settings)
+        settings = wandb.Settings(
+            console="off",
+            silent=True,
+            x_disable_stats=True,
+            disable_git=True,
+            save_code=False,
+            x_disable_machine_info=True,
+        )
+        self._run = wandb.init(
+            mode="offline",
+            dir=str(self.root),
+            project=project,
+            name=name,
+            group=group,
+            reinit="create_new",
+            settings=settings,
+        )
         self.run_dir = Path(self._run.dir).parent
         """The run's offline folder (``root/wandb/offline-run-*``)."""
 
@@ -242,8 +273,9 @@ class MlflowSink(_ScalarSink):
     this sink sets that variable (unless already set) since a run directory is a folder
     of files and needs no database."""
 
-    def __init__(self, store: str | Path, *, name: str, experiment: str = "ddiloco",
-                 flush_every: int = 200) -> None:
+    def __init__(
+        self, store: str | Path, *, name: str, experiment: str = "ddiloco", flush_every: int = 200
+    ) -> None:
         super().__init__()
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         mlflow = _need("mlflow", "mlflow")
@@ -276,12 +308,11 @@ class MlflowSink(_ScalarSink):
     def _log_params(self, params: dict[str, str]) -> None:
         from mlflow.entities import Param
 
-        self._client.log_batch(self.run_id, params=[Param(k, v[:6000])
-                                                    for k, v in params.items()])
+        self._client.log_batch(self.run_id, params=[Param(k, v[:6000]) for k, v in params.items()])
 
     def flush(self) -> None:
         for i in range(0, len(self._pending), 1000):  # log_batch takes up to 1000 metrics
-            self._client.log_batch(self.run_id, metrics=self._pending[i:i + 1000])
+            self._client.log_batch(self.run_id, metrics=self._pending[i : i + 1000])
         self._pending = []
 
     def close(self) -> None:
@@ -321,9 +352,15 @@ class MultiSink(_Closing):
         return bool(self.sinks)
 
 
-def open_sinks(names: str | Iterable[str], run_dir: str | Path, *, name: str,
-               jsonl_path: str | Path | None = None, mode: str = "a",
-               flush_rows: bool = False) -> MultiSink:
+def open_sinks(
+    names: str | Iterable[str],
+    run_dir: str | Path,
+    *,
+    name: str,
+    jsonl_path: str | Path | None = None,
+    mode: str = "a",
+    flush_rows: bool = False,
+) -> MultiSink:
     """The sinks ``names`` for writer ``name`` of the run in ``run_dir``. The JSONL sink
     writes ``jsonl_path`` (default ``run_dir/metrics.jsonl``) with ``mode`` and
     ``flush_rows``; the others write under ``run_dir`` as the module docstring says."""
@@ -332,8 +369,11 @@ def open_sinks(names: str | Iterable[str], run_dir: str | Path, *, name: str,
     try:
         for s in parse_sinks(names):
             if s == "jsonl":
-                sinks.append(JsonlSink(jsonl_path or root / "metrics.jsonl", mode=mode,
-                                       flush_rows=flush_rows))
+                sinks.append(
+                    JsonlSink(
+                        jsonl_path or root / "metrics.jsonl", mode=mode, flush_rows=flush_rows
+                    )
+                )
             elif s == "tensorboard":
                 sinks.append(TensorBoardSink(root / "tensorboard" / name))
             elif s == "wandb":

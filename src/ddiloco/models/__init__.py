@@ -17,10 +17,26 @@ from ddiloco.models.gpt import GPT, GPTConfig, gpt_100m, gpt_125m, gpt_small, gp
 from ddiloco.models.moe import MoEConfig, MoEGPT, moe_small, moe_tiny
 from ddiloco.models.vit import ViT, ViTConfig, vit_digits, vit_tiny_rgb
 
-__all__ = ["GPT", "GPTConfig", "gpt_tiny", "gpt_small", "gpt_100m", "gpt_125m",
-           "MoEConfig", "MoEGPT", "moe_tiny", "moe_small",
-           "ViTConfig", "ViT", "vit_digits", "vit_tiny_rgb",
-           "embedding_param_names", "build_model", "build_config", "MODEL_PRESETS"]
+__all__ = [
+    "GPT",
+    "GPTConfig",
+    "gpt_tiny",
+    "gpt_small",
+    "gpt_100m",
+    "gpt_125m",
+    "MoEConfig",
+    "MoEGPT",
+    "moe_tiny",
+    "moe_small",
+    "ViTConfig",
+    "ViT",
+    "vit_digits",
+    "vit_tiny_rgb",
+    "embedding_param_names",
+    "build_model",
+    "build_config",
+    "MODEL_PRESETS",
+]
 
 # Unembedding tensors of models that do not declare their embeddings, recognised by name.
 _UNEMBED_SUFFIXES = ("lm_head.weight", "unembed.weight")
@@ -52,22 +68,28 @@ def embedding_param_names(model: nn.Module) -> set[str]:
     # A tensor is an embedding if it is an nn.Embedding weight or named like an
     # unembedding; storage pointers catch ties, whichever name named_parameters() keeps.
     ptrs = {m.weight.data_ptr() for m in model.modules() if isinstance(m, nn.Embedding)}
-    ptrs |= {p.data_ptr() for n, p in model.named_parameters(remove_duplicate=False)
-             if n.endswith(_UNEMBED_SUFFIXES)}
+    ptrs |= {
+        p.data_ptr()
+        for n, p in model.named_parameters(remove_duplicate=False)
+        if n.endswith(_UNEMBED_SUFFIXES)
+    }
     return {n for n, p in model.named_parameters() if p.data_ptr() in ptrs}
 
 
 def build_config(name: str, **overrides: Any) -> Any:
     """The config of preset ``name`` with fields replaced by ``overrides`` (validated)."""
     if name not in MODEL_PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; valid names: "
-                         f"{', '.join(sorted(MODEL_PRESETS))}")
+        raise ValueError(
+            f"unknown model preset {name!r}; valid names: {', '.join(sorted(MODEL_PRESETS))}"
+        )
     cfg = MODEL_PRESETS[name][0]()
     fields = {f.name for f in dataclasses.fields(cfg)}
     unknown = sorted(set(overrides) - fields)
     if unknown:
-        raise ValueError(f"unknown field(s) {unknown} for model preset {name!r} "
-                         f"({type(cfg).__name__}); valid fields: {', '.join(sorted(fields))}")
+        raise ValueError(
+            f"unknown field(s) {unknown} for model preset {name!r} "
+            f"({type(cfg).__name__}); valid fields: {', '.join(sorted(fields))}"
+        )
     return dataclasses.replace(cfg, **overrides)
 
 

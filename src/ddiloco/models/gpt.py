@@ -25,8 +25,18 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["GPTConfig", "GPT", "Block", "CausalSelfAttention", "MLP", "init_gpt_weights",
-           "gpt_tiny", "gpt_small", "gpt_100m", "gpt_125m"]
+__all__ = [
+    "GPTConfig",
+    "GPT",
+    "Block",
+    "CausalSelfAttention",
+    "MLP",
+    "init_gpt_weights",
+    "gpt_tiny",
+    "gpt_small",
+    "gpt_100m",
+    "gpt_125m",
+]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -59,7 +69,8 @@ class GPTConfig:
             raise ValueError(
                 f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head}); "
                 f"pick n_head among the divisors of n_embd, e.g. n_head="
-                f"{math.gcd(self.n_embd, self.n_head)}")
+                f"{math.gcd(self.n_embd, self.n_head)}"
+            )
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
 
@@ -82,8 +93,9 @@ def gpt_100m() -> GPTConfig:
 def gpt_125m() -> GPTConfig:
     """GPT-2 small shape (~124M parameters): 12 x 768, 12 heads, vocab 50304, context 1024,
     tied embeddings as in GPT-2."""
-    return GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768,
-                     tie_weights=True)
+    return GPTConfig(
+        vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768, tie_weights=True
+    )
 
 
 class CausalSelfAttention(nn.Module):
@@ -105,8 +117,9 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.qkv(x).split(C, dim=2)
         # (B, T, C) -> (B, n_head, T, head_dim)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=self.causal, dropout_p=self.dropout if self.training else 0.0
+        )
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_drop(self.proj(y))
 
@@ -128,8 +141,7 @@ class Block(nn.Module):
     """Pre-LN transformer block: x + attn(ln1(x)), then x + mlp(ln2(x)). ``mlp`` may be
     any module mapping [B, T, d] to [B, T, d] (the MoE layer, for instance)."""
 
-    def __init__(self, cfg: GPTConfig, causal: bool = True, mlp: nn.Module | None = None
-                 ) -> None:
+    def __init__(self, cfg: GPTConfig, causal: bool = True, mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.attn = CausalSelfAttention(cfg, causal=causal)
@@ -183,12 +195,15 @@ class GPT(nn.Module):
         """One transformer block; subclasses (the MoE GPT) swap the MLP here."""
         return Block(cfg)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         B, T = idx.shape
         if T > self.cfg.block_size:
-            raise ValueError(f"sequence length {T} exceeds block_size {self.cfg.block_size}; "
-                             f"use shorter sequences or a config with a larger block_size")
+            raise ValueError(
+                f"sequence length {T} exceeds block_size {self.cfg.block_size}; "
+                f"use shorter sequences or a config with a larger block_size"
+            )
         pos = torch.arange(T, device=idx.device)
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
         for block in self.blocks:
@@ -196,8 +211,9 @@ class GPT(nn.Module):
         logits = self.lm_head(self.ln_f(x))
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1),
-                                   ignore_index=-1)
+            loss = F.cross_entropy(
+                logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1
+            )
         return logits, loss
 
     def embedding_param_names(self) -> set[str]:

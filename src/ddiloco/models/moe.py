@@ -56,11 +56,14 @@ class MoEConfig(GPTConfig):
         if self.n_experts < 1:
             raise ValueError(f"MoEConfig.n_experts must be >= 1, got {self.n_experts}")
         if not 1 <= self.top_k <= self.n_experts:
-            raise ValueError(f"MoEConfig.top_k must be in [1, n_experts={self.n_experts}], "
-                             f"got {self.top_k}")
+            raise ValueError(
+                f"MoEConfig.top_k must be in [1, n_experts={self.n_experts}], got {self.top_k}"
+            )
         if self.capacity_factor is not None and not self.capacity_factor > 0:
-            raise ValueError(f"MoEConfig.capacity_factor must be > 0 or None (unlimited), "
-                             f"got {self.capacity_factor}")
+            raise ValueError(
+                f"MoEConfig.capacity_factor must be > 0 or None (unlimited), "
+                f"got {self.capacity_factor}"
+            )
         if self.aux_loss_coef < 0:
             raise ValueError(f"MoEConfig.aux_loss_coef must be >= 0, got {self.aux_loss_coef}")
 
@@ -72,8 +75,16 @@ def moe_tiny() -> MoEConfig:
 
 def moe_small() -> MoEConfig:
     """gpt_small's shape (6 x 384, byte vocabulary) with 8 experts, top-2, capacity 1.25."""
-    return MoEConfig(vocab_size=256, block_size=256, n_layer=6, n_head=6, n_embd=384,
-                     n_experts=8, top_k=2, capacity_factor=1.25)
+    return MoEConfig(
+        vocab_size=256,
+        block_size=256,
+        n_layer=6,
+        n_head=6,
+        n_embd=384,
+        n_experts=8,
+        top_k=2,
+        capacity_factor=1.25,
+    )
 
 
 @dataclass(slots=True)
@@ -163,11 +174,17 @@ class MoEGPT(GPT):
     def moe_layers(self) -> list[MoELayer]:
         return [block.mlp for block in self.blocks]  # type: ignore[misc]
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         logits, ce = super().forward(idx, targets)
-        aux = torch.stack([layer.last_routing.aux_loss for layer in self.moe_layers()
-                           if layer.last_routing is not None]).mean()
+        aux = torch.stack(
+            [
+                layer.last_routing.aux_loss
+                for layer in self.moe_layers()
+                if layer.last_routing is not None
+            ]
+        ).mean()
         self.last_aux_loss = aux.detach()
         if ce is None:
             return logits, None

@@ -13,8 +13,10 @@ __all__ = ["DecoupledLearner", "LinkLimits", "SyncerServer", "SyncerServerConfig
 def __getattr__(name: str):
     if name in ("DecoupledLearner", "LinkLimits"):
         from ddiloco.runtime.learner import client, hook
+
         return getattr(hook if name == "DecoupledLearner" else client, name)
     if name in ("SyncerServer", "SyncerServerConfig"):
         from ddiloco.runtime.syncer import server
+
         return getattr(server, name)
     raise AttributeError(name)

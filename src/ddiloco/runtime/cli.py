@@ -18,14 +18,25 @@ import sys
 import threading
 from pathlib import Path
 
-__all__ = ["add_syncer_parser", "add_learner_parser", "add_status_parser", "run_processes",
-           "syncer_server_config", "syncer_from_args", "cmd_syncer", "cmd_learner",
-           "RAW_COMMANDS", "main"]
+__all__ = [
+    "add_syncer_parser",
+    "add_learner_parser",
+    "add_status_parser",
+    "run_processes",
+    "syncer_server_config",
+    "syncer_from_args",
+    "cmd_syncer",
+    "cmd_learner",
+    "RAW_COMMANDS",
+    "main",
+]
 
 
 def _logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
 
 
 # -- syncer ----------------------------------------------------------------------------------
@@ -37,11 +48,19 @@ def add_syncer_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def syncer_server_config(cfg, *, token: str, checkpoint_dir: str | None = None,
-                         resume: bool = False, metrics_path: str | None = None,
-                         metrics_dir: str | None = None, from_file: bool = True,
-                         shards: str | None = None, shard: int = 0,
-                         data_host: str | None = None):
+def syncer_server_config(
+    cfg,
+    *,
+    token: str,
+    checkpoint_dir: str | None = None,
+    resume: bool = False,
+    metrics_path: str | None = None,
+    metrics_dir: str | None = None,
+    from_file: bool = True,
+    shards: str | None = None,
+    shard: int = 0,
+    data_host: str | None = None,
+):
     """The syncer service's configuration from a run's ``TrainConfig``: its [sync] and
     [runtime] tables. An unset step budget is M x steps for a run file, none without."""
     from ddiloco.runtime.syncer.server import SyncerServerConfig
@@ -49,37 +68,58 @@ def syncer_server_config(cfg, *, token: str, checkpoint_dir: str | None = None,
     from ddiloco.runtime.transport.bulk import BulkLimits
 
     rt = cfg.runtime
-    budget = rt.step_budget if rt.step_budget is not None else (
-        cfg.learners * cfg.steps if from_file else 0)
-    return SyncerServerConfig(token=token, host=rt.host, port=rt.port,
-                              syncer=cfg.sync.syncer_config(), downlink_codec=cfg.down_codec,
-                              max_push_bytes=rt.max_push_bytes,
-                              heartbeat_timeout_s=rt.heartbeat_timeout_s,
-                              checkpoint_dir=checkpoint_dir,
-                              checkpoint_every=rt.checkpoint_every, resume=resume,
-                              tls_cert=rt.tls_cert, tls_key=rt.tls_key,
-                              metrics_path=metrics_path,
-                              metrics_sinks=tuple(cfg.metrics_sinks.split(",")),
-                              metrics_dir=metrics_dir, step_budget=budget,
-                              bulk_port=None if rt.bulk_port == -1 else rt.bulk_port,
-                              http_port=rt.http_port,
-                              data_limits=BulkLimits(
-                                  handshake_timeout_s=rt.handshake_timeout_s,
-                                  max_connections=rt.max_connections,
-                                  max_connections_per_peer=rt.max_connections_per_peer,
-                                  workers=rt.data_workers),
-                              shards=parse_shards(shards), shard=shard, data_host=data_host)
+    budget = (
+        rt.step_budget
+        if rt.step_budget is not None
+        else (cfg.learners * cfg.steps if from_file else 0)
+    )
+    return SyncerServerConfig(
+        token=token,
+        host=rt.host,
+        port=rt.port,
+        syncer=cfg.sync.syncer_config(),
+        downlink_codec=cfg.down_codec,
+        max_push_bytes=rt.max_push_bytes,
+        heartbeat_timeout_s=rt.heartbeat_timeout_s,
+        checkpoint_dir=checkpoint_dir,
+        checkpoint_every=rt.checkpoint_every,
+        resume=resume,
+        tls_cert=rt.tls_cert,
+        tls_key=rt.tls_key,
+        metrics_path=metrics_path,
+        metrics_sinks=tuple(cfg.metrics_sinks.split(",")),
+        metrics_dir=metrics_dir,
+        step_budget=budget,
+        bulk_port=None if rt.bulk_port == -1 else rt.bulk_port,
+        http_port=rt.http_port,
+        data_limits=BulkLimits(
+            handshake_timeout_s=rt.handshake_timeout_s,
+            max_connections=rt.max_connections,
+            max_connections_per_peer=rt.max_connections_per_peer,
+            workers=rt.data_workers,
+        ),
+        shards=parse_shards(shards),
+        shard=shard,
+        data_host=data_host,
+    )
 
 
 def syncer_from_args(args):
     """``SyncerServerConfig`` of parsed ``ddiloco syncer`` arguments."""
     from ddiloco.runtime.transport.auth import load_token
 
-    return syncer_server_config(args.run, token=load_token(args.run.runtime.token_file),
-                                checkpoint_dir=args.checkpoint_dir, resume=args.resume,
-                                metrics_path=args.metrics_file, metrics_dir=args.metrics_dir,
-                                from_file=args.config is not None, shards=args.shards,
-                                shard=args.shard, data_host=args.data_host)
+    return syncer_server_config(
+        args.run,
+        token=load_token(args.run.runtime.token_file),
+        checkpoint_dir=args.checkpoint_dir,
+        resume=args.resume,
+        metrics_path=args.metrics_file,
+        metrics_dir=args.metrics_dir,
+        from_file=args.config is not None,
+        shards=args.shards,
+        shard=args.shard,
+        data_host=args.data_host,
+    )
 
 
 def cmd_syncer(argv: list[str]) -> int:
@@ -94,6 +134,7 @@ def cmd_syncer(argv: list[str]) -> int:
         return 2
     _logging(args.run.runtime.log_level)
     import torch
+
     torch.set_num_threads(1)
     try:
         server = SyncerServer(cfg)
@@ -115,8 +156,10 @@ def cmd_syncer(argv: list[str]) -> int:
         os.replace(tmp, args.port_file)
     data = f"data port {server.bulk_port}" if server.bulk_port is not None else "data port off"
     if server.http_port is not None:
-        data += (f", dashboard and /metrics on http{'s' if cfg.tls_cert else ''}://{cfg.host}:"
-                 f"{server.http_port}/")
+        data += (
+            f", dashboard and /metrics on http{'s' if cfg.tls_cert else ''}://{cfg.host}:"
+            f"{server.http_port}/"
+        )
     print(f"ddiloco syncer listening on {cfg.host}:{port} ({data})", flush=True)
     while not stop.wait(1.0):
         pass
@@ -128,8 +171,9 @@ def cmd_syncer(argv: list[str]) -> int:
 # -- learner ---------------------------------------------------------------------------------
 def add_learner_parser(subparsers) -> argparse.ArgumentParser:
     """``learner`` in the command list; its flags are generated from the configuration."""
-    p = subparsers.add_parser("learner", add_help=False,
-                              help="run one learner (or torchrun island) of a built-in model")
+    p = subparsers.add_parser(
+        "learner", add_help=False, help="run one learner (or torchrun island) of a built-in model"
+    )
     p.set_defaults(func=None, raw_command="learner")
     return p
 
@@ -146,9 +190,15 @@ def cmd_learner(argv: list[str]) -> int:
         return 2
     _logging(args.run.runtime.log_level)
     try:
-        run_learner(args.run, syncer=args.syncer, learner=args.learner, run_dir=args.run_dir,
-                    metrics_dir=args.metrics_dir, resume_optimizer=not args.fresh_optimizer,
-                    wait_for_merge=args.wait_for_merge)
+        run_learner(
+            args.run,
+            syncer=args.syncer,
+            learner=args.learner,
+            run_dir=args.run_dir,
+            metrics_dir=args.metrics_dir,
+            resume_optimizer=not args.fresh_optimizer,
+            wait_for_merge=args.wait_for_merge,
+        )
     except (ValueError, SyncerError, ImportError) as e:
         print(f"ddiloco learner: error: {e}", file=sys.stderr)
         return 2

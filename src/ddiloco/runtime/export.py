@@ -25,8 +25,15 @@ import torch
 
 from ddiloco.runtime.transport.spec import check_spec, fragmentation_from_spec
 
-__all__ = ["ExportError", "state_dict_from_checkpoint", "state_dict_from_syncer",
-           "global_state_dict", "save_state_dict", "add_export_parser", "cmd_export"]
+__all__ = [
+    "ExportError",
+    "state_dict_from_checkpoint",
+    "state_dict_from_syncer",
+    "global_state_dict",
+    "save_state_dict",
+    "add_export_parser",
+    "cmd_export",
+]
 
 _ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):\d{1,5}$")
 
@@ -48,8 +55,9 @@ def _assemble(spec: dict, fragments: list[list[torch.Tensor]]) -> dict[str, torc
             raise ExportError(f"fragment holds {len(tensors)} tensors, the spec {len(f.names)}")
         for n, t in zip(f.names, tensors):
             if t.numel() != math.prod(shapes[n]):
-                raise ExportError(f"tensor {n} has {t.numel()} values, the spec says "
-                                  f"shape {list(shapes[n])}")
+                raise ExportError(
+                    f"tensor {n} has {t.numel()} values, the spec says shape {list(shapes[n])}"
+                )
             flat[n] = t.detach().reshape(shapes[n]).to(torch.float32).contiguous().clone()
     return {n: flat[n] for n in spec["names"]}
 
@@ -57,29 +65,37 @@ def _assemble(spec: dict, fragments: list[list[torch.Tensor]]) -> dict[str, torc
 def _checkpoint_path(source: str | Path) -> Path:
     p = Path(source)
     from ddiloco.runtime.syncer.checkpoint import CHECKPOINT_NAME
+
     for cand in (p, p / CHECKPOINT_NAME, p / "checkpoint" / CHECKPOINT_NAME):
         if cand.is_file():
             return cand
     if not p.exists():
-        raise ExportError(f"{p} does not exist: give a run directory (holding "
-                          f"checkpoint/{CHECKPOINT_NAME}), a checkpoint directory, a "
-                          f"{CHECKPOINT_NAME} file or a live syncer's HOST:PORT")
-    raise ExportError(f"no syncer checkpoint in {p}: expected {p / 'checkpoint' / CHECKPOINT_NAME} "
-                      f"(a run of `ddiloco train`) or {p / CHECKPOINT_NAME} (a `ddiloco syncer "
-                      f"--checkpoint-dir`); a run without a checkpoint directory keeps no model")
+        raise ExportError(
+            f"{p} does not exist: give a run directory (holding "
+            f"checkpoint/{CHECKPOINT_NAME}), a checkpoint directory, a "
+            f"{CHECKPOINT_NAME} file or a live syncer's HOST:PORT"
+        )
+    raise ExportError(
+        f"no syncer checkpoint in {p}: expected {p / 'checkpoint' / CHECKPOINT_NAME} "
+        f"(a run of `ddiloco train`) or {p / CHECKPOINT_NAME} (a `ddiloco syncer "
+        f"--checkpoint-dir`); a run without a checkpoint directory keeps no model"
+    )
 
 
 def state_dict_from_checkpoint(source: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     """(state_dict, metadata) of the global model in a syncer checkpoint; ``source`` is a run
     directory, a checkpoint directory or the ``syncer.pt`` file."""
     from ddiloco.runtime.syncer.checkpoint import load_checkpoint
+
     path = _checkpoint_path(source)
     try:
         ck = load_checkpoint(path)
     except Exception as e:  # noqa: BLE001 - any unreadable file is the same error to the user
-        raise ExportError(f"{path} is not a readable ddiloco syncer checkpoint "
-                          f"({type(e).__name__}: {e}); it may be truncated or from another "
-                          f"program") from None
+        raise ExportError(
+            f"{path} is not a readable ddiloco syncer checkpoint "
+            f"({type(e).__name__}: {e}); it may be truncated or from another "
+            f"program"
+        ) from None
     try:
         spec, state = ck["spec"], ck["state"]
         check_spec(spec)
@@ -87,13 +103,22 @@ def state_dict_from_checkpoint(source: str | Path) -> tuple[dict[str, torch.Tens
         versions = [int(v) for v in state["versions"]]
     except (KeyError, TypeError, ValueError) as e:
         raise ExportError(f"{path} is not a ddiloco syncer checkpoint: {e}") from None
-    return sd, {"source": str(path), "versions": versions, "merges": int(state.get("merges", 0)),
-                "spec": spec}
+    return sd, {
+        "source": str(path),
+        "versions": versions,
+        "merges": int(state.get("merges", 0)),
+        "spec": spec,
+    }
 
 
-def state_dict_from_syncer(address: str, *, token: str | None = None,
-                           token_file: str | None = None, tls_ca: str | None = None,
-                           timeout_s: float = 30.0) -> tuple[dict[str, torch.Tensor], dict]:
+def state_dict_from_syncer(
+    address: str,
+    *,
+    token: str | None = None,
+    token_file: str | None = None,
+    tls_ca: str | None = None,
+    timeout_s: float = 30.0,
+) -> tuple[dict[str, torch.Tensor], dict]:
     """(state_dict, metadata) of the global model a live syncer publishes."""
     import grpc
 
@@ -109,24 +134,31 @@ def state_dict_from_syncer(address: str, *, token: str | None = None,
         st = client.unary("Status", {"spec": True}, timeout_s=min(timeout_s, 10.0), control=True)
         spec = st.get("spec")
         if not st.get("initialised") or spec is None:
-            raise ExportError(f"the syncer at {address} holds no model yet (no learner has "
-                              f"joined it)")
+            raise ExportError(
+                f"the syncer at {address} holds no model yet (no learner has joined it)"
+            )
         got = client.fetch(None, timeout_s=timeout_s)
     except grpc.RpcError as e:
         code, msg = rpc_code(e), rpc_details(e)
         if code == grpc.StatusCode.UNAUTHENTICATED:
             raise ExportError(f"the syncer at {address} refused the token ({msg})") from None
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-            raise ExportError(f"cannot reach a syncer at {address} ({code.name}: {msg}); check "
-                              f"the address, that it is running, and --tls-ca for a TLS "
-                              f"syncer") from None
+            raise ExportError(
+                f"cannot reach a syncer at {address} ({code.name}: {msg}); check "
+                f"the address, that it is running, and --tls-ca for a TLS "
+                f"syncer"
+            ) from None
         raise ExportError(f"the syncer at {address} answered {code.name}: {msg}") from None
     finally:
         client.close()
     P = len(got)  # noqa: N806
     sd = _assemble(spec, [got[p][1] for p in range(P)])
-    return sd, {"source": address, "versions": [got[p][0] for p in range(P)],
-                "merges": int(st.get("merges", 0)), "spec": spec}
+    return sd, {
+        "source": address,
+        "versions": [got[p][0] for p in range(P)],
+        "merges": int(st.get("merges", 0)),
+        "spec": spec,
+    }
 
 
 def global_state_dict(source: str, **kw) -> tuple[dict[str, torch.Tensor], dict]:
@@ -143,21 +175,30 @@ def save_state_dict(sd: dict[str, torch.Tensor], out: str | Path, meta: dict) ->
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
-    save_file(sd, str(tmp), metadata={"format": "pt", "ddiloco_source": str(meta["source"]),
-                                      "ddiloco_versions": json.dumps(meta["versions"]),
-                                      "ddiloco_merges": str(meta["merges"]),
-                                      "ddiloco_spec": json.dumps(meta["spec"])})
+    save_file(
+        sd,
+        str(tmp),
+        metadata={
+            "format": "pt",
+            "ddiloco_source": str(meta["source"]),
+            "ddiloco_versions": json.dumps(meta["versions"]),
+            "ddiloco_merges": str(meta["merges"]),
+            "ddiloco_spec": json.dumps(meta["spec"]),
+        },
+    )
     tmp.replace(out)
     return out
 
 
 def add_export_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
-        "export", help="write the global model as a safetensors state_dict",
+        "export",
+        help="write the global model as a safetensors state_dict",
         description="Write the global model as a plain state_dict (safetensors), loadable "
         "with safetensors.torch.load_file into the model class the learners trained. SOURCE "
         "is a run directory, a checkpoint directory, a syncer.pt file, or HOST:PORT of a live "
-        "syncer (token from $DDILOCO_TOKEN or --token-file).")
+        "syncer (token from $DDILOCO_TOKEN or --token-file).",
+    )
     p.add_argument("source", metavar="RUN_DIR_OR_CHECKPOINT_OR_HOST:PORT")
     p.add_argument("--out", required=True, help="output file, e.g. model.safetensors")
     p.add_argument("--token-file", help="file holding the syncer's shared secret (live syncer)")
@@ -170,8 +211,12 @@ def add_export_parser(subparsers) -> argparse.ArgumentParser:
 def cmd_export(args) -> int:
     try:
         if not Path(args.source).exists() and _ADDRESS.match(args.source):
-            sd, meta = state_dict_from_syncer(args.source, token_file=args.token_file,
-                                              tls_ca=args.tls_ca, timeout_s=args.timeout_s)
+            sd, meta = state_dict_from_syncer(
+                args.source,
+                token_file=args.token_file,
+                tls_ca=args.tls_ca,
+                timeout_s=args.timeout_s,
+            )
         else:
             sd, meta = state_dict_from_checkpoint(args.source)
         out = save_state_dict(sd, args.out, meta)
@@ -179,6 +224,8 @@ def cmd_export(args) -> int:
         print(f"ddiloco export: error: {e}", file=sys.stderr)
         return 2
     n = sum(t.numel() for t in sd.values())
-    print(f"wrote {out}: {len(sd)} tensors, {n:,} parameters, fragment versions "
-          f"{meta['versions']} ({meta['merges']} merges) from {meta['source']}")
+    print(
+        f"wrote {out}: {len(sd)} tensors, {n:,} parameters, fragment versions "
+        f"{meta['versions']} ({meta['merges']} merges) from {meta['source']}"
+    )
     return 0

@@ -13,6 +13,19 @@ from ddiloco.sim.kernel import Event, EventKernel
 from ddiloco.sim.stats import Summary, simulate
 from ddiloco.sim.systems import SYSTEMS, CostModel, RunResult, SimConfig, run_once
 
-__all__ = ["PUBLISHED", "SYSTEMS", "CostModel", "Event", "EventKernel", "FailureConfig",
-           "RunResult", "SimConfig", "Summary", "field_costs", "paper_config", "paper_costs",
-           "run_once", "simulate"]
+__all__ = [
+    "PUBLISHED",
+    "SYSTEMS",
+    "CostModel",
+    "Event",
+    "EventKernel",
+    "FailureConfig",
+    "RunResult",
+    "SimConfig",
+    "Summary",
+    "field_costs",
+    "paper_config",
+    "paper_costs",
+    "run_once",
+    "simulate",
+]

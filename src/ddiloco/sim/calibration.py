@@ -27,21 +27,35 @@ import dataclasses
 from ddiloco.sim.failures import FailureConfig
 from ddiloco.sim.systems import CostModel, SimConfig
 
-__all__ = ["PUBLISHED", "PAPER_CHIPS", "PAPER_LEARNERS", "paper_costs", "field_costs",
-           "paper_config", "cell_label"]
+__all__ = [
+    "PUBLISHED",
+    "PAPER_CHIPS",
+    "PAPER_LEARNERS",
+    "paper_costs",
+    "field_costs",
+    "paper_config",
+    "cell_label",
+]
 
 PAPER_CHIPS = (150_000, 300_000, 600_000, 1_200_000)
 PAPER_LEARNERS = (2, 4, 8, 16)
 
 PUBLISHED: dict[tuple[str, int, int], float] = {
     # (system, M, chips) -> published goodput (fraction); MTBI 1 year per chip, 5B dense
-    ("dp", 1, 150_000): 0.72, ("dp", 1, 300_000): 0.57,
-    ("dp", 1, 600_000): 0.38, ("dp", 1, 1_200_000): 0.27,
-    ("elastic-dp", 1, 150_000): 0.88, ("elastic-dp", 1, 300_000): 0.80,
-    ("elastic-dp", 1, 600_000): 0.69, ("elastic-dp", 1, 1_200_000): 0.58,
-    ("decoupled", 8, 150_000): 0.98, ("decoupled", 8, 300_000): 0.96,
-    ("decoupled", 8, 600_000): 0.94, ("decoupled", 8, 1_200_000): 0.88,
-    ("decoupled", 2, 1_200_000): 0.70, ("decoupled", 4, 1_200_000): 0.82,
+    ("dp", 1, 150_000): 0.72,
+    ("dp", 1, 300_000): 0.57,
+    ("dp", 1, 600_000): 0.38,
+    ("dp", 1, 1_200_000): 0.27,
+    ("elastic-dp", 1, 150_000): 0.88,
+    ("elastic-dp", 1, 300_000): 0.80,
+    ("elastic-dp", 1, 600_000): 0.69,
+    ("elastic-dp", 1, 1_200_000): 0.58,
+    ("decoupled", 8, 150_000): 0.98,
+    ("decoupled", 8, 300_000): 0.96,
+    ("decoupled", 8, 600_000): 0.94,
+    ("decoupled", 8, 1_200_000): 0.88,
+    ("decoupled", 2, 1_200_000): 0.70,
+    ("decoupled", 4, 1_200_000): 0.82,
     ("decoupled", 16, 1_200_000): 0.93,
 }
 
@@ -69,20 +83,41 @@ def paper_costs() -> CostModel:
 def field_costs() -> CostModel:
     """Costs closer to what large jobs report in the field: minutes, not seconds."""
     return dataclasses.replace(
-        paper_costs(), slice_recovery_s=3600.0, reconfig_s=120.0, rejoin_wait_s=600.0,
-        lost_work_s=5.0, restart_s=600.0, checkpoint_interval_s=1800.0,
-        reconfig_absorbs_changes=False, restart_absorbs_failures=False)
+        paper_costs(),
+        slice_recovery_s=3600.0,
+        reconfig_s=120.0,
+        rejoin_wait_s=600.0,
+        lost_work_s=5.0,
+        restart_s=600.0,
+        checkpoint_interval_s=1800.0,
+        reconfig_absorbs_changes=False,
+        restart_absorbs_failures=False,
+    )
 
 
-def paper_config(system: str, n_chips: int, learners: int = 1, quorum: int = 1, *,
-                 mtbi_years: float = 1.0, costs: CostModel | None = None,
-                 **overrides) -> SimConfig:
+def paper_config(
+    system: str,
+    n_chips: int,
+    learners: int = 1,
+    quorum: int = 1,
+    *,
+    mtbi_years: float = 1.0,
+    costs: CostModel | None = None,
+    **overrides,
+) -> SimConfig:
     """A :class:`SimConfig` in the paper's setting, with the calibrated costs."""
-    return SimConfig(system=system, n_chips=n_chips, learners=learners, quorum=quorum,
-                     failures=FailureConfig(mtbi_years=mtbi_years),
-                     costs=costs if costs is not None else paper_costs(), **overrides)
+    return SimConfig(
+        system=system,
+        n_chips=n_chips,
+        learners=learners,
+        quorum=quorum,
+        failures=FailureConfig(mtbi_years=mtbi_years),
+        costs=costs if costs is not None else paper_costs(),
+        **overrides,
+    )
 
 
 def cell_label(system: str, learners: int) -> str:
     return {"dp": "DP, not elastic", "elastic-dp": "DP, elastic"}.get(
-        system, f"Decoupled, M = {learners}")
+        system, f"Decoupled, M = {learners}"
+    )

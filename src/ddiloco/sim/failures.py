@@ -26,8 +26,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["SECONDS_PER_YEAR", "FailureConfig", "per_chip_failures", "superposed_failures",
-           "generate_failures"]
+__all__ = [
+    "SECONDS_PER_YEAR",
+    "FailureConfig",
+    "per_chip_failures",
+    "superposed_failures",
+    "generate_failures",
+]
 
 SECONDS_PER_YEAR = 365.25 * 24 * 3600.0
 
@@ -47,7 +52,9 @@ class FailureConfig:
         if not self.mtbi_years > 0:
             raise ValueError(f"mtbi_years must be > 0, got {self.mtbi_years}")
         if self.distribution not in ("poisson", "weibull"):
-            raise ValueError(f"distribution must be 'poisson' or 'weibull', got {self.distribution!r}")
+            raise ValueError(
+                f"distribution must be 'poisson' or 'weibull', got {self.distribution!r}"
+            )
         if not self.weibull_shape > 0:
             raise ValueError(f"weibull_shape must be > 0, got {self.weibull_shape}")
 
@@ -68,8 +75,9 @@ def _inter_failure(cfg: FailureConfig, rng: np.random.Generator, n: int) -> np.n
     return scale * rng.weibull(k, size=n)
 
 
-def per_chip_failures(cfg: FailureConfig, n_chips: int, horizon_s: float,
-                      rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+def per_chip_failures(
+    cfg: FailureConfig, n_chips: int, horizon_s: float, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
     """Exact path: an independent renewal process per chip, all chips new at t = 0."""
     if n_chips < 1:
         raise ValueError(f"n_chips must be >= 1, got {n_chips}")
@@ -89,12 +97,15 @@ def per_chip_failures(cfg: FailureConfig, n_chips: int, horizon_s: float,
     return all_t[order], all_c[order]
 
 
-def superposed_failures(cfg: FailureConfig, n_chips: int, horizon_s: float,
-                        rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+def superposed_failures(
+    cfg: FailureConfig, n_chips: int, horizon_s: float, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
     """Fast path for Poisson failures: one cluster-level Poisson process, uniform chip."""
     if cfg.distribution != "poisson":
-        raise ValueError("the superposition fast path is exact only for poisson failures; "
-                         "use per_chip_failures for weibull")
+        raise ValueError(
+            "the superposition fast path is exact only for poisson failures; "
+            "use per_chip_failures for weibull"
+        )
     if n_chips < 1:
         raise ValueError(f"n_chips must be >= 1, got {n_chips}")
     n = rng.poisson(n_chips * horizon_s / cfg.mtbi_s)
@@ -103,9 +114,14 @@ def superposed_failures(cfg: FailureConfig, n_chips: int, horizon_s: float,
     return times, chips
 
 
-def generate_failures(cfg: FailureConfig, n_chips: int, horizon_s: float,
-                      rng: np.random.Generator, *, exact: bool = False
-                      ) -> tuple[np.ndarray, np.ndarray]:
+def generate_failures(
+    cfg: FailureConfig,
+    n_chips: int,
+    horizon_s: float,
+    rng: np.random.Generator,
+    *,
+    exact: bool = False,
+) -> tuple[np.ndarray, np.ndarray]:
     """Failure stream for ``n_chips`` chips: the fast path when valid, unless ``exact``."""
     if exact or cfg.distribution != "poisson":
         return per_chip_failures(cfg, n_chips, horizon_s, rng)

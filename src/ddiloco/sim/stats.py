@@ -13,9 +13,38 @@ from ddiloco.sim.systems import RunResult, SimConfig, run_once
 __all__ = ["Summary", "ci95_halfwidth", "simulate", "t_quantile_975"]
 
 # two-sided 95% Student-t quantiles for 1..30 degrees of freedom
-_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
-         2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
-         2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+_T975 = (
+    12.706,
+    4.303,
+    3.182,
+    2.776,
+    2.571,
+    2.447,
+    2.365,
+    2.306,
+    2.262,
+    2.228,
+    2.201,
+    2.179,
+    2.160,
+    2.145,
+    2.131,
+    2.120,
+    2.110,
+    2.101,
+    2.093,
+    2.086,
+    2.080,
+    2.074,
+    2.069,
+    2.064,
+    2.060,
+    2.056,
+    2.052,
+    2.048,
+    2.045,
+    2.042,
+)
 
 
 def t_quantile_975(df: int) -> float:
@@ -45,23 +74,39 @@ class Summary:
     runs: tuple[RunResult, ...]
 
     def as_dict(self) -> dict:
-        return {"goodput": self.goodput, "goodput_ci95": self.goodput_ci95,
-                "uptime": self.uptime, "uptime_ci95": self.uptime_ci95, "seeds": self.seeds,
-                "failures_per_seed": float(np.mean([r.n_failures for r in self.runs])),
-                "events_per_seed": float(np.mean([r.n_events for r in self.runs]))}
+        return {
+            "goodput": self.goodput,
+            "goodput_ci95": self.goodput_ci95,
+            "uptime": self.uptime,
+            "uptime_ci95": self.uptime_ci95,
+            "seeds": self.seeds,
+            "failures_per_seed": float(np.mean([r.n_failures for r in self.runs])),
+            "events_per_seed": float(np.mean([r.n_events for r in self.runs])),
+        }
 
 
 def _summarise(runs: list[RunResult]) -> Summary:
     g = [r.goodput for r in runs]
     u = [r.uptime for r in runs]
-    return Summary(goodput=float(np.mean(g)), goodput_ci95=ci95_halfwidth(g),
-                   uptime=float(np.mean(u)), uptime_ci95=ci95_halfwidth(u), seeds=len(runs),
-                   runs=tuple(runs))
+    return Summary(
+        goodput=float(np.mean(g)),
+        goodput_ci95=ci95_halfwidth(g),
+        uptime=float(np.mean(u)),
+        uptime_ci95=ci95_halfwidth(u),
+        seeds=len(runs),
+        runs=tuple(runs),
+    )
 
 
-def simulate(cfg: SimConfig, seeds: int = 5, *, first_seed: int = 0,
-             target_ci95: float | None = None, max_seeds: int = 200,
-             on_seed: Callable[[int], None] | None = None) -> Summary:
+def simulate(
+    cfg: SimConfig,
+    seeds: int = 5,
+    *,
+    first_seed: int = 0,
+    target_ci95: float | None = None,
+    max_seeds: int = 200,
+    on_seed: Callable[[int], None] | None = None,
+) -> Summary:
     """Run ``seeds`` seeds; with ``target_ci95``, keep adding seeds (up to ``max_seeds``)
     until the goodput half-width is at most ``target_ci95``."""
     if seeds < 1:

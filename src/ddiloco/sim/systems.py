@@ -44,8 +44,7 @@ from ddiloco.algorithm.policy import MergeNow, PolicyConfig, QuorumGracePolicy, 
 from ddiloco.sim.failures import FailureConfig, generate_failures
 from ddiloco.sim.kernel import Event, EventKernel, LogEntry
 
-__all__ = ["SYSTEMS", "CostModel", "SimConfig", "RunResult", "run_once",
-           "straggler_efficiency"]
+__all__ = ["SYSTEMS", "CostModel", "SimConfig", "RunResult", "run_once", "straggler_efficiency"]
 
 SYSTEMS = ("dp", "elastic-dp", "decoupled")
 
@@ -96,9 +95,17 @@ class CostModel:
     def __post_init__(self) -> None:
         if self.chips_per_slice < 1:
             raise ValueError(f"chips_per_slice must be >= 1, got {self.chips_per_slice}")
-        for name in ("slice_recovery_s", "reconfig_s", "rejoin_wait_s", "lost_work_s",
-                     "restart_s", "checkpoint_cost_s", "step_time_cv", "slice_time_cv",
-                     "sync_s"):
+        for name in (
+            "slice_recovery_s",
+            "reconfig_s",
+            "rejoin_wait_s",
+            "lost_work_s",
+            "restart_s",
+            "checkpoint_cost_s",
+            "step_time_cv",
+            "slice_time_cv",
+            "sync_s",
+        ):
             v = getattr(self, name)
             if not (v >= 0 and math.isfinite(v)):
                 raise ValueError(f"{name} must be a finite number >= 0, got {v}")
@@ -153,17 +160,25 @@ class SimConfig:
         if self.learners < 1:
             raise ValueError(f"learners (M) must be >= 1, got {self.learners}")
         if self.system != "decoupled" and self.learners != 1:
-            raise ValueError(f"learners (M) applies to system 'decoupled' only, got "
-                             f"M = {self.learners} with system {self.system!r}")
+            raise ValueError(
+                f"learners (M) applies to system 'decoupled' only, got "
+                f"M = {self.learners} with system {self.system!r}"
+            )
         if not 1 <= self.quorum <= self.learners:
-            raise ValueError(f"quorum K must satisfy 1 <= K <= M = {self.learners}, got {self.quorum}")
+            raise ValueError(
+                f"quorum K must satisfy 1 <= K <= M = {self.learners}, got {self.quorum}"
+            )
         if self.n_slices < self.learners:
-            raise ValueError(f"{self.n_chips} chips make {self.n_slices} slices of "
-                             f"{self.costs.chips_per_slice}: fewer than M = {self.learners} "
-                             "learners; use more chips or smaller slices")
+            raise ValueError(
+                f"{self.n_chips} chips make {self.n_slices} slices of "
+                f"{self.costs.chips_per_slice}: fewer than M = {self.learners} "
+                "learners; use more chips or smaller slices"
+            )
         if self.speed_factors and len(self.speed_factors) != self.learners:
-            raise ValueError(f"speed_factors needs one value per learner ({self.learners}), "
-                             f"got {len(self.speed_factors)}")
+            raise ValueError(
+                f"speed_factors needs one value per learner ({self.learners}), "
+                f"got {len(self.speed_factors)}"
+            )
         if any(not f > 0 for f in self.speed_factors):
             raise ValueError("speed_factors must all be > 0")
         if self.fragments < 1 or self.tau < 0:
@@ -171,7 +186,9 @@ class SimConfig:
         if not 0.0 <= self.gamma < 1.0:
             raise ValueError(f"gamma must be in [0, 1), got {self.gamma}")
         if not 0 <= self.warmup_s < self.horizon_s:
-            raise ValueError(f"need 0 <= warmup_s < horizon_s, got {self.warmup_s}, {self.horizon_s}")
+            raise ValueError(
+                f"need 0 <= warmup_s < horizon_s, got {self.warmup_s}, {self.horizon_s}"
+            )
 
     @property
     def n_slices(self) -> int:
@@ -252,7 +269,7 @@ class _Topology:
         self.group_slices = [range(edges[g], edges[g + 1]) for g in range(n_groups)]
         self.slice_group = np.empty(n_slices, dtype=np.int64)
         for g, r in enumerate(self.group_slices):
-            self.slice_group[r.start:r.stop] = g
+            self.slice_group[r.start : r.stop] = g
 
     def slice_of(self, chips: np.ndarray) -> np.ndarray:
         return (chips * self.n_slices) // self.n_chips
@@ -263,11 +280,17 @@ class _Topology:
 
 # ----------------------------------------------------------------------------- simulation
 
+
 class _Sim:
     """One run. Builds the processes on a kernel and exposes the measured totals."""
 
-    def __init__(self, cfg: SimConfig, seed: int, log_events: bool = False,
-                 failures: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: SimConfig,
+        seed: int,
+        log_events: bool = False,
+        failures: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> None:
         self.cfg, self.c = cfg, cfg.costs
         self.rng = np.random.default_rng(seed)
         self.k = EventKernel(log_events=log_events)
@@ -277,8 +300,9 @@ class _Sim:
         self.up = _Meter(cfg.warmup_s, cfg.horizon_s)
         self.n_failures = self.n_reconfigs = self.n_restarts = self.n_merges = 0
         if failures is None:
-            times, chips = generate_failures(cfg.failures, cfg.n_chips, cfg.horizon_s,
-                                             self.rng, exact=cfg.exact_failures)
+            times, chips = generate_failures(
+                cfg.failures, cfg.n_chips, cfg.horizon_s, self.rng, exact=cfg.exact_failures
+            )
         else:
             times, chips = (np.asarray(a) for a in failures)
             if len(times) != len(chips) or np.any(np.diff(times) < 0):
@@ -296,8 +320,11 @@ class _Sim:
 
     def _next_failure(self) -> None:
         if self.fail_idx < len(self.fail_times):
-            self.k.schedule(float(self.fail_times[self.fail_idx]),
-                            Event("fail", int(self.fail_slices[self.fail_idx])), _P_FAIL)
+            self.k.schedule(
+                float(self.fail_times[self.fail_idx]),
+                Event("fail", int(self.fail_slices[self.fail_idx])),
+                _P_FAIL,
+            )
             self.fail_idx += 1
 
     def _on_fail(self, k: EventKernel, ev: Event) -> None:
@@ -315,12 +342,16 @@ class _Sim:
         self.up.set(self.cfg.horizon_s, 0.0)
         window = self.cfg.horizon_s - self.cfg.warmup_s
         goodput = self.useful.acc / (self.cfg.n_chips * window)
-        return RunResult(goodput=goodput, uptime=self.up.acc / window,
-                         n_failures=self.n_failures, n_reconfigs=self.n_reconfigs,
-                         n_restarts=self.n_restarts, n_merges=self.n_merges,
-                         n_events=self.k.n_dispatched,
-                         mean_merge_size=(getattr(self, "merge_members", 0) /
-                                          max(1, self.n_merges)))
+        return RunResult(
+            goodput=goodput,
+            uptime=self.up.acc / window,
+            n_failures=self.n_failures,
+            n_reconfigs=self.n_reconfigs,
+            n_restarts=self.n_restarts,
+            n_merges=self.n_merges,
+            n_events=self.k.n_dispatched,
+            mean_merge_size=(getattr(self, "merge_members", 0) / max(1, self.n_merges)),
+        )
 
     # ------------------------------------------------------------------ non-elastic DP
     def _init_dp(self) -> None:
@@ -339,8 +370,9 @@ class _Sim:
         self.useful.set(now, self.cfg.n_chips * self.eff)
         self.up.set(now, 1.0)
         if self.c.checkpoint_cost_s > 0:  # free checkpoints need no events: see _dp_fail
-            self.k.after(self.c.checkpoint_interval_s, Event("dp_ckpt_start", data=self.dp_gen),
-                         _P_TIMER)
+            self.k.after(
+                self.c.checkpoint_interval_s, Event("dp_ckpt_start", data=self.dp_gen), _P_TIMER
+            )
 
     def _dp_ckpt_start(self, k: EventKernel, ev: Event) -> None:
         if ev.data != self.dp_gen:
@@ -386,7 +418,9 @@ class _Sim:
         self.slice_state = np.full(topo.n_slices, _ACTIVE, dtype=np.int8)
         self.slice_chips = np.array([topo.slice_chips(s) for s in range(topo.n_slices)])
         G = topo.n_groups
-        self.g_active_chips = [int(self.slice_chips[r.start:r.stop].sum()) for r in topo.group_slices]
+        self.g_active_chips = [
+            int(self.slice_chips[r.start : r.stop].sum()) for r in topo.group_slices
+        ]
         self.g_ready: list[list[int]] = [[] for _ in range(G)]
         self.g_paused = [False] * G
         self.g_pending = [False] * G
@@ -395,8 +429,10 @@ class _Sim:
         self.g_rate = [0.0] * G
         self.n_running = 0
         overhead = self.c.syncer_overhead if cfg.system == "decoupled" else 0.0
-        self.g_eff = [straggler_efficiency(len(r), self.c.slice_time_cv) * (1 - overhead)
-                      for r in topo.group_slices]
+        self.g_eff = [
+            straggler_efficiency(len(r), self.c.slice_time_cv) * (1 - overhead)
+            for r in topo.group_slices
+        ]
         self.step_level = cfg.uses_step_level
         self.k.on("recover", self._on_recover)
         self.k.on("reconf_end", self._on_reconf_end)
@@ -504,8 +540,9 @@ class _Sim:
     def _init_steps(self) -> None:
         cfg = self.cfg
         M = cfg.learners
-        self.policy = QuorumGracePolicy(PolicyConfig(quorum=cfg.quorum, grace=cfg.grace,
-                                                     gamma=cfg.gamma, tau=cfg.tau))
+        self.policy = QuorumGracePolicy(
+            PolicyConfig(quorum=cfg.quorum, grace=cfg.grace, gamma=cfg.gamma, tau=cfg.tau)
+        )
         self.speed = list(cfg.speed_factors) if cfg.speed_factors else [1.0] * M
         self.l_gen = [0] * M  # invalidates the step event of an aborted step
         self.l_step = [0] * M  # global index of the learner's next step
@@ -523,8 +560,10 @@ class _Sim:
     def _learner_resume(self, m: int, now: float) -> None:
         self.l_running[m] = True
         # a restarted learner fetches the global model and joins the global schedule
-        self.l_step[m] = max([self.l_step[i] for i in range(self.cfg.learners)
-                              if self.l_running[i]] + [self.l_step[m]])
+        self.l_step[m] = max(
+            [self.l_step[i] for i in range(self.cfg.learners) if self.l_running[i]]
+            + [self.l_step[m]]
+        )
         self.l_waits[m].clear()
         self.l_blocked_on[m] = None
         self._start_step(m, now)
@@ -571,10 +610,17 @@ class _Sim:
     def _decide(self, t: int, now: float) -> None:
         r = self.rounds[t]
         members = r[0]
-        can_still = sum(1 for i in range(self.cfg.learners) if self.l_running[i]
-                        and i not in members and self.l_step[i] <= t)
-        d = self.policy.decide(now_s=now, n_arrived=len(members),
-                               n_live=max(1, len(members) + can_still), quorum_at_s=r[2])
+        can_still = sum(
+            1
+            for i in range(self.cfg.learners)
+            if self.l_running[i] and i not in members and self.l_step[i] <= t
+        )
+        d = self.policy.decide(
+            now_s=now,
+            n_arrived=len(members),
+            n_live=max(1, len(members) + can_still),
+            quorum_at_s=r[2],
+        )
         if (isinstance(d, MergeNow) or isinstance(d, WaitUntil)) and r[2] is None:
             r[2] = now
             self.policy.xi_quorum.update(now - r[1])
@@ -601,9 +647,14 @@ class _Sim:
                 self._start_step(m, k.now_s)
 
 
-def run_once(cfg: SimConfig, seed: int, *, log_events: bool = False,
-             failures: tuple[Sequence[float], Sequence[int]] | None = None,
-             log: list[LogEntry] | None = None) -> RunResult:
+def run_once(
+    cfg: SimConfig,
+    seed: int,
+    *,
+    log_events: bool = False,
+    failures: tuple[Sequence[float], Sequence[int]] | None = None,
+    log: list[LogEntry] | None = None,
+) -> RunResult:
     """Simulate one seed of ``cfg``.
 
     ``failures`` injects a fixed failure stream ``(times_s, chip_ids)`` instead of drawing

@@ -4,5 +4,11 @@
 from ddiloco.wan.probe import bulk_transfer
 from ddiloco.wan.topology import LinkSpec, Topology, TopologyError, cleanup, namespaces_available
 
-__all__ = ["LinkSpec", "Topology", "TopologyError", "bulk_transfer", "cleanup",
-           "namespaces_available"]
+__all__ = [
+    "LinkSpec",
+    "Topology",
+    "TopologyError",
+    "bulk_transfer",
+    "cleanup",
+    "namespaces_available",
+]

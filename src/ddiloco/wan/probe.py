@@ -39,21 +39,37 @@ c.close()
 """
 
 
-def bulk_transfer(topo: Topology, src: str | int, dst: str | int, seconds: float = 3.0,
-                  port: int = 5201) -> dict:
+def bulk_transfer(
+    topo: Topology, src: str | int, dst: str | int, seconds: float = 3.0, port: int = 5201
+) -> dict:
     """Send as fast as TCP allows from region ``src`` to region ``dst`` for ``seconds``;
     return ``goodput_mbit`` (payload bytes the receiver got over the time it received them)
     and ``link_mbit`` (bytes the source's uplink carried over the same wall time)."""
-    recv = subprocess.Popen([*topo.exec_prefix(dst), sys.executable, "-c", _RECEIVER, str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    recv = subprocess.Popen(
+        [*topo.exec_prefix(dst), sys.executable, "-c", _RECEIVER, str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         if recv.stdout.readline().strip() != "ready":
             raise RuntimeError(f"receiver did not start: {recv.stderr.read()}")
         before = topo.counters()[str(src)]["up_bytes"]
         t0 = time.monotonic()
-        subprocess.run([*topo.exec_prefix(src), sys.executable, "-c", _SENDER, topo.ip(dst),
-                        str(port), str(seconds)], check=True, capture_output=True,
-                       timeout=seconds + 60)
+        subprocess.run(
+            [
+                *topo.exec_prefix(src),
+                sys.executable,
+                "-c",
+                _SENDER,
+                topo.ip(dst),
+                str(port),
+                str(seconds),
+            ],
+            check=True,
+            capture_output=True,
+            timeout=seconds + 60,
+        )
         out, _ = recv.communicate(timeout=60)
         wall = time.monotonic() - t0
         after = topo.counters()[str(src)]["up_bytes"]
@@ -62,6 +78,10 @@ def bulk_transfer(topo: Topology, src: str | int, dst: str | int, seconds: float
             recv.kill()
             recv.wait()
     nbytes, recv_s = out.split()
-    return {"bytes": int(nbytes), "receive_s": float(recv_s),
-            "goodput_mbit": int(nbytes) * 8 / float(recv_s) / 1e6,
-            "link_bytes": after - before, "link_mbit": (after - before) * 8 / wall / 1e6}
+    return {
+        "bytes": int(nbytes),
+        "receive_s": float(recv_s),
+        "goodput_mbit": int(nbytes) * 8 / float(recv_s) / 1e6,
+        "link_bytes": after - before,
+        "link_mbit": (after - before) * 8 / wall / 1e6,
+    }

@@ -185,8 +185,21 @@ class Topology:
             o = self._octet(region)
             _run("ip", "netns", "add", ns)
             _run("ip", "-n", ns, "link", "set", "lo", "up")
-            _run("ip", "link", "add", "wan", "netns", ns, "type", "veth", "peer", "name", dev,
-                 "netns", r)
+            _run(
+                "ip",
+                "link",
+                "add",
+                "wan",
+                "netns",
+                ns,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                dev,
+                "netns",
+                r,
+            )
             _run("ip", "-n", ns, "addr", "add", f"10.{self.net}.{o}.2/24", "dev", "wan")
             _run("ip", "-n", r, "addr", "add", f"10.{self.net}.{o}.1/24", "dev", dev)
             _run("ip", "-n", ns, "link", "set", "wan", "up")
@@ -197,22 +210,39 @@ class Topology:
     def shape(self, region: str | int, spec: LinkSpec | None) -> None:
         """(Re)shape a region's link; None removes the shaping."""
         region = str(region)
-        for ns, dev, mbit in ((self.ns(region), "wan", spec and spec.up_mbit),
-                              (self.router, self.router_dev(region),
-                               spec and (spec.down_mbit or spec.up_mbit))):
+        for ns, dev, mbit in (
+            (self.ns(region), "wan", spec and spec.up_mbit),
+            (self.router, self.router_dev(region), spec and (spec.down_mbit or spec.up_mbit)),
+        ):
             _run("tc", "-n", ns, "qdisc", "del", "dev", dev, "root", check=False)
             if not mbit:
                 continue
             rate_bps = mbit * 1e6
             # a bucket of ~4 ms at the rate, never under 4 full frames
             burst = max(6000, int(rate_bps / 8 * 0.004))
-            _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate",
-                 f"{int(rate_bps)}bit", "burst", str(burst), "latency", f"{spec.queue_ms}ms")
+            _run(
+                "tc",
+                "-n",
+                ns,
+                "qdisc",
+                "add",
+                "dev",
+                dev,
+                "root",
+                "tbf",
+                "rate",
+                f"{int(rate_bps)}bit",
+                "burst",
+                str(burst),
+                "latency",
+                f"{spec.queue_ms}ms",
+            )
 
     def set_link(self, region: str | int, up: bool) -> None:
         """Cut (``up=False``) or restore a region's link at the router."""
-        _run("ip", "-n", self.router, "link", "set", self.router_dev(region),
-             "up" if up else "down")
+        _run(
+            "ip", "-n", self.router, "link", "set", self.router_dev(region), "up" if up else "down"
+        )
 
     def counters(self) -> dict[str, dict[str, int]]:
         """Bytes and packets each region's link carried so far, seen from the router:
@@ -222,8 +252,12 @@ class Topology:
         by_dev = {d["ifname"]: d for d in json.loads(p.stdout)}
         for region in self.regions:
             st = by_dev[self.router_dev(region)]["stats64"]
-            out[region] = {"up_bytes": st["rx"]["bytes"], "down_bytes": st["tx"]["bytes"],
-                           "up_packets": st["rx"]["packets"], "down_packets": st["tx"]["packets"]}
+            out[region] = {
+                "up_bytes": st["rx"]["bytes"],
+                "down_bytes": st["tx"]["bytes"],
+                "up_packets": st["rx"]["packets"],
+                "down_packets": st["tx"]["packets"],
+            }
         return out
 
     def down(self) -> None:
@@ -262,5 +296,5 @@ def _install_teardown(t: Topology) -> None:
                 prev(signum, frame)
             else:
                 raise SystemExit(128 + signum)
-        signal.signal(sig, handler)
 
+        signal.signal(sig, handler)

@@ -22,8 +22,15 @@ import numpy as np
 
 from ddiloco.metrics.sinks import JsonlSink
 
-__all__ = ["ChaosConfig", "ChaosEvent", "chaos_schedule", "chaos_preset", "chaos_for_run",
-           "CHAOS_PRESETS", "ChaosLog"]
+__all__ = [
+    "ChaosConfig",
+    "ChaosEvent",
+    "chaos_schedule",
+    "chaos_preset",
+    "chaos_for_run",
+    "CHAOS_PRESETS",
+    "ChaosLog",
+]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -71,9 +78,16 @@ class ChaosConfig:
     syncer's heartbeat timeout it is declared dead and rejoins when the link is back."""
 
     def __post_init__(self) -> None:
-        for name in ("kill_mean_interval_s", "kill_downtime_s", "stop_mean_interval_s",
-                     "stop_duration_s", "start_after_s", "syncer_downtime_s",
-                     "link_bandwidth_Bps", "link_latency_s"):
+        for name in (
+            "kill_mean_interval_s",
+            "kill_downtime_s",
+            "stop_mean_interval_s",
+            "stop_duration_s",
+            "start_after_s",
+            "syncer_downtime_s",
+            "link_bandwidth_Bps",
+            "link_latency_s",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"chaos {name} must be >= 0, got {getattr(self, name)}")
         self.slowdown = {int(k): float(v) for k, v in self.slowdown.items()}
@@ -82,18 +96,28 @@ class ChaosConfig:
         self.syncer_kill_at_s = tuple(float(t) for t in self.syncer_kill_at_s)
         self.kill_at_step = tuple((int(m), int(s)) for m, s in self.kill_at_step)
         self.add_learner_at_step = tuple(int(s) for s in self.add_learner_at_step)
-        self.remove_learner_at_step = tuple((int(m), int(s))
-                                            for m, s in self.remove_learner_at_step)
+        self.remove_learner_at_step = tuple(
+            (int(m), int(s)) for m, s in self.remove_learner_at_step
+        )
         self.link_cut = tuple((int(m), int(s), float(d)) for m, s, d in self.link_cut)
         if any(d <= 0 for _, _, d in self.link_cut):
             raise ValueError(f"chaos link_cut durations must be > 0, got {self.link_cut}")
 
     @property
     def active(self) -> bool:
-        return bool(self.kill_mean_interval_s or self.stop_mean_interval_s or self.slowdown
-                    or self.syncer_kill_at_s or self.kill_at_step or self.syncer_kill_at_step
-                    or self.add_learner_at_step or self.remove_learner_at_step
-                    or self.link_bandwidth_Bps or self.link_latency_s or self.link_cut)
+        return bool(
+            self.kill_mean_interval_s
+            or self.stop_mean_interval_s
+            or self.slowdown
+            or self.syncer_kill_at_s
+            or self.kill_at_step
+            or self.syncer_kill_at_step
+            or self.add_learner_at_step
+            or self.remove_learner_at_step
+            or self.link_bandwidth_Bps
+            or self.link_latency_s
+            or self.link_cut
+        )
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -121,8 +145,10 @@ def chaos_preset(name_or_path: str, seed: int = 0) -> ChaosConfig:
         return ChaosConfig(seed=seed, **CHAOS_PRESETS[name_or_path])
     path = Path(name_or_path)
     if not path.is_file():
-        raise ValueError(f"unknown chaos preset {name_or_path!r}: use one of "
-                         f"{', '.join(CHAOS_PRESETS)} or a JSON file of ChaosConfig fields")
+        raise ValueError(
+            f"unknown chaos preset {name_or_path!r}: use one of "
+            f"{', '.join(CHAOS_PRESETS)} or a JSON file of ChaosConfig fields"
+        )
     fields = json.loads(path.read_text())
     fields.setdefault("seed", seed)
     return ChaosConfig(**fields)
@@ -139,8 +165,9 @@ def chaos_for_run(cfg) -> ChaosConfig:
     if w.mtbi_s > 0 and not chaos.kill_mean_interval_s:
         d.update(kill_mean_interval_s=w.mtbi_s / cfg.learners, kill_downtime_s=w.downtime_s)
     if w.speeds and not chaos.slowdown:
-        d["slowdown"] = {m: max(1.0, 1.0 / cfg.speed(m)) for m in range(cfg.learners)
-                         if cfg.speed(m) < 1.0}
+        d["slowdown"] = {
+            m: max(1.0, 1.0 / cfg.speed(m)) for m in range(cfg.learners) if cfg.speed(m) < 1.0
+        }
     if w.bandwidth_Bps and not chaos.link_bandwidth_Bps:
         d["link_bandwidth_Bps"] = w.bandwidth_Bps
     return ChaosConfig(**d)
@@ -160,8 +187,10 @@ def chaos_schedule(cfg: ChaosConfig, horizon_s: float) -> list[ChaosEvent]:
     """All fault events in [0, horizon_s), sorted by time."""
     rng = np.random.default_rng([cfg.seed, 4242])
     events: list[ChaosEvent] = []
-    for kind, mean, dur in (("kill-learner", cfg.kill_mean_interval_s, cfg.kill_downtime_s),
-                            ("stop-learner", cfg.stop_mean_interval_s, cfg.stop_duration_s)):
+    for kind, mean, dur in (
+        ("kill-learner", cfg.kill_mean_interval_s, cfg.kill_downtime_s),
+        ("stop-learner", cfg.stop_mean_interval_s, cfg.stop_duration_s),
+    ):
         if mean <= 0:
             continue
         t = cfg.start_after_s

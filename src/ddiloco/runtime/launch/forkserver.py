@@ -34,9 +34,18 @@ import traceback
 
 __all__ = ["ForkServer", "ForkedProcess", "PRELOAD"]
 
-PRELOAD = ("torch", "torch._dynamo", "numpy", "ddiloco.config", "ddiloco.models", "ddiloco.data",
-           "ddiloco.recipe", "ddiloco.algorithm.learner_state",
-           "ddiloco.algorithm.codecs", "ddiloco.runtime.transport.spec")
+PRELOAD = (
+    "torch",
+    "torch._dynamo",
+    "numpy",
+    "ddiloco.config",
+    "ddiloco.models",
+    "ddiloco.data",
+    "ddiloco.recipe",
+    "ddiloco.algorithm.learner_state",
+    "ddiloco.algorithm.codecs",
+    "ddiloco.runtime.transport.spec",
+)
 """Modules imported once by the server (none of them starts a thread or imports gRPC).
 ``torch._dynamo`` is what the first ``torch.optim`` optimizer imports (about 800 modules,
 2 s of CPU): without it here every learner would pay for it again."""
@@ -58,6 +67,7 @@ def _child(argv: list[str], log_path: str) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD):
             signal.signal(sig, signal.SIG_DFL)
         from ddiloco.runtime.cli import main
+
         rc = main(argv) or 0
     except SystemExit as e:
         rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
@@ -157,14 +167,19 @@ class ForkedProcess:
 class ForkServer:
     """Starts ``python -m ddiloco.runtime.launch.forkserver`` and forks learners through it."""
 
-    def __init__(self, env: dict, log_path: str, startup_timeout_s: float = 120.0,
-                 run_dir: str = "") -> None:
+    def __init__(
+        self, env: dict, log_path: str, startup_timeout_s: float = 120.0, run_dir: str = ""
+    ) -> None:
         self._log = open(log_path, "ab")
         # the run directory on the command line names the server and its children in ps
-        self.proc = subprocess.Popen([sys.executable, "-m", "ddiloco.runtime.launch.forkserver",
-                                      "--run-dir", run_dir],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self._log, env=env, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ddiloco.runtime.launch.forkserver", "--run-dir", run_dir],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            env=env,
+            start_new_session=True,
+        )
         self._cv = threading.Condition()
         self._exits: dict[int, int] = {}
         self._spawned: dict[int, int] = {}
@@ -201,8 +216,12 @@ class ForkServer:
         with self._lock:
             rid = self._next_id
             self._next_id += 1
-            self.proc.stdin.write((json.dumps({"op": "spawn", "id": rid, "argv": argv,
-                                               "log": str(log_path)}) + "\n").encode())
+            self.proc.stdin.write(
+                (
+                    json.dumps({"op": "spawn", "id": rid, "argv": argv, "log": str(log_path)})
+                    + "\n"
+                ).encode()
+            )
             self.proc.stdin.flush()
         deadline = time.monotonic() + timeout_s
         with self._cv:

@@ -58,7 +58,7 @@ class _Proc:
     cmd: list[str]
     log_path: Path
     popen: subprocess.Popen | None = None
-    state: str = "new"          # running, stopped, down, finished, failed
+    state: str = "new"  # running, stopped, down, finished, failed
     restart_at: float | None = None
     starts: int = 0
     kills: int = 0
@@ -78,6 +78,7 @@ def _free_ports(n: int) -> list[int]:
     """n distinct free TCP ports on loopback (the shards must know each other's addresses
     before they start)."""
     import socket
+
     socks = [socket.socket() for _ in range(n)]
     try:
         for s in socks:
@@ -105,8 +106,10 @@ class Launcher:
             raise ValueError(f"the launcher runs engine processes, not {config.engine!r}")
         config = config.replace(engine="processes")
         if config.down_codec not in DOWNLINK_CODECS:
-            raise ValueError(f"sync.down_codec {config.down_codec!r}: the runtime's syncer "
-                             f"sends merged fragments as one of {', '.join(DOWNLINK_CODECS)}")
+            raise ValueError(
+                f"sync.down_codec {config.down_codec!r}: the runtime's syncer "
+                f"sends merged fragments as one of {', '.join(DOWNLINK_CODECS)}"
+            )
         self.cfg = config
         self.opts = options or LaunchOptions()
         self.out = Path(config.out)
@@ -114,8 +117,10 @@ class Launcher:
         (self.out / "logs").mkdir(exist_ok=True)
         self.chaos = chaos_for_run(config)
         if self.chaos.link_cut and config.runtime.island_size > 1:
-            raise ValueError("chaos link_cut needs single-process learners (island_size 1): "
-                             "the cut is signalled to the learner process")
+            raise ValueError(
+                "chaos link_cut needs single-process learners (island_size 1): "
+                "the cut is signalled to the learner process"
+            )
         self.procs: dict[str, _Proc] = {}
         self.port = config.runtime.port
         # a free observability port chosen once, so that a restarted syncer serves the same
@@ -134,6 +139,7 @@ class Launcher:
         self._fired: set = set()
         self.env = dict(os.environ)
         from ddiloco.runtime.transport.auth import TOKEN_ENV, new_token
+
         self.env[TOKEN_ENV] = new_token()
         self.env.setdefault("OMP_NUM_THREADS", "1")
         self._client = None
@@ -154,11 +160,13 @@ class Launcher:
     def config_path(self) -> Path:
         """The resolved run configuration every process reads."""
         from ddiloco.config import CONFIG_FILE
+
         return self.out / CONFIG_FILE
 
     def write_config(self) -> Path:
         """Write the resolved run configuration that the syncers and learners read."""
         from ddiloco.config import dump_config
+
         return dump_config(self.cfg, self.config_path)
 
     def _syncer_cmd(self, resume: bool, k: int = 0) -> list[str]:
@@ -167,15 +175,31 @@ class Launcher:
         name = self._syncer_name(k)
         sharded = self.cfg.runtime.shards > 1
         port = self.ports[k] if sharded else self.port
-        shard = ([] if not sharded else
-                 ["--shards", ",".join(f"127.0.0.1:{q}" for q in self.ports), "--shard", str(k)])
-        cmd = [sys.executable, "-m", "ddiloco.runtime.cli", "syncer",
-               "--config", str(self.config_path), "--port", str(port),
-               "--port-file", str(self.out / f"{name}.port"),
-               "--checkpoint-dir", str(self.out / "checkpoint" / (f"shard_{k}" if sharded
-                                                                  else "")),
-               "--metrics-file", str(self.out / f"{name}.metrics.jsonl"), *shard,
-               "--metrics-dir", str(self.out), *self.opts.extra_syncer_args]
+        shard = (
+            []
+            if not sharded
+            else ["--shards", ",".join(f"127.0.0.1:{q}" for q in self.ports), "--shard", str(k)]
+        )
+        cmd = [
+            sys.executable,
+            "-m",
+            "ddiloco.runtime.cli",
+            "syncer",
+            "--config",
+            str(self.config_path),
+            "--port",
+            str(port),
+            "--port-file",
+            str(self.out / f"{name}.port"),
+            "--checkpoint-dir",
+            str(self.out / "checkpoint" / (f"shard_{k}" if sharded else "")),
+            "--metrics-file",
+            str(self.out / f"{name}.metrics.jsonl"),
+            *shard,
+            "--metrics-dir",
+            str(self.out),
+            *self.opts.extra_syncer_args,
+        ]
         if self.http_port is not None and k == 0:  # the dashboard on shard 0
             cmd += ["--http-port", str(self.http_port)]
         if resume:
@@ -185,31 +209,57 @@ class Launcher:
     def _learner_cmd(self, m: int | None) -> list[str]:
         """Learner m's command; m None: a learner that joins without an id (elastic)."""
         n = self.cfg.runtime.island_size
-        head = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                 f"--nproc-per-node={n}", "-m", "ddiloco.runtime.cli"] if n > 1
-                else [sys.executable, "-m", "ddiloco.runtime.cli"])
+        head = (
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc-per-node={n}",
+                "-m",
+                "ddiloco.runtime.cli",
+            ]
+            if n > 1
+            else [sys.executable, "-m", "ddiloco.runtime.cli"]
+        )
         ident = [] if m is None else ["--learner", str(m)]
-        cmd = head + ["learner", "--syncer", f"127.0.0.1:{self.port}", *ident,
-                      "--config", str(self.config_path),
-                      "--run-dir", str(self.out / ("learner_{learner}" if m is None
-                                                   else f"learner_{m}")),
-                      "--metrics-dir", str(self.out), *self.opts.extra_learner_args]
+        cmd = head + [
+            "learner",
+            "--syncer",
+            f"127.0.0.1:{self.port}",
+            *ident,
+            "--config",
+            str(self.config_path),
+            "--run-dir",
+            str(self.out / ("learner_{learner}" if m is None else f"learner_{m}")),
+            "--metrics-dir",
+            str(self.out),
+            *self.opts.extra_learner_args,
+        ]
         return cmd
 
     def _spawn(self, p: _Proc) -> None:
         # the syncer and single-process learners fork from the warm server; islands are
         # started by torchrun
-        forked = self._forkserver is not None and (p.name.startswith("syncer")
-                                                   or self.cfg.runtime.island_size == 1)
+        forked = self._forkserver is not None and (
+            p.name.startswith("syncer") or self.cfg.runtime.island_size == 1
+        )
         with open(p.log_path, "ab") as log:
-            log.write(f"\n=== start {p.starts} at t={self._now():.3f}s"
-                      f"{' (forked)' if forked else ''}: {' '.join(p.cmd)}\n".encode())
+            log.write(
+                f"\n=== start {p.starts} at t={self._now():.3f}s"
+                f"{' (forked)' if forked else ''}: {' '.join(p.cmd)}\n".encode()
+            )
             log.flush()
             if forked:  # p.cmd is [python, -m, ddiloco.runtime.cli, syncer|learner, ...]
                 p.popen = self._forkserver.spawn(p.cmd[3:], str(p.log_path))
             else:
-                p.popen = subprocess.Popen(p.cmd, stdout=log, stderr=subprocess.STDOUT,
-                                           env=self.env, start_new_session=True)
+                p.popen = subprocess.Popen(
+                    p.cmd,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=self.env,
+                    start_new_session=True,
+                )
         p.starts += 1
         p.state = "running"
         if p.first_start_s is None:
@@ -235,11 +285,13 @@ class Launcher:
                     self.port = int(path.read_text())
                 return
             if syncer.popen.poll() is not None:
-                raise RuntimeError(f"syncer exited with {syncer.popen.returncode}; see "
-                                   f"{syncer.log_path}")
+                raise RuntimeError(
+                    f"syncer exited with {syncer.popen.returncode}; see {syncer.log_path}"
+                )
             time.sleep(0.05)
-        raise RuntimeError(f"syncer did not bind within {self.opts.startup_timeout_s} s; see "
-                           f"{syncer.log_path}")
+        raise RuntimeError(
+            f"syncer did not bind within {self.opts.startup_timeout_s} s; see {syncer.log_path}"
+        )
 
     def close(self) -> None:
         """Stop every process group: SIGCONT (stopped ones), SIGTERM, then SIGKILL."""
@@ -250,8 +302,10 @@ class Launcher:
         for p in procs:
             self._signal(p, signal.SIGCONT)
         # learners first, the syncer last (its SIGTERM writes a final checkpoint)
-        for group in ([p for p in procs if not p.name.startswith("syncer")],
-                      [p for p in procs if p.name.startswith("syncer")]):
+        for group in (
+            [p for p in procs if not p.name.startswith("syncer")],
+            [p for p in procs if p.name.startswith("syncer")],
+        ):
             for p in group:
                 self._signal(p, signal.SIGTERM)
             deadline = time.monotonic() + 10.0
@@ -281,8 +335,12 @@ class Launcher:
         c = self.cfg
         self.write_config()
         # a new run starts fresh: no progress, checkpoint or metrics of an earlier run in OUT
-        for f in ("chaos.jsonl", "summary.json", *self.out.glob("syncer*.port"),
-                  *self.out.glob("syncer*.metrics.jsonl")):
+        for f in (
+            "chaos.jsonl",
+            "summary.json",
+            *self.out.glob("syncer*.port"),
+            *self.out.glob("syncer*.metrics.jsonl"),
+        ):
             (self.out / f).unlink(missing_ok=True)
         for d in [self.out / "checkpoint", *self.out.glob("learner_*")]:
             shutil.rmtree(d, ignore_errors=True)
@@ -294,33 +352,46 @@ class Launcher:
             # raised inside a blocking gRPC status call could be swallowed as an RPC error
             def _stop(*_):
                 self._stop_requested = True
+
             signal.signal(signal.SIGTERM, _stop)
             signal.signal(signal.SIGINT, _stop)
         if c.progress:
             from ddiloco.runtime.launch.progress import LiveProgress
+
             self._progress = LiveProgress(c.learners, interval_s=self.opts.progress_interval_s)
         try:
             if self.opts.fork_server:
                 from ddiloco.runtime.launch.forkserver import ForkServer
-                self._forkserver = ForkServer(self.env, str(self.out / "logs" / "forkserver.log"),
-                                              self.opts.startup_timeout_s, str(self.out))
+
+                self._forkserver = ForkServer(
+                    self.env,
+                    str(self.out / "logs" / "forkserver.log"),
+                    self.opts.startup_timeout_s,
+                    str(self.out),
+                )
             self.ports = _free_ports(self.cfg.runtime.shards) if self.cfg.runtime.shards > 1 else []
             for k in range(self.cfg.runtime.shards):
                 name = self._syncer_name(k)
-                self.procs[name] = _Proc(name, self._syncer_cmd(False, k),
-                                         self.out / "logs" / f"{name}.log")
+                self.procs[name] = _Proc(
+                    name, self._syncer_cmd(False, k), self.out / "logs" / f"{name}.log"
+                )
                 self._spawn(self.procs[name])
             for k in range(self.cfg.runtime.shards):
                 self._wait_port(self.procs[self._syncer_name(k)])
                 self.procs[self._syncer_name(k)].cmd = self._syncer_cmd(True, k)
             if self.http_port is not None:
-                print(f"ddiloco: live dashboard on {self.dashboard_url}", file=sys.stderr,
-                      flush=True)
+                print(
+                    f"ddiloco: live dashboard on {self.dashboard_url}", file=sys.stderr, flush=True
+                )
             self._client = self._make_client()
             self.t_learners = self._now()
             for m in range(c.learners):
-                p = _Proc(f"learner_{m}", self._learner_cmd(m),
-                          self.out / "logs" / f"learner_{m}.log", learner=m)
+                p = _Proc(
+                    f"learner_{m}",
+                    self._learner_cmd(m),
+                    self.out / "logs" / f"learner_{m}.log",
+                    learner=m,
+                )
                 self.procs[p.name] = p
                 self._spawn(p)
             self._supervise(events)
@@ -346,6 +417,7 @@ class Launcher:
         """The syncer's dashboard, with the run's token (once; the page then keeps a
         session cookie)."""
         from ddiloco.runtime.transport.auth import TOKEN_ENV
+
         if self.http_port is None:
             return None
         return f"http://127.0.0.1:{self.http_port}/?token={self.env[TOKEN_ENV]}"
@@ -353,8 +425,12 @@ class Launcher:
     def _make_client(self):
         from ddiloco.runtime.learner.sharded import ShardedClient
         from ddiloco.runtime.transport.auth import TOKEN_ENV
-        return ShardedClient(f"127.0.0.1:{self.port}", self.env[TOKEN_ENV],
-                             shards=tuple(f"127.0.0.1:{q}" for q in self.ports))
+
+        return ShardedClient(
+            f"127.0.0.1:{self.port}",
+            self.env[TOKEN_ENV],
+            shards=tuple(f"127.0.0.1:{q}" for q in self.ports),
+        )
 
     def _learners(self) -> list[_Proc]:
         return [p for n, p in self.procs.items() if not n.startswith("syncer")]
@@ -382,16 +458,18 @@ class Launcher:
                         p.state = "failed"
                 if p.state == "down" and (self._status or {}).get("budget_spent"):
                     p.state = "finished"  # nothing left to do: not restarted
-                    self.chaos_log.write("learner-not-restarted", target=p.name,
-                                         reason="step budget spent")
+                    self.chaos_log.write(
+                        "learner-not-restarted", target=p.name, reason="step budget spent"
+                    )
                 if p.state == "down" and p.restart_at is not None and now >= p.restart_at:
                     self._spawn(p)
                     self.chaos_log.write("restart-learner", target=p.name)
                 if p.link_cut is not None and now >= p.link_cut[1]:
                     if p.popen is not None and p.popen.pid == p.link_cut[0]:
                         self._signal(p, signal.SIGUSR2)  # a restarted process has its link
-                        self.chaos_log.write("restore-link", target=p.name,
-                                             step=self._step_of(p.name))
+                        self.chaos_log.write(
+                            "restore-link", target=p.name, step=self._step_of(p.name)
+                        )
                     p.link_cut = None
                 if p.state == "stopped" and p.cont_at is not None and now >= p.cont_at:
                     self._signal(p, signal.SIGCONT)
@@ -399,8 +477,9 @@ class Launcher:
                     self.chaos_log.write("cont-learner", target=p.name)
             for syncer in self._syncers():
                 if syncer.state == "running" and syncer.popen.poll() is not None:
-                    self.chaos_log.write("syncer-exited", target=syncer.name,
-                                         rc=syncer.popen.returncode)
+                    self.chaos_log.write(
+                        "syncer-exited", target=syncer.name, rc=syncer.popen.returncode
+                    )
                     syncer.state, syncer.restart_at = "down", now + 1.0
                 if syncer.state == "down" and now >= syncer.restart_at:
                     self._spawn(syncer)
@@ -422,30 +501,48 @@ class Launcher:
         from ddiloco.runtime.launch.chaos import ChaosEvent
 
         st = self._status or {}
-        steps = {int(m): (i.get("report") or {}).get("global_step") or 0
-                 for m, i in st.get("learners", {}).items()}
+        steps = {
+            int(m): (i.get("report") or {}).get("global_step") or 0
+            for m, i in st.get("learners", {}).items()
+        }
         for m, step in self.chaos.kill_at_step:
             key = ("kill", m, step)
             p = self.procs.get(f"learner_{m}")
-            if key not in self._fired and p is not None and p.state == "running" \
-                    and steps.get(m, 0) >= step:
+            if (
+                key not in self._fired
+                and p is not None
+                and p.state == "running"
+                and steps.get(m, 0) >= step
+            ):
                 self._fired.add(key)
-                self._inject(ChaosEvent(0.0, "kill-learner", 0.0, self.chaos.kill_downtime_s),
-                             lambda draw, pool: p)
+                self._inject(
+                    ChaosEvent(0.0, "kill-learner", 0.0, self.chaos.kill_downtime_s),
+                    lambda draw, pool: p,  # noqa: B023
+                )
         for m, step, dur in self.chaos.link_cut:
             key = ("cut", m, step)
             p = self.procs.get(f"learner_{m}")
-            if key not in self._fired and p is not None and p.state == "running" \
-                    and p.link_cut is None and steps.get(m, 0) >= step:
+            if (
+                key not in self._fired
+                and p is not None
+                and p.state == "running"
+                and p.link_cut is None
+                and steps.get(m, 0) >= step
+            ):
                 self._fired.add(key)
                 self._signal(p, signal.SIGUSR1)
                 p.link_cut = (p.popen.pid, self._now() + dur)
-                self.chaos_log.write("cut-link", target=p.name, duration_s=dur,
-                                     step=self._step_of(p.name))
+                self.chaos_log.write(
+                    "cut-link", target=p.name, duration_s=dur, step=self._step_of(p.name)
+                )
         self._elastic_triggers(int(st.get("steps_done") or 0))
         s = self.chaos.syncer_kill_at_step
-        if s and "syncer" not in self._fired and steps and \
-                sum(steps.values()) / self.cfg.learners >= s:
+        if (
+            s
+            and "syncer" not in self._fired
+            and steps
+            and sum(steps.values()) / self.cfg.learners >= s
+        ):
             self._fired.add("syncer")
             self._inject(ChaosEvent(0.0, "kill-syncer", 0.0, self.chaos.syncer_downtime_s), None)
 
@@ -458,15 +555,22 @@ class Launcher:
             if ("add", i) not in self._fired and steps_done >= at:
                 self._fired.add(("add", i))
                 k = sum(1 for n in self.procs if n.startswith("learner_+"))
-                p = _Proc(f"learner_+{k}", self._learner_cmd(None),
-                          self.out / "logs" / f"learner_+{k}.log")
+                p = _Proc(
+                    f"learner_+{k}",
+                    self._learner_cmd(None),
+                    self.out / "logs" / f"learner_+{k}.log",
+                )
                 self.procs[p.name] = p
                 self._spawn(p)
                 self.chaos_log.write("add-learner", target=p.name, steps_done=steps_done)
         for m, at in self.chaos.remove_learner_at_step:
             p = self.procs.get(f"learner_{m}")
-            if ("remove", m) not in self._fired and p is not None and steps_done >= at \
-                    and p.state == "running":
+            if (
+                ("remove", m) not in self._fired
+                and p is not None
+                and steps_done >= at
+                and p.state == "running"
+            ):
                 self._fired.add(("remove", m))
                 p.removed_s = self._now()
                 self._signal(p, signal.SIGTERM)
@@ -479,7 +583,7 @@ class Launcher:
         pids = {p.popen.pid: p for p in self._learners() if p.learner is None and p.popen}
         for d in sorted(self.out.glob("learner_*")):
             path = d / "metrics.jsonl"
-            if not d.name[len("learner_"):].isdigit() or not path.is_file():
+            if not d.name[len("learner_") :].isdigit() or not path.is_file():
                 continue
             for line in path.read_text().splitlines():
                 if '"learner_start"' not in line:
@@ -497,8 +601,9 @@ class Launcher:
     def _inject(self, ev, pick) -> None:
         now = self._now()
         if ev.kind == "kill-syncer":
-            s = self.procs[self._syncer_name(min(self.chaos.syncer_kill_shard,
-                                                 self.cfg.runtime.shards - 1))]
+            s = self.procs[
+                self._syncer_name(min(self.chaos.syncer_kill_shard, self.cfg.runtime.shards - 1))
+            ]
             if s.state == "running":
                 self._signal(s, signal.SIGKILL)
                 s.popen.wait()
@@ -515,8 +620,9 @@ class Launcher:
             p.popen.wait()
             p.exit_codes.append(p.popen.returncode)
             p.state, p.restart_at, p.kills = "down", self._now() + ev.duration_s, p.kills + 1
-            self.chaos_log.write("kill-learner", target=p.name, downtime_s=ev.duration_s,
-                                 step=self._step_of(p.name))
+            self.chaos_log.write(
+                "kill-learner", target=p.name, downtime_s=ev.duration_s, step=self._step_of(p.name)
+            )
         elif ev.kind == "stop-learner":
             self._signal(p, signal.SIGSTOP)
             p.state, p.cont_at, p.stops = "stopped", now + ev.duration_s, p.stops + 1
@@ -539,9 +645,16 @@ class Launcher:
 
     def _show_progress(self) -> None:
         if self._progress is not None:
-            self._progress.update(self._now(), self._status, {
-                m: p.state for m in range(self.cfg.learners)
-                if (p := self.procs.get(f"learner_{m}")) is not None})
+            self._progress.update(
+                self._now(),
+                self._status,
+                {
+                    m: p.state
+                    for m in range(self.cfg.learners)
+                    if (p := self.procs.get(f"learner_{m}")) is not None
+                },
+            )
+
     def _print_progress(self) -> None:
         st = self._status or {}
         steps, losses = [], []
@@ -552,16 +665,24 @@ class Launcher:
             rep = info.get("report") or {}
             p = known.get(m)
             tag = {"running": "", "down": "x", "stopped": "z", "finished": "", "failed": "!"}.get(
-                p.state if p else "", "")
+                p.state if p else "", ""
+            )
             steps.append(f"{rep.get('global_step', 0)}{tag}")
             if rep.get("loss") is not None:
                 losses.append(rep["loss"])
         from ddiloco.runtime.launch.status import goodput_so_far
+
         g = goodput_so_far(st) if st else None
-        budget = f" ({st.get('steps_done', 0)}/{st['step_budget']})" if st.get("step_budget") else ""
-        print(f"[{self._now():6.1f}s] steps {' '.join(steps)}{budget}  merges {st.get('merges', 0)}  "
-              f"loss {sum(losses) / len(losses) if losses else float('nan'):.3f}  "
-              f"goodput~{g if g is None else round(g, 3)}", file=sys.stderr, flush=True)
+        budget = (
+            f" ({st.get('steps_done', 0)}/{st['step_budget']})" if st.get("step_budget") else ""
+        )
+        print(
+            f"[{self._now():6.1f}s] steps {' '.join(steps)}{budget}  merges {st.get('merges', 0)}  "
+            f"loss {sum(losses) / len(losses) if losses else float('nan'):.3f}  "
+            f"goodput~{g if g is None else round(g, 3)}",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def _fetch_global(self):
         try:
@@ -578,6 +699,7 @@ class Launcher:
         if fetched is None:
             return None
         from ddiloco.runtime.export import ExportError, state_dict_from_checkpoint
+
         if self.cfg.runtime.shards == 1:  # shards checkpoint their own fragments apart
             try:
                 return state_dict_from_checkpoint(self.out / "checkpoint")[0]
@@ -585,11 +707,17 @@ class Launcher:
                 print(f"ddiloco: evaluating the fetched global model: {e}", file=sys.stderr)
         from ddiloco.recipe import new_model
         from ddiloco.runtime.transport.spec import fragmentation_from_spec, model_spec
+
         model = new_model(self.cfg)
-        frag = fragmentation_from_spec(model_spec(model, self.cfg.fragments, self.cfg.fragmentation))
+        frag = fragmentation_from_spec(
+            model_spec(model, self.cfg.fragments, self.cfg.fragmentation)
+        )
         shapes = {n: t.shape for n, t in model.named_parameters()}
-        return {n: t.view(shapes[n]) for p, f in enumerate(frag.fragments)
-                for n, t in zip(f.names, fetched[p][1])}
+        return {
+            n: t.view(shapes[n])
+            for p, f in enumerate(frag.fragments)
+            for n, t in zip(f.names, fetched[p][1])
+        }
 
     # -- summary --------------------------------------------------------------------------
     def _summarise(self, final_params: dict | None, interrupted: bool) -> dict:
@@ -607,7 +735,9 @@ class Launcher:
         if final_params is not None:
             model.load_state_dict(final_params)
             final_loss = evaluate(model, evals)
-        per_step = c.batch_size if data.kind in ("digits", "images") else c.batch_size * c.block_size
+        per_step = (
+            c.batch_size if data.kind in ("digits", "images") else c.batch_size * c.block_size
+        )
         rows = self._collect_rows()
         # the clock starts when the first learner is ready to step (process start-up of the
         # first launch is reported apart; restarts after failures count against goodput)
@@ -616,8 +746,8 @@ class Launcher:
         T = max(1e-9, self.t_end - t_first)
         # goodput and the step ledger are the syncer's (``syncer.accounting``): every
         # learner process's last report, restarts folded in; the same as `ddiloco status`
-        from ddiloco.runtime.syncer.accounting import learner_totals
         from ddiloco.runtime.launch.status import goodput_so_far
+        from ddiloco.runtime.syncer.accounting import learner_totals
 
         per_learner = []
         st = self._status or {}
@@ -639,61 +769,109 @@ class Launcher:
             tot = learner_totals(info)
             ledger, useful, compute = tot["ledger"], tot["useful_s"], tot["compute_s"]
             bal = abs(ledger["computed"] - sum(ledger[k] for k in ledger if k != "computed"))
-            per_learner.append({
-                "learner": m, "steps": (final or {}).get("global_step", info.get("report", {}).get("global_step")),
-                "failures": proc.kills if proc else 0, "starts": proc.starts if proc else 0,
-                "stops": proc.stops if proc else 0,
-                "ledger_steps": {k: round(v, 4) + 0.0 for k, v in ledger.items()},
-                "ledger_tokens": {k: round(v * per_step * self.cfg.runtime.island_size)
-                                  for k, v in ledger.items()},
-                "ledger_balance_error": bal, "tokens_computed": tot["tokens"],
-                "syncer_tokens": info.get("syncer_ledger", {}),
-                "time": {"useful_s": round(useful, 3), "stepping_s": round(compute, 3),
-                         "other_s": round(run_s - compute, 3)},
-            })
+            per_learner.append(
+                {
+                    "learner": m,
+                    "steps": (final or {}).get(
+                        "global_step", info.get("report", {}).get("global_step")
+                    ),
+                    "failures": proc.kills if proc else 0,
+                    "starts": proc.starts if proc else 0,
+                    "stops": proc.stops if proc else 0,
+                    "ledger_steps": {k: round(v, 4) + 0.0 for k, v in ledger.items()},
+                    "ledger_tokens": {
+                        k: round(v * per_step * self.cfg.runtime.island_size)
+                        for k, v in ledger.items()
+                    },
+                    "ledger_balance_error": bal,
+                    "tokens_computed": tot["tokens"],
+                    "syncer_tokens": info.get("syncer_ledger", {}),
+                    "time": {
+                        "useful_s": round(useful, 3),
+                        "stepping_s": round(compute, 3),
+                        "other_s": round(run_s - compute, 3),
+                    },
+                }
+            )
         model_bytes = 4 * n_params
         total_steps = sum(pl["ledger_steps"]["computed"] for pl in per_learner)
         summary = {
-            "ok": (not interrupted and final_loss is not None
-                   and all(p.state == "finished" for p in self._learners())),
-            "method": "decoupled", "engine": "processes", "learners": len(ids),
-            "membership": {k: (st.get("membership") or {}).get(k, 0)
-                           for k in ("join", "leave", "dead")},
-            "island_size": c.runtime.island_size, "steps": c.steps, "shards": c.runtime.shards,
+            "ok": (
+                not interrupted
+                and final_loss is not None
+                and all(p.state == "finished" for p in self._learners())
+            ),
+            "method": "decoupled",
+            "engine": "processes",
+            "learners": len(ids),
+            "membership": {
+                k: (st.get("membership") or {}).get(k, 0) for k in ("join", "leave", "dead")
+            },
+            "island_size": c.runtime.island_size,
+            "steps": c.steps,
+            "shards": c.runtime.shards,
             "tokens": c.learners * c.steps * per_step * self.cfg.runtime.island_size,
-            "final_eval_loss": final_loss, "entropy_floor": floor,
+            "final_eval_loss": final_loss,
+            "entropy_floor": floor,
             "gap_to_floor": None if final_loss is None or floor is None else final_loss - floor,
             "entropy_rate": lang.entropy_rate if lang is not None else None,
-            "initial_eval_loss": init_loss, "data": c.data.source, "model": c.model.name,
-            "goodput": goodput_so_far(st) or 0.0, "run_s": run_s, "uptime": rows["uptime"](T),
-            "bytes_up": bytes_up, "bytes_down": bytes_down,
+            "initial_eval_loss": init_loss,
+            "data": c.data.source,
+            "model": c.model.name,
+            "goodput": goodput_so_far(st) or 0.0,
+            "run_s": run_s,
+            "uptime": rows["uptime"](T),
+            "bytes_up": bytes_up,
+            "bytes_down": bytes_down,
             "dp_bytes_same_steps": int(total_steps * 2 * model_bytes),
-            "merges": st.get("merges"), "wall_s": round(self._now(), 3),
-            "train_wall_s": round(T, 3), "startup_s": round(t_first - self.t_learners, 3), "versions": st.get("versions"),
-            "mean_quorum": st.get("mean_quorum"), "learners_per_merge": st.get("mean_quorum"),
+            "merges": st.get("merges"),
+            "wall_s": round(self._now(), 3),
+            "train_wall_s": round(T, 3),
+            "startup_s": round(t_first - self.t_learners, 3),
+            "versions": st.get("versions"),
+            "mean_quorum": st.get("mean_quorum"),
+            "learners_per_merge": st.get("mean_quorum"),
             "rejections": st.get("rejections", {}),
             "syncer_counters": st.get("counters", {}),
-            "chaos_events": rows["n_chaos"], "interrupted": interrupted,
-            "per_learner": per_learner, "n_params": n_params,
-            "config": {k: (list(v) if isinstance(v, tuple) else v)
-                       for k, v in c.to_dict().items()},
+            "chaos_events": rows["n_chaos"],
+            "interrupted": interrupted,
+            "per_learner": per_learner,
+            "n_params": n_params,
+            "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in c.to_dict().items()},
             "chaos": self.chaos.to_dict(),
         }
         # the run's metrics.jsonl: every process's rows in time order; the run-level rows
         # (config, evaluations) also go to the other sinks, as writer "run"
-        head = [{"kind": "config", **summary["config"]},
-                {"kind": "eval", "t_s": 0.0, "step": 0, "eval_loss": init_loss,
-                 "gap": None if floor is None else init_loss - floor}]
-        tail = [] if final_loss is None else [
-            {"kind": "final", "step": c.steps, "eval_loss": final_loss,
-             "gap": None if floor is None else final_loss - floor}]
+        head = [
+            {"kind": "config", **summary["config"]},
+            {
+                "kind": "eval",
+                "t_s": 0.0,
+                "step": 0,
+                "eval_loss": init_loss,
+                "gap": None if floor is None else init_loss - floor,
+            },
+        ]
+        tail = (
+            []
+            if final_loss is None
+            else [
+                {
+                    "kind": "final",
+                    "step": c.steps,
+                    "eval_loss": final_loss,
+                    "gap": None if floor is None else final_loss - floor,
+                }
+            ]
+        )
         from ddiloco.metrics.sinks import JsonlSink, open_sinks, parse_sinks
 
         with JsonlSink(self.out / "metrics.jsonl", mode="w") as jsonl:
             for r in head + rows["rows"] + tail:
                 jsonl.write(r)
-        with open_sinks([s for s in parse_sinks(c.metrics_sinks) if s != "jsonl"], self.out,
-                        name="run") as extra:
+        with open_sinks(
+            [s for s in parse_sinks(c.metrics_sinks) if s != "jsonl"], self.out, name="run"
+        ) as extra:
             for r in head + tail:
                 extra.write(r)
         tmp = self.out / "summary.json.tmp"
@@ -703,18 +881,25 @@ class Launcher:
             os.fsync(f.fileno())
         os.replace(tmp, self.out / "summary.json")
         if c.progress:
-            print(f"ddiloco: {'done' if summary['ok'] else 'FAILED'} in {summary['wall_s']:.1f} s: "
-                  f"eval loss {init_loss:.4f} -> {final_loss}, goodput {summary['goodput']:.3f}, "
-                  f"merges {summary['merges']}, summary in {self.out / 'summary.json'}",
-                  file=sys.stderr)
+            print(
+                f"ddiloco: {'done' if summary['ok'] else 'FAILED'} in {summary['wall_s']:.1f} s: "
+                f"eval loss {init_loss:.4f} -> {final_loss}, goodput {summary['goodput']:.3f}, "
+                f"merges {summary['merges']}, summary in {self.out / 'summary.json'}",
+                file=sys.stderr,
+            )
         return summary
 
     def _collect_rows(self) -> dict:
         """Merge learner step rows, syncer events and chaos events into one time-ordered
         list (t_s relative to the launch), and compute the uptime."""
         rows, walls = [], []
-        ids = sorted({int(d.name[len("learner_"):]) for d in self.out.glob("learner_*")
-                      if d.name[len("learner_"):].isdigit()})
+        ids = sorted(
+            {
+                int(d.name[len("learner_") :])
+                for d in self.out.glob("learner_*")
+                if d.name[len("learner_") :].isdigit()
+            }
+        )
         for m in ids:
             path = self.out / f"learner_{m}" / "metrics.jsonl"
             if not path.is_file():
@@ -744,8 +929,11 @@ class Launcher:
                         r["shard"] = int(name.split(".")[0].split("_")[1])
                     rows.append(r)
         rows.sort(key=lambda r: r["t_s"])
-        n_chaos = sum(1 for r in rows if r["kind"].startswith("chaos-kill")
-                      or r["kind"].startswith("chaos-stop"))
+        n_chaos = sum(
+            1
+            for r in rows
+            if r["kind"].startswith("chaos-kill") or r["kind"].startswith("chaos-stop")
+        )
         walls.sort()
 
         def uptime(T: float) -> float:

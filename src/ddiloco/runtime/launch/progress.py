@@ -47,19 +47,27 @@ def learner_rows(status: dict, proc_states: dict[int, str], learners: int) -> li
         info = (status.get("learners") or {}).get(str(m)) or {}
         rep = info.get("report") or {}
         tot = learner_totals(info) if info else None
-        rows.append(LearnerRow(
-            m, proc_states.get(m, "-"), info.get("state", "-"),
-            int(rep.get("global_step", tot["steps"] if tot else 0) or 0),
-            tot["ledger"]["merged"] if tot else None,
-            tot["useful_s"] / run_s if tot and run_s > 0 else None, rep.get("loss")))
+        rows.append(
+            LearnerRow(
+                m,
+                proc_states.get(m, "-"),
+                info.get("state", "-"),
+                int(rep.get("global_step", tot["steps"] if tot else 0) or 0),
+                tot["ledger"]["merged"] if tot else None,
+                tot["useful_s"] / run_s if tot and run_s > 0 else None,
+                rep.get("loss"),
+            )
+        )
     return rows
 
 
 def _totals(t_s: float, status: dict) -> str:
     g = goodput_so_far(status) if status else None
-    budget = (f" / {status['step_budget']}" if status.get("step_budget") else "")
-    return (f"t {t_s:.1f} s  steps {status.get('steps_done', 0)}{budget}  merges "
-            f"{status.get('merges', 0)}  goodput {'-' if g is None else f'{g:.3f}'}")
+    budget = f" / {status['step_budget']}" if status.get("step_budget") else ""
+    return (
+        f"t {t_s:.1f} s  steps {status.get('steps_done', 0)}{budget}  merges "
+        f"{status.get('merges', 0)}  goodput {'-' if g is None else f'{g:.3f}'}"
+    )
 
 
 def plain_line(t_s: float, status: dict, rows: list[LearnerRow]) -> str:
@@ -67,29 +75,45 @@ def plain_line(t_s: float, status: dict, rows: list[LearnerRow]) -> str:
     goodput~0.91``."""
     losses = [r.loss for r in rows if r.loss is not None]
     g = goodput_so_far(status) if status else None
-    budget = f" ({status.get('steps_done', 0)}/{status['step_budget']})" \
-        if status.get("step_budget") else ""
+    budget = (
+        f" ({status.get('steps_done', 0)}/{status['step_budget']})"
+        if status.get("step_budget")
+        else ""
+    )
     steps = " ".join(f"{r.step}{PROC_MARK.get(r.process, '')}" for r in rows)
     loss = sum(losses) / len(losses) if losses else math.nan
-    return (f"[{t_s:6.1f}s] steps {steps}{budget}  merges {status.get('merges', 0)}  "
-            f"loss {loss:.3f}  goodput~{'-' if g is None else round(g, 3)}")
+    return (
+        f"[{t_s:6.1f}s] steps {steps}{budget}  merges {status.get('merges', 0)}  "
+        f"loss {loss:.3f}  goodput~{'-' if g is None else round(g, 3)}"
+    )
 
 
 def progress_table(t_s: float, status: dict, rows: list[LearnerRow]) -> Table:
     """The terminal form: a rich table with the run's totals as its title."""
     table = Table(title=_totals(t_s, status), title_justify="left", expand=False)
     columns: tuple[tuple[str, JustifyMethod], ...] = (
-        ("learner", "right"), ("process", "left"), ("syncer", "left"), ("step", "right"),
-        ("merged steps", "right"), ("goodput", "right"), ("loss", "right"))
+        ("learner", "right"),
+        ("process", "left"),
+        ("syncer", "left"),
+        ("step", "right"),
+        ("merged steps", "right"),
+        ("goodput", "right"),
+        ("loss", "right"),
+    )
     for name, justify in columns:
         table.add_column(name, justify=justify)
     style = {"down": "red", "failed": "bold red", "stopped": "yellow", "finished": "dim"}
     for r in rows:
-        table.add_row(str(r.learner), r.process, r.syncer, str(r.step),
-                      "-" if r.merged_steps is None else f"{r.merged_steps:.1f}",
-                      "-" if r.goodput is None else f"{r.goodput:.3f}",
-                      "-" if r.loss is None else f"{r.loss:.4f}",
-                      style=style.get(r.process))
+        table.add_row(
+            str(r.learner),
+            r.process,
+            r.syncer,
+            str(r.step),
+            "-" if r.merged_steps is None else f"{r.merged_steps:.1f}",
+            "-" if r.goodput is None else f"{r.goodput:.3f}",
+            "-" if r.loss is None else f"{r.loss:.4f}",
+            style=style.get(r.process),
+        )
     return table
 
 
@@ -98,16 +122,18 @@ class LiveProgress:
 
     ``console`` defaults to standard error; whether it is a terminal picks the form."""
 
-    def __init__(self, learners: int, *, console: Console | None = None,
-                 interval_s: float = 2.0) -> None:
+    def __init__(
+        self, learners: int, *, console: Console | None = None, interval_s: float = 2.0
+    ) -> None:
         self.learners = learners
         self.console = console or Console(stderr=True)
         self.interval_s = interval_s
         self._next_line_s = 0.0
         self._live: Live | None = None
         if self.console.is_terminal:
-            self._live = Live(console=self.console, refresh_per_second=4, transient=False,
-                              auto_refresh=False)
+            self._live = Live(
+                console=self.console, refresh_per_second=4, transient=False, auto_refresh=False
+            )
             self._live.start()
 
     @property

@@ -18,13 +18,28 @@ from ddiloco.runtime.transport import session, wire
 from ddiloco.runtime.transport.auth import channel_credentials, client_ssl_context
 from ddiloco.runtime.transport.bulk import BulkClient, BulkError, split_host
 
-__all__ = ["LinkLimits", "LinkCut", "LinkCutError", "LINK_CUT", "SyncerClient", "SyncerError", "RETRYABLE", "rpc_code", "rpc_details"]
+__all__ = [
+    "LinkLimits",
+    "LinkCut",
+    "LinkCutError",
+    "LINK_CUT",
+    "SyncerClient",
+    "SyncerError",
+    "RETRYABLE",
+    "rpc_code",
+    "rpc_details",
+]
 
 log = logging.getLogger("ddiloco.learner")
 
-RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-              grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
-              grpc.StatusCode.ABORTED}
+RETRYABLE = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.ABORTED,
+}
 
 
 _SIGNED = ("Join", "Heartbeat", "Leave")
@@ -108,21 +123,31 @@ class SyncerClient:
     the syncer has no data port), and a ``BulkClient`` for fragments once a Join reply has
     advertised the syncer's data port (``ddiloco.runtime.transport.bulk``)."""
 
-    def __init__(self, address: str, token: str, tls_ca: str | None = None,
-                 tls: bool = False) -> None:
+    def __init__(
+        self, address: str, token: str, tls_ca: str | None = None, tls: bool = False
+    ) -> None:
         self.address = address
         self._token, self._tls, self._tls_ca = token, bool(tls or tls_ca), tls_ca
         self._md = ((wire.TOKEN_METADATA, token),)
-        mk = (lambda: grpc.secure_channel(address, channel_credentials(tls_ca), wire.GRPC_OPTIONS)) \
-            if (tls or tls_ca) else (lambda: grpc.insecure_channel(address, wire.GRPC_OPTIONS))
+        mk = (
+            (lambda: grpc.secure_channel(address, channel_credentials(tls_ca), wire.GRPC_OPTIONS))
+            if (tls or tls_ca)
+            else (lambda: grpc.insecure_channel(address, wire.GRPC_OPTIONS))
+        )
         self.bulk = mk()
         # a distinct channel arg keeps grpc from sharing the bulk connection (liveness must
         # not queue behind multi-megabyte pushes)
-        self.control = (grpc.secure_channel(address, channel_credentials(tls_ca),
-                                            wire.GRPC_OPTIONS + [("ddiloco.channel", "control")])
-                        if (tls or tls_ca) else
-                        grpc.insecure_channel(address, wire.GRPC_OPTIONS + [("ddiloco.channel",
-                                                                             "control")]))
+        self.control = (
+            grpc.secure_channel(
+                address,
+                channel_credentials(tls_ca),
+                wire.GRPC_OPTIONS + [("ddiloco.channel", "control")],
+            )
+            if (tls or tls_ca)
+            else grpc.insecure_channel(
+                address, wire.GRPC_OPTIONS + [("ddiloco.channel", "control")]
+            )
+        )
         self.data: BulkClient | None = None
         """The data-port connection for pushes, or None: fragments go over gRPC."""
         self.session: tuple[int, bytes] | None = None
@@ -162,8 +187,9 @@ class SyncerClient:
             return header
         return session.sign(sess[1], header)
 
-    def unary(self, name: str, header: dict, timeout_s: float = 10.0, control: bool = False
-              ) -> dict:
+    def unary(
+        self, name: str, header: dict, timeout_s: float = 10.0, control: bool = False
+    ) -> dict:
         LINK_CUT.check(self.address)
         ch = self.control if control else self.bulk
         if name in _SIGNED:
@@ -174,24 +200,29 @@ class SyncerClient:
             if "report" in header:
                 header = {**header, "report": finite_only(header["report"])}
             header = self.sign(header)
-        resp = ch.unary_unary(wire.method(name))(wire.pack(header), timeout=timeout_s,
-                                                 metadata=self._md)
+        resp = ch.unary_unary(wire.method(name))(
+            wire.pack(header), timeout=timeout_s, metadata=self._md
+        )
         r = wire.unpack(resp)[0]
         if name == "Join" and not r.get("need_init"):
             self.use_data_port(r.get("bulk_port"), r.get("bulk_host"))
             if isinstance(r.get("session"), str):  # keyed to the id the syncer gave
-                self.session = (r.get("learner", header.get("learner")),
-                                bytes.fromhex(r["session"]))
+                self.session = (
+                    r.get("learner", header.get("learner")),
+                    bytes.fromhex(r["session"]),
+                )
         return r
 
     def stream(self, name: str, frames, timeout_s: float = 60.0) -> dict:
         LINK_CUT.check(self.address)
-        resp = self.bulk.stream_unary(wire.method(name))(frames, timeout=timeout_s,
-                                                         metadata=self._md)
+        resp = self.bulk.stream_unary(wire.method(name))(
+            frames, timeout=timeout_s, metadata=self._md
+        )
         return wire.unpack(resp)[0]
 
-    def _data_request(self, header: dict, payload: list, timeout_s: float,
-                      fetch: bool = False) -> tuple[dict, memoryview] | None:
+    def _data_request(
+        self, header: dict, payload: list, timeout_s: float, fetch: bool = False
+    ) -> tuple[dict, memoryview] | None:
         """A request on the data port; None when there is none or it cannot be reached
         (the caller then uses gRPC: the data port may be firewalled off)."""
         data = self.data_fetch if fetch else self.data
@@ -202,8 +233,13 @@ class SyncerClient:
         except BulkError as e:
             if not e.connect_failed:
                 raise
-            log.warning("syncer data port %s:%d unreachable (%s): sending fragments over gRPC "
-                        "until the next join", data.host, data.port, e.details())
+            log.warning(
+                "syncer data port %s:%d unreachable (%s): sending fragments over gRPC "
+                "until the next join",
+                data.host,
+                data.port,
+                e.details(),
+            )
             if data in (self.data, self.data_fetch):
                 self.use_data_port(None)
             return None
@@ -217,8 +253,9 @@ class SyncerClient:
             return r[0]
         return self.stream("Push", wire.chunks(header, data), timeout_s)
 
-    def fetch(self, fragments: list[int] | None, timeout_s: float = 60.0
-              ) -> dict[int, tuple[int, list[torch.Tensor], int]]:
+    def fetch(
+        self, fragments: list[int] | None, timeout_s: float = 60.0
+    ) -> dict[int, tuple[int, list[torch.Tensor], int]]:
         """Published fragments: p -> (version, flat fp32 tensors, wire bytes)."""
         out: dict[int, tuple[int, list[torch.Tensor], int]] = {}
 
@@ -227,22 +264,22 @@ class SyncerClient:
             ts, off = [], 0
             for k in h["numels"]:
                 nb = codec.nbytes(k)
-                ts.append(codec.decode(buf[off:off + nb], k))
+                ts.append(codec.decode(buf[off : off + nb], k))
                 off += nb
             out[h["fragment"]] = (h["version"], ts, len(buf))
 
         LINK_CUT.check(self.address)
-        r = self._data_request({"op": "fetch", "fragments": fragments}, [], timeout_s,
-                               fetch=True)
+        r = self._data_request({"op": "fetch", "fragments": fragments}, [], timeout_s, fetch=True)
         if r is not None:
             h, buf = r
             mv, off = memoryview(buf), 0
             for item in h["items"]:
-                decode(item, mv[off:off + item["nbytes"]])
+                decode(item, mv[off : off + item["nbytes"]])
                 off += item["nbytes"]
             return out
         call = self.bulk.unary_stream(wire.method("Fetch"))(
-            wire.pack({"fragments": fragments}), timeout=timeout_s, metadata=self._md)
+            wire.pack({"fragments": fragments}), timeout=timeout_s, metadata=self._md
+        )
         cur: dict | None = None
         buf = bytearray()
         for frame in call:

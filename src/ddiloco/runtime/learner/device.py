@@ -51,16 +51,19 @@ class DeviceCopier:
         """The copier for a model whose parameters are ``params`` (all on one device)."""
         devices = {t.device for t in params}
         if len(devices) != 1:
-            raise ValueError(f"DecoupledLearner needs the model on one device; its parameters "
-                             f"are on {sorted(str(d) for d in devices)}")
+            raise ValueError(
+                f"DecoupledLearner needs the model on one device; its parameters "
+                f"are on {sorted(str(d) for d in devices)}"
+            )
         return cls(devices.pop())
 
     def host_buffers(self, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """fp32 host buffers shaped as ``like`` (pinned for a CUDA device)."""
         return [torch.empty(t.shape, dtype=torch.float32, pin_memory=self.cuda) for t in like]
 
-    def snapshot(self, src: Sequence[torch.Tensor],
-                 bufs: list[torch.Tensor] | None) -> tuple[list[torch.Tensor], Ready | None]:
+    def snapshot(
+        self, src: Sequence[torch.Tensor], bufs: list[torch.Tensor] | None
+    ) -> tuple[list[torch.Tensor], Ready | None]:
         """Copy ``src`` (device tensors) into fp32 host buffers (``bufs`` if given, else new
         ones). Returns the buffers and, on CUDA, a ``ready`` to call before reading them."""
         if bufs is None:
@@ -108,8 +111,9 @@ class DeviceCopier:
         return out, ready
 
 
-def learner_device(requested: str = "auto", local_rank: int = 0,
-                   exclusive: bool = False) -> torch.device:
+def learner_device(
+    requested: str = "auto", local_rank: int = 0, exclusive: bool = False
+) -> torch.device:
     """The device of a learner process (one rank of an island): ``auto`` is
     ``cuda:LOCAL_RANK`` where CUDA is available, else the CPU; ``cuda`` requires it. With
     more ranks than GPUs on a node, ranks share them round-robin, unless ``exclusive`` (an
@@ -119,11 +123,15 @@ def learner_device(requested: str = "auto", local_rank: int = 0,
     if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise ValueError("device 'cuda' was asked for but torch sees no CUDA device "
-                         "(torch.cuda.is_available() is False); use device 'auto' or 'cpu'")
+        raise ValueError(
+            "device 'cuda' was asked for but torch sees no CUDA device "
+            "(torch.cuda.is_available() is False); use device 'auto' or 'cpu'"
+        )
     n = torch.cuda.device_count()
     if exclusive and local_rank >= n:
-        raise ValueError(f"LOCAL_RANK {local_rank} has no GPU of its own ({n} visible) and an "
-                         f"NCCL island needs one GPU per rank: start at most {n} ranks per "
-                         f"node, or set DDILOCO_ISLAND_BACKEND=gloo to share GPUs")
+        raise ValueError(
+            f"LOCAL_RANK {local_rank} has no GPU of its own ({n} visible) and an "
+            f"NCCL island needs one GPU per rank: start at most {n} ranks per "
+            f"node, or set DDILOCO_ISLAND_BACKEND=gloo to share GPUs"
+        )
     return torch.device("cuda", local_rank % n)

@@ -39,10 +39,9 @@ import torch
 from ddiloco.algorithm.codecs import get_codec
 from ddiloco.algorithm.learner_state import LearnerSync, Outgoing
 from ddiloco.algorithm.schedule import ClockTrack, FragmentSchedule, SlotClock
-from ddiloco.runtime.learner.sharded import SendQueues, ShardedClient
-from ddiloco.runtime.learner.client import (RETRYABLE, LinkLimits, SyncerError,
-                                            rpc_code, rpc_details)
+from ddiloco.runtime.learner.client import RETRYABLE, LinkLimits, SyncerError, rpc_code, rpc_details
 from ddiloco.runtime.learner.device import DeviceCopier
+from ddiloco.runtime.learner.sharded import SendQueues, ShardedClient
 from ddiloco.runtime.transport import wire
 from ddiloco.runtime.transport.auth import load_token
 from ddiloco.runtime.transport.spec import fragmentation_from_spec, model_spec, spec_fingerprint
@@ -75,22 +74,36 @@ class DecoupledLearner:
     over its restarts (the syncer keeps the count of its earlier processes).
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                 *, syncer: str, learner: int | None = None, P: int | None = None,  # noqa: N803
-                 H: int = 24,  # noqa: N803
-                 tau: int = 2, strategy: str = "balanced", codec: str = "bf16",
-                 alpha: float = 0.0, schedule: str = "time",
-                 tokens_per_step: int | None = None,
-                 token: str | None = None, token_file: str | None = None,
-                 tls_ca: str | None = None, tls: bool = False,
-                 connect_timeout: timedelta = timedelta(minutes=5),
-                 heartbeat_interval: timedelta = timedelta(milliseconds=500),
-                 flush_timeout: timedelta = timedelta(seconds=10),
-                 link: LinkLimits | None = None, process_group=None,
-                 load_global_on_exit: bool = False) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        syncer: str,
+        learner: int | None = None,
+        P: int | None = None,  # noqa: N803
+        H: int = 24,  # noqa: N803
+        tau: int = 2,
+        strategy: str = "balanced",
+        codec: str = "bf16",
+        alpha: float = 0.0,
+        schedule: str = "time",
+        tokens_per_step: int | None = None,
+        token: str | None = None,
+        token_file: str | None = None,
+        tls_ca: str | None = None,
+        tls: bool = False,
+        connect_timeout: timedelta = timedelta(minutes=5),
+        heartbeat_interval: timedelta = timedelta(milliseconds=500),
+        flush_timeout: timedelta = timedelta(seconds=10),
+        link: LinkLimits | None = None,
+        process_group=None,
+        load_global_on_exit: bool = False,
+    ) -> None:
         if learner is not None and learner < 0:
-            raise ValueError(f"learner must be >= 0 (or None: the syncer assigns one), "
-                             f"got {learner}")
+            raise ValueError(
+                f"learner must be >= 0 (or None: the syncer assigns one), got {learner}"
+            )
         if schedule not in ("time", "steps"):
             raise ValueError(f"schedule must be 'time' or 'steps', got {schedule!r}")
         self.model, self.optimizer = model, optimizer
@@ -115,13 +128,15 @@ class DecoupledLearner:
         self.rank = 0
         if process_group is not None:
             import torch.distributed as dist
+
             self.rank = dist.get_rank(process_group)
             if dist.get_backend(process_group) == "nccl":
                 # NCCL takes device tensors only: the island's small control messages (install
                 # mask, stop flag, budget) go over a Gloo group beside it, so reading them
                 # never synchronises the device; parameters still travel over NCCL
-                self._control_group = dist.new_group(dist.get_process_group_ranks(process_group),
-                                                     backend="gloo")
+                self._control_group = dist.new_group(
+                    dist.get_process_group_ranks(process_group), backend="gloo"
+                )
         n_tensors = len(list(model.parameters()))
         P = P if P is not None else min(H, n_tensors, 24)
         self.spec = model_spec(model, P, strategy)
@@ -132,9 +147,14 @@ class DecoupledLearner:
         self.copier = DeviceCopier.for_params(list(self.params.values()))
         self.time_driven = schedule == "time"
         # time-driven: ``after_step`` gets the time in nominal steps of the syncer's clock
-        self.sync = LearnerSync(self.params, self.fragmentation, self.schedule, alpha=alpha,
-                                snapshot=self.copier.snapshot,
-                                slot_s=1.0 if self.time_driven else None)
+        self.sync = LearnerSync(
+            self.params,
+            self.fragmentation,
+            self.schedule,
+            alpha=alpha,
+            snapshot=self.copier.snapshot,
+            slot_s=1.0 if self.time_driven else None,
+        )
         self.clock = ClockTrack()
         self._x = 0.0  # nominal steps at the last step boundary
         self._joined_clock: dict | None = None
@@ -172,9 +192,17 @@ class DecoupledLearner:
         self.process_id = uuid.uuid4().hex[:12]
         """This learner process: the syncer carries a restarted learner's earlier totals."""
         self.extra_report: dict = {}
-        self.stats = {"bytes_sent": 0, "bytes_received": 0, "pushes": 0, "pushes_accepted": 0,
-                      "pushes_rejected": 0, "installs": 0, "reconnects": 0, "fetch_s": None,
-                      "push_errors": 0}
+        self.stats = {
+            "bytes_sent": 0,
+            "bytes_received": 0,
+            "pushes": 0,
+            "pushes_accepted": 0,
+            "pushes_rejected": 0,
+            "installs": 0,
+            "reconnects": 0,
+            "fetch_s": None,
+            "push_errors": 0,
+        }
         self._base_params: dict[int, dict[int, list[torch.Tensor]]] = {}
         self._hook = None
         self._connected = True
@@ -207,28 +235,36 @@ class DecoupledLearner:
             self._stop_seen = self._stop.is_set()  # later, only `step` changes it
         if self.group is not None:
             import torch.distributed as dist
+
             src = dist.get_global_rank(self.group, 0)
             with torch.no_grad():
                 for t in self.params.values():
                     dist.broadcast(t.data, src=src, group=self.group)
-            budget = torch.tensor([self.step_budget, int(self._stop_seen), self.learner],
-                                  dtype=torch.int64)
+            budget = torch.tensor(
+                [self.step_budget, int(self._stop_seen), self.learner], dtype=torch.int64
+            )
             dist.broadcast(budget, src=src, group=self._control_group)
             self.step_budget = int(budget[0])
             self._stop_seen = bool(budget[1])
             self.learner = int(budget[2])  # an id the syncer assigned reaches every rank
         if self._is_root:
             self._sendq = SendQueues(self.client.n_shards, self.client.shard_of)
-            senders = [(lambda k=k: self._sender(k), f"ddiloco-send-{k}")
-                       for k in range(self.client.n_shards)]
-            for target, name in (*senders, (self._receiver, "ddiloco-recv"),
-                                 (self._heartbeater, "ddiloco-hb")):
+            senders = [
+                (lambda k=k: self._sender(k), f"ddiloco-send-{k}")
+                for k in range(self.client.n_shards)
+            ]
+            for target, name in (
+                *senders,
+                (self._receiver, "ddiloco-recv"),
+                (self._heartbeater, "ddiloco-hb"),
+            ):
                 th = threading.Thread(target=self._guarded, args=(target,), name=name, daemon=True)
                 th.start()
                 self._threads.append(th)
         if self.optimizer is not None and self.tokens_per_step is not None:
             self._hook = self.optimizer.register_step_post_hook(
-                lambda *_: self.step(self.tokens_per_step))
+                lambda *_: self.step(self.tokens_per_step)
+            )
         self._started = True
         self._last_step_t = time.monotonic()  # the first step's time counts as compute
 
@@ -238,14 +274,23 @@ class DecoupledLearner:
         try:
             target()
         except Exception as e:  # noqa: BLE001 - reported to the training thread
-            log.exception("[learner %d] background thread %s failed", self.learner,
-                          threading.current_thread().name)
+            log.exception(
+                "[learner %d] background thread %s failed",
+                self.learner,
+                threading.current_thread().name,
+            )
             self._thread_error = e
 
     def _join(self) -> dict:
-        h = {"learner": self.learner, "incarnation": self.incarnation,
-             "fingerprint": self.fingerprint, "spec": self.spec,  # a mismatch names the field
-             "host": socket.gethostname(), "pid": os.getpid(), "process": self.process_id}
+        h = {
+            "learner": self.learner,
+            "incarnation": self.incarnation,
+            "fingerprint": self.fingerprint,
+            "spec": self.spec,  # a mismatch names the field
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "process": self.process_id,
+        }
         r = self.client.unary("Join", h, timeout_s=10.0, control=True)
         if not r.get("need_init") and isinstance(r.get("learner"), int):
             self.learner = r["learner"]  # assigned by the syncer when we asked for none
@@ -271,8 +316,13 @@ class DecoupledLearner:
                 self._joined_clock = r.get("clock")
                 versions, params = self._fetch_all()
                 self._joined.set()
-                log.info("[learner %d] joined syncer %s (incarnation %d), versions %s",
-                         self.learner, self.boot_id, self.incarnation, versions)
+                log.info(
+                    "[learner %d] joined syncer %s (incarnation %d), versions %s",
+                    self.learner,
+                    self.boot_id,
+                    self.incarnation,
+                    versions,
+                )
                 return versions, params
             except grpc.RpcError as e:
                 if "E_DUPLICATE" in rpc_details(e):
@@ -281,21 +331,31 @@ class DecoupledLearner:
                     now = time.monotonic()
                     if dup_deadline is None:
                         dup_deadline = now + DUPLICATE_WAIT_S
-                        log.warning("[learner %d] %s; waiting up to %.0f s", self.learner,
-                                    rpc_details(e), DUPLICATE_WAIT_S)
+                        log.warning(
+                            "[learner %d] %s; waiting up to %.0f s",
+                            self.learner,
+                            rpc_details(e),
+                            DUPLICATE_WAIT_S,
+                        )
                     if now > dup_deadline:
-                        raise SyncerError(f"[learner {self.learner}] syncer "
-                                          f"{self.client.address} refused: "
-                                          f"{rpc_details(e)}") from None
+                        raise SyncerError(
+                            f"[learner {self.learner}] syncer "
+                            f"{self.client.address} refused: "
+                            f"{rpc_details(e)}"
+                        ) from None
                     time.sleep(0.5)
                     continue
                 if rpc_code(e) not in RETRYABLE:
-                    raise SyncerError(f"[learner {self.learner}] syncer {self.client.address} "
-                                      f"refused: {rpc_code(e).name}: {rpc_details(e)}") from None
+                    raise SyncerError(
+                        f"[learner {self.learner}] syncer {self.client.address} "
+                        f"refused: {rpc_code(e).name}: {rpc_details(e)}"
+                    ) from None
                 if time.monotonic() > deadline:
-                    raise SyncerError(f"[learner {self.learner}] syncer {self.client.address} "
-                                      f"unreachable for {self.connect_timeout_s:.0f} s: "
-                                      f"{rpc_details(e)}") from None
+                    raise SyncerError(
+                        f"[learner {self.learner}] syncer {self.client.address} "
+                        f"unreachable for {self.connect_timeout_s:.0f} s: "
+                        f"{rpc_details(e)}"
+                    ) from None
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
 
@@ -323,25 +383,30 @@ class DecoupledLearner:
             try:
                 versions, params = self._fetch_all(timeout_s)
             except grpc.RpcError as e:
-                raise SyncerError(f"[learner {self.learner}] could not fetch the global model "
-                                  f"from {self.client.address}: {rpc_code(e).name}: "
-                                  f"{rpc_details(e)}") from None
+                raise SyncerError(
+                    f"[learner {self.learner}] could not fetch the global model "
+                    f"from {self.client.address}: {rpc_code(e).name}: "
+                    f"{rpc_details(e)}"
+                ) from None
         if self.group is not None:
             import torch.distributed as dist
+
             src = dist.get_global_rank(self.group, 0)
             ok = torch.tensor([int(bool(params))], dtype=torch.int64)
             dist.broadcast(ok, src=src, group=self.group)
             if not ok.item():
-                raise SyncerError(f"[learner {self.learner}] rank 0 could not fetch the "
-                                  f"global model")
+                raise SyncerError(
+                    f"[learner {self.learner}] rank 0 could not fetch the global model"
+                )
             if not self._is_root:
                 params = {n: torch.empty_like(t) for n, t in self.params.items()}
             for n in self.params:
                 dist.broadcast(params[n], src=src, group=self.group)
         return versions, params
 
-    def global_state_dict(self, timeout: timedelta = timedelta(seconds=60)
-                          ) -> dict[str, torch.Tensor]:
+    def global_state_dict(
+        self, timeout: timedelta = timedelta(seconds=60)
+    ) -> dict[str, torch.Tensor]:
         """The syncer's current global model as a ``state_dict`` (copies in the model's
         dtypes; ``model`` is not touched). Blocks on the network; every rank of an island
         calls it."""
@@ -381,14 +446,20 @@ class DecoupledLearner:
 
     def _upload_initial(self) -> None:
         with torch.no_grad():
-            data = b"".join(t.detach().float().cpu().contiguous().numpy().tobytes()
-                            for t in self.params.values())
+            data = b"".join(
+                t.detach().float().cpu().contiguous().numpy().tobytes()
+                for t in self.params.values()
+            )
         who = self.learner if self.learner >= 0 else None  # not assigned yet
-        r = self.client.stream("Init", wire.chunks({"learner": who, "spec": self.spec,
-                                                    "nbytes": len(data)}, data))
+        r = self.client.stream(
+            "Init", wire.chunks({"learner": who, "spec": self.spec, "nbytes": len(data)}, data)
+        )
         self.stats["bytes_sent"] += len(data)
-        log.info("[learner %d] initial model upload: %s", self.learner,
-                 "accepted" if r.get("accepted") else "another learner was first")
+        log.info(
+            "[learner %d] initial model upload: %s",
+            self.learner,
+            "accepted" if r.get("accepted") else "another learner was first",
+        )
 
     def close(self) -> None:
         """Wait (up to ``flush_timeout``) for pushes in flight to be merged, (with
@@ -413,22 +484,37 @@ class DecoupledLearner:
             for o in finals:
                 self._sendq.put(o)
             deadline = time.monotonic() + self.flush_timeout_s
-            while time.monotonic() < deadline and self._connected and self._thread_error is None and (
-                    not self._sendq.empty() or self.sync.ledger.pending > 1e-9):
+            while (
+                time.monotonic() < deadline
+                and self._connected
+                and self._thread_error is None
+                and (not self._sendq.empty() or self.sync.ledger.pending > 1e-9)
+            ):
                 time.sleep(0.02)
                 self._drain()
             if self.load_global_on_exit:
                 try:
                     exit_params = self._fetch_all(self.flush_timeout_s)[1]
                 except grpc.RpcError as e:
-                    log.warning("[learner %d step %d] could not fetch the global model at exit "
-                                "(%s): the model keeps its local parameters", self.learner,
-                                self.sync.step, rpc_details(e))
+                    log.warning(
+                        "[learner %d step %d] could not fetch the global model at exit "
+                        "(%s): the model keeps its local parameters",
+                        self.learner,
+                        self.sync.step,
+                        rpc_details(e),
+                    )
             self._leaving.set()  # the heartbeat thread must not rejoin after the Leave
             try:
-                self.client.unary("Leave", {"learner": self.learner,
-                                            "incarnation": self.incarnation,
-                                            "report": self.report()}, timeout_s=3.0, control=True)
+                self.client.unary(
+                    "Leave",
+                    {
+                        "learner": self.learner,
+                        "incarnation": self.incarnation,
+                        "report": self.report(),
+                    },
+                    timeout_s=3.0,
+                    control=True,
+                )
             except grpc.RpcError:
                 pass
         if self.load_global_on_exit and self._started:
@@ -443,6 +529,7 @@ class DecoupledLearner:
     def _install_at_exit(self, params: dict[str, torch.Tensor] | None) -> None:
         if self.group is not None:  # root's fetch (or its failure) reaches every rank
             import torch.distributed as dist
+
             src = dist.get_global_rank(self.group, 0)
             ok = torch.tensor([int(params is not None)], dtype=torch.int64)
             dist.broadcast(ok, src=src, group=self.group)
@@ -465,8 +552,9 @@ class DecoupledLearner:
         fragments due; install merged fragments whose install step has come. Returns the
         installed fragment indices. Never blocks on the network."""
         if self._thread_error is not None:
-            raise SyncerError(f"[learner {self.learner}] communication thread failed: "
-                              f"{self._thread_error!r}") from self._thread_error
+            raise SyncerError(
+                f"[learner {self.learner}] communication thread failed: {self._thread_error!r}"
+            ) from self._thread_error
         now = time.monotonic()
         if self._last_step_t is not None:
             dt = now - self._last_step_t
@@ -506,13 +594,18 @@ class DecoupledLearner:
         deadline = time.monotonic() + timeout.total_seconds()
         installed: list[int] = []
         while not self._stop.is_set():
-            due = [p for p, fr in enumerate(self.sync.frags)
-                   if fr.waiting and self.sync.step >= fr.due_step]
+            due = [
+                p
+                for p, fr in enumerate(self.sync.frags)
+                if fr.waiting and self.sync.step >= fr.due_step
+            ]
             if not due:
                 break
             if self._thread_error is not None or time.monotonic() > deadline:
-                raise SyncerError(f"[learner {self.learner} step {self.sync.step}] no merge of "
-                                  f"fragments {due} within {timeout}")
+                raise SyncerError(
+                    f"[learner {self.learner} step {self.sync.step}] no merge of "
+                    f"fragments {due} within {timeout}"
+                )
             time.sleep(0.002)
             self._drain()
             got = self.sync.install_due()
@@ -527,6 +620,7 @@ class DecoupledLearner:
 
     def _broadcast_installs(self, installed: list[int], stop: bool) -> tuple[list[int], bool]:
         import torch.distributed as dist
+
         src = dist.get_global_rank(self.group, 0)
         P = self.fragmentation.P  # noqa: N806
         mask = torch.zeros(P + 1, dtype=torch.uint8)  # installed fragments, then the stop flag
@@ -574,13 +668,14 @@ class DecoupledLearner:
                 self._hear_clock(ev[1])
                 continue
             {"result": results, "recv": recvs, "restart": restarts}[ev[0]].append(ev[1:])
-        for (merged_seq, old_boot) in restarts:
+        for merged_seq, old_boot in restarts:
             # pushes the old syncer accepted but never published are gone with it
             for p in range(self.fragmentation.P):
                 ms = merged_seq.get(p, -1)
                 for seq in list(self.sync.frags[p].in_flight):
-                    if seq > ms and self._accepted_by_boot.get(seq) == \
-                            self.client.boot_part(old_boot, p):
+                    if seq > ms and self._accepted_by_boot.get(seq) == self.client.boot_part(
+                        old_boot, p
+                    ):
                         self.sync.on_push_result(p, seq, accepted=False)
         for p, seq, accepted, target in results:
             self.sync.on_push_result(p, seq, accepted, target)
@@ -600,12 +695,20 @@ class DecoupledLearner:
 
     def report(self) -> dict:
         """What the heartbeat carries: progress, timing, ledger, traffic."""
-        return {"step": self.sync.step, "incarnation": self.incarnation,
-                "process": self.process_id, "tokens": self.tokens,
-                "step_s": self.step_s_ema, "compute_s": self.compute_s,
-                "ledger": asdict(self.sync.ledger), "tokens_per_step": self.tokens_per_step,
-                "fetch_s": self.stats["fetch_s"], "global_step": self.global_step,
-                **self.stats, **self.extra_report}
+        return {
+            "step": self.sync.step,
+            "incarnation": self.incarnation,
+            "process": self.process_id,
+            "tokens": self.tokens,
+            "step_s": self.step_s_ema,
+            "compute_s": self.compute_s,
+            "ledger": asdict(self.sync.ledger),
+            "tokens_per_step": self.tokens_per_step,
+            "fetch_s": self.stats["fetch_s"],
+            "global_step": self.global_step,
+            **self.stats,
+            **self.extra_report,
+        }
 
     # -- background threads -----------------------------------------------------------------
     def _wire_seq(self, o: Outgoing) -> int:
@@ -649,15 +752,22 @@ class DecoupledLearner:
                 self._joined.wait(timeout=1.0)
                 if not self._joined.is_set():
                     continue
-                header = {"learner": self.learner, "incarnation": self.incarnation,
-                          "fragment": o.fragment, "seq": self._wire_seq(o),
-                          "base_version": o.base_version, "c_steps": o.c_steps,
-                          "c_tokens": o.c_tokens, "codec": self.codec.name, "delta": delta,
-                          "numels": list(self.fragmentation.fragments[o.fragment].numels),
-                          "nbytes": len(data), "step": o.send_step,
-                          "final": o.seq in self._final_seqs,
-                          "final_fragments": (self._final_fragments
-                                              if o.seq in self._final_seqs else [])}
+                header = {
+                    "learner": self.learner,
+                    "incarnation": self.incarnation,
+                    "fragment": o.fragment,
+                    "seq": self._wire_seq(o),
+                    "base_version": o.base_version,
+                    "c_steps": o.c_steps,
+                    "c_tokens": o.c_tokens,
+                    "codec": self.codec.name,
+                    "delta": delta,
+                    "numels": list(self.fragmentation.fragments[o.fragment].numels),
+                    "nbytes": len(data),
+                    "step": o.send_step,
+                    "final": o.seq in self._final_seqs,
+                    "final_fragments": (self._final_fragments if o.seq in self._final_seqs else []),
+                }
                 boot = self.boot_id
                 try:
                     d = self.link.delay_s(len(data))
@@ -671,16 +781,24 @@ class DecoupledLearner:
                     if ok:
                         self._accepted_by_boot[o.seq] = self.client.boot_part(boot, o.fragment)
                     elif r["status"] != "duplicate":
-                        log.info("[learner %d step %d] push of fragment %d: %s %s", self.learner,
-                                 o.send_step, o.fragment, r["status"], r.get("message", ""))
+                        log.info(
+                            "[learner %d step %d] push of fragment %d: %s %s",
+                            self.learner,
+                            o.send_step,
+                            o.fragment,
+                            r["status"],
+                            r.get("message", ""),
+                        )
                     if r["status"] != "duplicate":
-                        self._inbox.put(("result", o.fragment, o.seq, ok,
-                                         r.get("target_version", -1)))
+                        self._inbox.put(
+                            ("result", o.fragment, o.seq, ok, r.get("target_version", -1))
+                        )
                     break
                 except grpc.RpcError as e:
                     code, msg = rpc_code(e), rpc_details(e)
                     if code == grpc.StatusCode.FAILED_PRECONDITION and (
-                            "E_UNKNOWN_LEARNER" in msg or "E_SESSION" in msg):
+                        "E_UNKNOWN_LEARNER" in msg or "E_SESSION" in msg
+                    ):
                         self._joined.clear()  # the heartbeat thread rejoins
                         continue
                     if code in RETRYABLE:
@@ -691,8 +809,13 @@ class DecoupledLearner:
                         time.sleep(backoff)
                         backoff = min(backoff * 2, 2.0)
                         continue
-                    log.error("[learner %d step %d] push of fragment %d rejected: %s",
-                              self.learner, o.send_step, o.fragment, msg)
+                    log.error(
+                        "[learner %d step %d] push of fragment %d rejected: %s",
+                        self.learner,
+                        o.send_step,
+                        o.fragment,
+                        msg,
+                    )
                     self._inbox.put(("result", o.fragment, o.seq, False, -1))
                     break
 
@@ -706,14 +829,17 @@ class DecoupledLearner:
             try:
                 with self._lock:
                     ms = dict(self._merged_seq)
-                r = self.client.unary("Watch", {"learner": self.learner, "cursor": cursor,
-                                                "merged_seq": ms, "timeout_s": 0.5},
-                                      timeout_s=5.0)
+                r = self.client.unary(
+                    "Watch",
+                    {"learner": self.learner, "cursor": cursor, "merged_seq": ms, "timeout_s": 0.5},
+                    timeout_s=5.0,
+                )
                 versions = r["versions"]
                 with self._lock:
                     self._merged_seq = {int(k): v for k, v in r.get("merged_seq", {}).items()}
-                    need = [p for p in self._wanted
-                            if versions[p] > max(got[p], self._base_versions[p])]
+                    need = [
+                        p for p in self._wanted if versions[p] > max(got[p], self._base_versions[p])
+                    ]
                 if need:
                     t0 = time.monotonic()
                     with self._fetch_lock:
@@ -728,8 +854,10 @@ class DecoupledLearner:
                     self.stats["bytes_received"] += nbytes
                     for p, (v, ts, _) in res.items():
                         got[p] = max(got[p], v)
-                        shaped = [t.view(self.params[n].shape) for t, n in
-                                  zip(ts, self.fragmentation.fragments[p].names)]
+                        shaped = [
+                            t.view(self.params[n].shape)
+                            for t, n in zip(ts, self.fragmentation.fragments[p].names)
+                        ]
                         self._remember_base(p, v, shaped)
                         staged, ready = self.copier.stage(shaped)  # to the device, async
                         self._inbox.put(("recv", p, v, staged, ready))
@@ -752,26 +880,37 @@ class DecoupledLearner:
                 if not self._joined.is_set():
                     self._rejoin()
                     continue
-                r = self.client.unary("Heartbeat", {"learner": self.learner,
-                                                    "incarnation": self.incarnation,
-                                                    "report": self.report()},
-                                      timeout_s=max(2.0, 4 * self.heartbeat_s), control=True)
+                r = self.client.unary(
+                    "Heartbeat",
+                    {
+                        "learner": self.learner,
+                        "incarnation": self.incarnation,
+                        "report": self.report(),
+                    },
+                    timeout_s=max(2.0, 4 * self.heartbeat_s),
+                    control=True,
+                )
                 if r.get("stop"):
                     self._stop.set()
                 if r.get("clock") and r["clock"] != self._heard_clock:
                     self._heard_clock = r["clock"]
                     self._inbox.put(("clock", r["clock"]))
                 if not self._connected:
-                    log.info("[learner %d step %d] syncer reachable again", self.learner,
-                             self.sync.step)
+                    log.info(
+                        "[learner %d step %d] syncer reachable again", self.learner, self.sync.step
+                    )
                     self._connected = True
                 if r.get("rejoin") or r.get("boot_id") != self.boot_id:
                     self._joined.clear()
                     self._rejoin()
             except grpc.RpcError as e:
                 if self._connected:
-                    log.warning("[learner %d step %d] syncer unreachable (%s); training on, "
-                                "reconnecting", self.learner, self.sync.step, rpc_code(e).name)
+                    log.warning(
+                        "[learner %d step %d] syncer unreachable (%s); training on, reconnecting",
+                        self.learner,
+                        self.sync.step,
+                        rpc_code(e).name,
+                    )
                     self._connected = False
                     self.stats["reconnects"] += 1
 
@@ -783,8 +922,10 @@ class DecoupledLearner:
             r = self._join()
         except grpc.RpcError as e:
             if "E_DUPLICATE" in rpc_details(e):  # another process holds this id now: stop
-                raise SyncerError(f"[learner {self.learner}] syncer {self.client.address} "
-                                  f"refused the rejoin: {rpc_details(e)}") from None
+                raise SyncerError(
+                    f"[learner {self.learner}] syncer {self.client.address} "
+                    f"refused the rejoin: {rpc_details(e)}"
+                ) from None
             raise
         if r.get("need_init"):
             # a fresh syncer without a checkpoint: give it our current parameters
@@ -797,8 +938,14 @@ class DecoupledLearner:
             self._inbox.put(("clock", r["clock"]))
         self.incarnation = r["incarnation"]
         if r["boot_id"] != old_boot:
-            log.warning("[learner %d step %d] syncer restarted (boot %s -> %s), versions %s",
-                        self.learner, self.sync.step, old_boot, r["boot_id"], r["versions"])
+            log.warning(
+                "[learner %d step %d] syncer restarted (boot %s -> %s), versions %s",
+                self.learner,
+                self.sync.step,
+                old_boot,
+                r["boot_id"],
+                r["versions"],
+            )
             self._inbox.put(("restart", dict(self._merged_seq), old_boot))
             self.boot_id = r["boot_id"]
         self._connected = True

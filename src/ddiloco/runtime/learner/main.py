@@ -84,21 +84,34 @@ def _resume_point(run_dir: str | None, learner: int, rank: int):
     return out, progress_path, state_path, start_step, saved
 
 
-def learner_kwargs(cfg: TrainConfig, learner: int | None, syncer: str, group=None,
-                   heartbeat_s: float = 0.25) -> dict:
+def learner_kwargs(
+    cfg: TrainConfig, learner: int | None, syncer: str, group=None, heartbeat_s: float = 0.25
+) -> dict:
     """What ``DecoupledLearner`` gets for learner ``learner`` of the run ``cfg``: the sync
     section, the runtime's transport settings, and the run's chaos link limits."""
     from ddiloco.runtime.launch.chaos import chaos_for_run
 
     chaos = chaos_for_run(cfg)
-    link = LinkLimits(bandwidth_bytes_per_s=chaos.link_bandwidth_Bps,
-                      latency_s=chaos.link_latency_s)
-    return dict(syncer=syncer, learner=learner, P=cfg.fragments, H=cfg.H, tau=cfg.tau,
-                strategy=cfg.fragmentation, codec=cfg.codec, alpha=cfg.alpha,
-                schedule=cfg.schedule, token_file=cfg.runtime.token_file,
-                tls_ca=cfg.runtime.tls_ca, link=link,
-                connect_timeout=timedelta(seconds=cfg.runtime.connect_timeout_s),
-                heartbeat_interval=timedelta(seconds=heartbeat_s), process_group=group)
+    link = LinkLimits(
+        bandwidth_bytes_per_s=chaos.link_bandwidth_Bps, latency_s=chaos.link_latency_s
+    )
+    return dict(
+        syncer=syncer,
+        learner=learner,
+        P=cfg.fragments,
+        H=cfg.H,
+        tau=cfg.tau,
+        strategy=cfg.fragmentation,
+        codec=cfg.codec,
+        alpha=cfg.alpha,
+        schedule=cfg.schedule,
+        token_file=cfg.runtime.token_file,
+        tls_ca=cfg.runtime.tls_ca,
+        link=link,
+        connect_timeout=timedelta(seconds=cfg.runtime.connect_timeout_s),
+        heartbeat_interval=timedelta(seconds=heartbeat_s),
+        process_group=group,
+    )
 
 
 def learner_slowdown(cfg: TrainConfig, learner: int) -> float:
@@ -108,10 +121,17 @@ def learner_slowdown(cfg: TrainConfig, learner: int) -> float:
     return chaos_for_run(cfg).slowdown.get(learner, 1.0)
 
 
-def run_learner(cfg: TrainConfig, *, syncer: str, learner: int | None = None,
-                run_dir: str | None = None, metrics_dir: str | None = None,
-                heartbeat_s: float = 0.25,
-                resume_optimizer: bool = True, wait_for_merge: bool = False) -> dict:
+def run_learner(
+    cfg: TrainConfig,
+    *,
+    syncer: str,
+    learner: int | None = None,
+    run_dir: str | None = None,
+    metrics_dir: str | None = None,
+    heartbeat_s: float = 0.25,
+    resume_optimizer: bool = True,
+    wait_for_merge: bool = False,
+) -> dict:
     """Train ``cfg.steps`` inner steps (in total over restarts), or, when the syncer holds a
     global step budget, until the syncer says it is spent; returns the final report.
 
@@ -127,15 +147,24 @@ def run_learner(cfg: TrainConfig, *, syncer: str, learner: int | None = None,
 
     ``learner`` None: the syncer assigns an id when the learner joins; ``run_dir`` may then
     name it as ``{learner}`` (e.g. ``runs/x/learner_{learner}``)."""
-    world, rank, group = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0")), None
+    world, rank, group = (
+        int(os.environ.get("WORLD_SIZE", "1")),
+        int(os.environ.get("RANK", "0")),
+        None,
+    )
     backend = os.environ.get("DDILOCO_ISLAND_BACKEND") or (
-        "nccl" if cfg.device != "cpu" and torch.cuda.is_available() else "gloo")
-    device = learner_device(cfg.device, int(os.environ.get("LOCAL_RANK", "0")),
-                            exclusive=world > 1 and backend == "nccl")
+        "nccl" if cfg.device != "cpu" and torch.cuda.is_available() else "gloo"
+    )
+    device = learner_device(
+        cfg.device,
+        int(os.environ.get("LOCAL_RANK", "0")),
+        exclusive=world > 1 and backend == "nccl",
+    )
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if world > 1:
         import torch.distributed as dist
+
         dist.init_process_group(backend, timeout=timedelta(minutes=5))
         group = dist.group.WORLD
     torch.set_num_threads(1)
@@ -145,6 +174,7 @@ def run_learner(cfg: TrainConfig, *, syncer: str, learner: int | None = None,
     train_model = model
     if group is not None:
         from torch.nn.parallel import DistributedDataParallel as DDP
+
         train_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     opt = new_optimizer(cfg, model)
     resumed_optimizer = False
@@ -179,19 +209,38 @@ def run_learner(cfg: TrainConfig, *, syncer: str, learner: int | None = None,
         slowdown = learner_slowdown(cfg, learner)  # its world speed, once its id is known
         # an elastic run may have more learners than configured: ids beyond M get streams
         # of their own too
-        stream = build_stream(data, learner=learner * world + rank,
-                              n_learners=max(cfg.learners, learner + 1) * world,
-                              batch_size=cfg.batch_size, block_size=cfg.block_size,
-                              seed=cfg.seed)
+        stream = build_stream(
+            data,
+            learner=learner * world + rank,
+            n_learners=max(cfg.learners, learner + 1) * world,
+            batch_size=cfg.batch_size,
+            block_size=cfg.block_size,
+            seed=cfg.seed,
+        )
         stream.load_state_dict({**stream.state_dict(), "position": start_step})
-        metrics = (open_sinks(("jsonl", *parse_sinks(cfg.metrics_sinks)), metrics_dir or out,
-                              name=f"learner_{learner}", jsonl_path=out / "metrics.jsonl")
-                   if out is not None and rank == 0 else None)
+        metrics = (
+            open_sinks(
+                ("jsonl", *parse_sinks(cfg.metrics_sinks)),
+                metrics_dir or out,
+                name=f"learner_{learner}",
+                jsonl_path=out / "metrics.jsonl",
+            )
+            if out is not None and rank == 0
+            else None
+        )
         if metrics:
-            metrics.write({"kind": "learner_start", "learner": learner, "wall": time.time(),
-                           "step": start_step, "incarnation": dl.incarnation,
-                           "resumed_optimizer": resumed_optimizer,
-                           "startup_s": round(time.time() - t_start, 3), "pid": os.getpid()})
+            metrics.write(
+                {
+                    "kind": "learner_start",
+                    "learner": learner,
+                    "wall": time.time(),
+                    "step": start_step,
+                    "incarnation": dl.incarnation,
+                    "resumed_optimizer": resumed_optimizer,
+                    "startup_s": round(time.time() - t_start, 3),
+                    "pid": os.getpid(),
+                }
+            )
         # with a global step budget at the syncer, learners run until it is spent (one that
         # lost time to a failure is made up for by the others); else each runs cfg.steps
         limit = dl.step_budget or cfg.steps
@@ -221,10 +270,16 @@ def run_learner(cfg: TrainConfig, *, syncer: str, learner: int | None = None,
             step += 1
             dl.extra_report.update(loss=lv, global_step=step, total_steps=cfg.steps)
             if metrics:
-                metrics.write({"kind": "step", "learner": learner, "step": step,
-                               "wall": time.time(), "loss": round(lv, 5),
-                               "installed": {p: dl.sync.frags[p].base_version
-                                             for p in installed}})
+                metrics.write(
+                    {
+                        "kind": "step",
+                        "learner": learner,
+                        "step": step,
+                        "wall": time.time(),
+                        "loss": round(lv, 5),
+                        "installed": {p: dl.sync.frags[p].base_version for p in installed},
+                    }
+                )
                 if step % 10 == 0 or step == limit or dl.should_stop or leave.is_set():
                     metrics.flush()
                     save_learner_state(state_path, step, opt)
@@ -232,6 +287,7 @@ def run_learner(cfg: TrainConfig, *, syncer: str, learner: int | None = None,
     report = dl.report()
     if group is not None:  # every rank of the island must hold the same parameters
         import torch.distributed as dist
+
         with torch.no_grad():
             diff = torch.zeros((), device=device)
             for t in model.parameters():
@@ -242,11 +298,13 @@ def run_learner(cfg: TrainConfig, *, syncer: str, learner: int | None = None,
         report["island_size"] = world
         report["island_max_param_diff"] = float(diff)
     if metrics:
-        metrics.write({"kind": "learner_end", "learner": learner, "wall": time.time(),
-                       "report": report})
+        metrics.write(
+            {"kind": "learner_end", "learner": learner, "wall": time.time(), "report": report}
+        )
         metrics.close()
         _write_json_atomic(out / "final.json", report)
     if group is not None:
         import torch.distributed as dist
+
         dist.destroy_process_group()
     return report

@@ -35,8 +35,14 @@ __all__ = ["ShardedClient", "SendQueues"]
 class ShardedClient:
     """``SyncerClient``'s calls over one syncer or a sharded one (see the module doc)."""
 
-    def __init__(self, address: str, token: str, tls_ca: str | None = None,
-                 tls: bool = False, shards: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        address: str,
+        token: str,
+        tls_ca: str | None = None,
+        tls: bool = False,
+        shards: tuple[str, ...] = (),
+    ) -> None:
         self.address = address
         self._args = (token, tls_ca, tls)
         self.primary = SyncerClient(address, token, tls_ca, tls)
@@ -48,8 +54,9 @@ class ShardedClient:
         self._merged: list[dict] = []
         self._pool: cf.ThreadPoolExecutor | None = None
         if len(shards) > 1:
-            self._use_map(ShardMap(tuple(shards)), shards.index(address)
-                          if address in shards else None)
+            self._use_map(
+                ShardMap(tuple(shards)), shards.index(address) if address in shards else None
+            )
 
     # -- the map ----------------------------------------------------------------------------
     @property
@@ -73,16 +80,19 @@ class ShardedClient:
             return
         self.map = smap
         token, tls_ca, tls = self._args
-        self.clients = [self.primary if k == primary_index else
-                        SyncerClient(a, token, tls_ca, tls) for k, a in enumerate(smap.addresses)]
+        self.clients = [
+            self.primary if k == primary_index else SyncerClient(a, token, tls_ca, tls)
+            for k, a in enumerate(smap.addresses)
+        ]
         if primary_index is None:  # the address we were given is not in the map
             self.primary.close()
             self.primary = self.clients[0]
         self._boots = [""] * smap.S
         self._versions = [None] * smap.S
         self._merged = [{} for _ in range(smap.S)]
-        self._pool = cf.ThreadPoolExecutor(max_workers=2 * smap.S,
-                                           thread_name_prefix="ddiloco-shard")
+        self._pool = cf.ThreadPoolExecutor(
+            max_workers=2 * smap.S, thread_name_prefix="ddiloco-shard"
+        )
 
     def close(self) -> None:
         for c in self.clients:
@@ -93,8 +103,9 @@ class ShardedClient:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
     # -- calls ------------------------------------------------------------------------------
-    def unary(self, name: str, header: dict, timeout_s: float = 10.0, control: bool = False
-              ) -> dict:
+    def unary(
+        self, name: str, header: dict, timeout_s: float = 10.0, control: bool = False
+    ) -> dict:
         if self.map is None:
             r = self.primary.unary(name, header, timeout_s, control)
             smap = ShardMap.from_reply(r.get("shards")) if name == "Join" else None
@@ -116,16 +127,19 @@ class ShardedClient:
 
     def _hdr(self, k: int, header: dict) -> dict:
         """``header`` with shard k's own incarnation of this learner."""
-        if "incarnation" in header and header["incarnation"] >= 0 and k in self._inc \
-                and self._inc[k] != header["incarnation"]:
+        if (
+            "incarnation" in header
+            and header["incarnation"] >= 0
+            and k in self._inc
+            and self._inc[k] != header["incarnation"]
+        ):
             h = {**header, "incarnation": self._inc[k]}
             if "seq" in h:  # a push's seq is (incarnation << 32) + n, in the shard's terms
                 h["seq"] = (self._inc[k] << 32) + (h["seq"] & 0xFFFFFFFF)
             return h
         return header
 
-    def _join(self, header: dict, timeout_s: float, first: tuple[int, dict] | None = None
-              ) -> dict:
+    def _join(self, header: dict, timeout_s: float, first: tuple[int, dict] | None = None) -> dict:
         S = self.map.S  # noqa: N806
         replies: dict[int, dict] = {}
         if first is not None and not first[1].get("redirect"):
@@ -142,14 +156,20 @@ class ShardedClient:
             try:
                 r = self.clients[k].unary("Join", h, timeout_s, control=True)
             except grpc.RpcError as e:
-                if k == 0 or k not in self._inc or rpc_code(e) == grpc.StatusCode.FAILED_PRECONDITION:
+                if (
+                    k == 0
+                    or k not in self._inc
+                    or rpc_code(e) == grpc.StatusCode.FAILED_PRECONDITION
+                ):
                     raise
                 continue  # a shard that is down: joined again when it is back (new boot id)
             if r.get("need_init"):
                 return r  # the learner uploads its model to every shard, then joins again
             if r.get("redirect"):
-                raise ValueError(f"shard {k} of {self.map.addresses} redirected an id-less "
-                                 f"join: shard 0 must answer first")
+                raise ValueError(
+                    f"shard {k} of {self.map.addresses} redirected an id-less "
+                    f"join: shard 0 must answer first"
+                )
             replies[k] = r
             learner = r["learner"]
         for k, r in replies.items():
@@ -158,9 +178,12 @@ class ShardedClient:
             self._versions[k] = list(r["versions"])
             self._merged[k] = dict(r.get("merged_seq") or {})
         out = dict(replies[0])
-        out.update(boot_id="+".join(self._boots), versions=self._combined_versions(),
-                   merged_seq=self._combined_merged(), stop=any(r.get("stop")
-                                                               for r in replies.values()))
+        out.update(
+            boot_id="+".join(self._boots),
+            versions=self._combined_versions(),
+            merged_seq=self._combined_merged(),
+            stop=any(r.get("stop") for r in replies.values()),
+        )
         return out
 
     def _combined_versions(self) -> list[int]:
@@ -174,8 +197,10 @@ class ShardedClient:
     def _each(self, name: str, header: dict, timeout_s: float, control: bool) -> dict:
         """``name`` on every shard at once: shard 0's reply with the boot id, stop flag and
         rejoin request of all that answered. Raises only when none answered."""
-        futs = {k: self._pool.submit(c.unary, name, self._hdr(k, header), timeout_s, control)
-                for k, c in enumerate(self.clients)}
+        futs = {
+            k: self._pool.submit(c.unary, name, self._hdr(k, header), timeout_s, control)
+            for k, c in enumerate(self.clients)
+        }
         replies, errors = {}, {}
         for k, f in futs.items():
             try:
@@ -197,8 +222,11 @@ class ShardedClient:
         fresh = header.get("cursor") is None
         futs = {}
         for k, c in enumerate(self.clients):
-            h = {**header, "cursor": None if fresh else self._versions[k],
-                 "merged_seq": {} if fresh else self._merged[k]}
+            h = {
+                **header,
+                "cursor": None if fresh else self._versions[k],
+                "merged_seq": {} if fresh else self._merged[k],
+            }
             futs[self._pool.submit(c.unary, "Watch", h, timeout_s)] = k
         got, errors = 0, []
         pending = set(futs)
@@ -221,8 +249,11 @@ class ShardedClient:
             f.cancel()
         if not got:
             raise errors[0]
-        return {"versions": self._combined_versions(), "merged_seq": self._combined_merged(),
-                "boot_id": "+".join(self._boots)}
+        return {
+            "versions": self._combined_versions(),
+            "merged_seq": self._combined_merged(),
+            "boot_id": "+".join(self._boots),
+        }
 
     def stream(self, name: str, frames, timeout_s: float = 60.0) -> dict:
         if self.map is None or name != "Init":
@@ -247,10 +278,12 @@ class ShardedClient:
         else:
             for p in fragments:
                 by_shard.setdefault(self.shard_of(p), []).append(p)
-        futs = {k: self._pool.submit(self.clients[k].fetch, want, timeout_s)
-                for k, want in by_shard.items()}
+        futs = {
+            k: self._pool.submit(self.clients[k].fetch, want, timeout_s)
+            for k, want in by_shard.items()
+        }
         out, errors = {}, []
-        for k, f in futs.items():
+        for _k, f in futs.items():
             try:
                 out.update(f.result())
             except grpc.RpcError as e:

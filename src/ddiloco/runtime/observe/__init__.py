@@ -26,8 +26,9 @@ class SyncerObserver:
 
         cfg = server.config
         self.history = StatusHistory(server.status, f"syncer {cfg.host}:{server.port}")
-        ctx = (server_ssl_context(cfg.tls_cert, cfg.tls_key)
-               if cfg.tls_cert and cfg.tls_key else None)
+        ctx = (
+            server_ssl_context(cfg.tls_cert, cfg.tls_key) if cfg.tls_cert and cfg.tls_key else None
+        )
 
         def ready() -> tuple[bool, str]:
             if getattr(server, "_closed", False):
@@ -36,9 +37,15 @@ class SyncerObserver:
                 return False, "no model yet (waiting for the first learner's Init)"
             return True, "holds a global model"
 
-        self.http = ObserveServer(host=cfg.host, port=port, token=cfg.token,
-                                  view_fn=self.history.view, status_fn=server.status,
-                                  ready_fn=ready, ssl_context=ctx)
+        self.http = ObserveServer(
+            host=cfg.host,
+            port=port,
+            token=cfg.token,
+            view_fn=self.history.view,
+            status_fn=server.status,
+            ready_fn=ready,
+            ssl_context=ctx,
+        )
         self.port = self.http.port
 
     def start(self) -> int:

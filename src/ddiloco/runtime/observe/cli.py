@@ -22,23 +22,33 @@ __all__ = ["add_dashboard_parser", "open_dashboard", "cmd_dashboard"]
 
 def add_dashboard_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
-        "dashboard", help="live web dashboard of a run directory or a syncer",
+        "dashboard",
+        help="live web dashboard of a run directory or a syncer",
         description="Serve the live dashboard (learners, fragment versions, merges, "
         "participation, goodput, loss, chaos events) of a run directory or of a syncer "
-        "at HOST:PORT. The page needs the shared secret ($DDILOCO_TOKEN or --token-file).")
+        "at HOST:PORT. The page needs the shared secret ($DDILOCO_TOKEN or --token-file).",
+    )
     p.add_argument("target", metavar="RUN_DIR_OR_HOST:PORT")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
     p.add_argument("--port", type=int, default=8050, help="HTTP port (0: a free one)")
     p.add_argument("--token-file", help="file holding the shared secret (else $DDILOCO_TOKEN)")
     p.add_argument("--tls-ca", help="CA certificate (PEM) to talk TLS to the syncer")
-    p.add_argument("--interval", type=float, default=1.0,
-                   help="seconds between status samples of a syncer")
+    p.add_argument(
+        "--interval", type=float, default=1.0, help="seconds between status samples of a syncer"
+    )
     p.set_defaults(func=cmd_dashboard)
     return p
 
 
-def open_dashboard(target: str, *, host: str = "127.0.0.1", port: int = 8050,
-                   token: str, tls_ca: str | None = None, interval_s: float = 1.0):
+def open_dashboard(
+    target: str,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8050,
+    token: str,
+    tls_ca: str | None = None,
+    interval_s: float = 1.0,
+):
     """Build (not start) the ``ObserveServer`` for ``target`` and whatever feeds it.
     Returns ``(server, closers)``."""
     from ddiloco.runtime.observe.history import RunDirReader, StatusHistory
@@ -67,8 +77,9 @@ def open_dashboard(target: str, *, host: str = "127.0.0.1", port: int = 8050,
             return False, "no model yet (waiting for the first learner's Init)"
         return True, f"syncer {target} holds a global model"
 
-    server = ObserveServer(host=host, port=port, token=token, view_fn=history.view,
-                           status_fn=status, ready_fn=ready)
+    server = ObserveServer(
+        host=host, port=port, token=token, view_fn=history.view, status_fn=status, ready_fn=ready
+    )
     history.start()
     return server, [history.close, client.close]
 
@@ -83,8 +94,11 @@ def cmd_dashboard(args) -> int:
 
     is_dir = Path(args.target).is_dir()
     if not is_dir and not _is_address(args.target):
-        print(f"ddiloco dashboard: {args.target!r} is neither a run directory nor HOST:PORT of "
-              f"a syncer", file=sys.stderr)
+        print(
+            f"ddiloco dashboard: {args.target!r} is neither a run directory nor HOST:PORT of "
+            f"a syncer",
+            file=sys.stderr,
+        )
         return 2
     generated = False
     try:
@@ -95,9 +109,14 @@ def cmd_dashboard(args) -> int:
             return 2
         token, generated = new_token(), True
     try:
-        server, closers = open_dashboard(args.target, host=args.host, port=args.port,
-                                         token=token, tls_ca=args.tls_ca,
-                                         interval_s=args.interval)
+        server, closers = open_dashboard(
+            args.target,
+            host=args.host,
+            port=args.port,
+            token=token,
+            tls_ca=args.tls_ca,
+            interval_s=args.interval,
+        )
     except (ValueError, OSError) as e:
         print(f"ddiloco dashboard: {e}", file=sys.stderr)
         return 2

@@ -47,11 +47,29 @@ class _Series:
 
 
 def _empty_view(source: str) -> dict:
-    return {"source": source, "t_s": 0.0, "done": False,
-            "summary": {"merges": 0, "live": 0, "learners": 0, "goodput": None,
-                        "bytes_in": 0, "bytes_out": 0, "rejections": 0, "mean_quorum": None,
-                        "steps_done": 0, "step_budget": 0, "initialised": False},
-            "learners": [], "versions": [], "series": {}, "loss": {}, "events": []}
+    return {
+        "source": source,
+        "t_s": 0.0,
+        "done": False,
+        "summary": {
+            "merges": 0,
+            "live": 0,
+            "learners": 0,
+            "goodput": None,
+            "bytes_in": 0,
+            "bytes_out": 0,
+            "rejections": 0,
+            "mean_quorum": None,
+            "steps_done": 0,
+            "step_budget": 0,
+            "initialised": False,
+        },
+        "learners": [],
+        "versions": [],
+        "series": {},
+        "loss": {},
+        "events": [],
+    }
 
 
 class StatusHistory:
@@ -62,14 +80,14 @@ class StatusHistory:
     hand). A failing ``status_fn`` (a syncer being restarted) records an event once and the
     sampling goes on."""
 
-    def __init__(self, status_fn: Callable[[], dict], source: str,
-                 interval_s: float = 1.0) -> None:
+    def __init__(self, status_fn: Callable[[], dict], source: str, interval_s: float = 1.0) -> None:
         self.status_fn, self.source, self.interval_s = status_fn, source, interval_s
         self._lock = threading.Lock()
         self._t0 = time.monotonic()
         self._last: dict | None = None
-        self._series = {k: _Series() for k in ("live", "merges", "goodput",
-                                               "learners_per_merge", "steps_done")}
+        self._series = {
+            k: _Series() for k in ("live", "merges", "goodput", "learners_per_merge", "steps_done")
+        }
         self._loss: dict[str, _Series] = {}
         self._events: deque[dict] = deque(maxlen=MAX_EVENTS)
         self._unreachable = False
@@ -129,21 +147,32 @@ class StatusHistory:
 
     def _diff(self, t: float, old: dict | None, new: dict) -> None:
         if old is None:
-            self._event(t, "syncer", f"boot {new.get('boot_id')}, {len(new.get('live') or [])} "
-                        f"live learners")
+            self._event(
+                t,
+                "syncer",
+                f"boot {new.get('boot_id')}, {len(new.get('live') or [])} live learners",
+            )
             old = {"learners": {}, "rejections": {}, "boot_id": new.get("boot_id")}
         if old.get("boot_id") != new.get("boot_id"):
             self._event(t, "syncer-restart", f"new boot {new.get('boot_id')}")
         for m, info in (new.get("learners") or {}).items():
             was = (old.get("learners") or {}).get(m)
             if was is None:
-                self._event(t, "learner-join", f"learner {m} (incarnation {info.get('incarnation')})")
+                self._event(
+                    t, "learner-join", f"learner {m} (incarnation {info.get('incarnation')})"
+                )
             elif was.get("incarnation") != info.get("incarnation"):
-                self._event(t, "learner-restart", f"learner {m} came back as incarnation "
-                            f"{info.get('incarnation')}")
+                self._event(
+                    t,
+                    "learner-restart",
+                    f"learner {m} came back as incarnation {info.get('incarnation')}",
+                )
             elif was.get("state") != info.get("state"):
-                self._event(t, f"learner-{info.get('state')}", f"learner {m}: "
-                            f"{was.get('state')} -> {info.get('state')}")
+                self._event(
+                    t,
+                    f"learner-{info.get('state')}",
+                    f"learner {m}: {was.get('state')} -> {info.get('state')}",
+                )
         for code, n in (new.get("rejections") or {}).items():
             k = n - (old.get("rejections") or {}).get(code, 0)
             if k > 0:
@@ -165,23 +194,35 @@ class StatusHistory:
             c = st.get("counters") or {}
             v["done"] = bool(st.get("budget_spent")) and not st.get("live")
             v["summary"] = {
-                "merges": st.get("merges", 0), "live": len(st.get("live") or []),
-                "learners": len(st.get("learners") or {}), "goodput": goodput_so_far(st),
-                "bytes_in": c.get("bytes_in", 0), "bytes_out": c.get("bytes_out", 0),
+                "merges": st.get("merges", 0),
+                "live": len(st.get("live") or []),
+                "learners": len(st.get("learners") or {}),
+                "goodput": goodput_so_far(st),
+                "bytes_in": c.get("bytes_in", 0),
+                "bytes_out": c.get("bytes_out", 0),
                 "rejections": sum((st.get("rejections") or {}).values()),
-                "mean_quorum": st.get("mean_quorum"), "steps_done": st.get("steps_done", 0),
-                "step_budget": st.get("step_budget", 0), "initialised": st.get("initialised"),
-                "uptime_s": st.get("uptime_s"), "boot_id": st.get("boot_id")}
+                "mean_quorum": st.get("mean_quorum"),
+                "steps_done": st.get("steps_done", 0),
+                "step_budget": st.get("step_budget", 0),
+                "initialised": st.get("initialised"),
+                "uptime_s": st.get("uptime_s"),
+                "boot_id": st.get("boot_id"),
+            }
             v["versions"] = list(st.get("versions") or [])
             for m, info in sorted((st.get("learners") or {}).items(), key=lambda kv: int(kv[0])):
                 rep = info.get("report") or {}
-                v["learners"].append({
-                    "learner": m, "state": info.get("state"),
-                    "incarnation": info.get("incarnation"),
-                    "step": rep.get("global_step", rep.get("step", 0)),
-                    "loss": rep.get("loss"), "step_s": rep.get("step_s"),
-                    "merged": learner_totals(info)["ledger"]["merged"],
-                    "heartbeat_age_s": info.get("last_heartbeat_age_s")})
+                v["learners"].append(
+                    {
+                        "learner": m,
+                        "state": info.get("state"),
+                        "incarnation": info.get("incarnation"),
+                        "step": rep.get("global_step", rep.get("step", 0)),
+                        "loss": rep.get("loss"),
+                        "step_s": rep.get("step_s"),
+                        "merged": learner_totals(info)["ledger"]["merged"],
+                        "heartbeat_age_s": info.get("last_heartbeat_age_s"),
+                    }
+                )
             return v
 
 
@@ -236,8 +277,9 @@ class RunDirReader:
         return round(w - self._wall0, 3)
 
     def _learner(self, m: str) -> dict:
-        return self._learners.setdefault(m, {"learner": m, "state": "starting", "incarnation": 0,
-                                             "step": 0, "loss": None})
+        return self._learners.setdefault(
+            m, {"learner": m, "state": "starting", "incarnation": 0, "step": 0, "loss": None}
+        )
 
     def _poll(self) -> None:
         for path in sorted(self.dir.glob("learner_*/metrics.jsonl")):
@@ -261,21 +303,33 @@ class RunDirReader:
                 self._versions[int(r.get("fragment", 0))] = int(r.get("version", 0))
             elif kind == "reject":
                 self._rejects += 1
-                self._events.append({"t_s": t, "kind": "reject",
-                                     "detail": f"{r.get('code')} from {r.get('who')}"})
+                self._events.append(
+                    {"t_s": t, "kind": "reject", "detail": f"{r.get('code')} from {r.get('who')}"}
+                )
             elif kind in ("leave", "dead", "join", "init", "resume", "budget-spent"):
-                self._events.append({"t_s": t, "kind": kind, "detail": " ".join(
-                    f"{k} {v}" for k, v in r.items() if k not in ("t_s", "wall", "kind"))})
+                self._events.append(
+                    {
+                        "t_s": t,
+                        "kind": kind,
+                        "detail": " ".join(
+                            f"{k} {v}" for k, v in r.items() if k not in ("t_s", "wall", "kind")
+                        ),
+                    }
+                )
         for r in self._new_rows(self.dir / "chaos.jsonl"):
             t, kind, target = self._t(r), r.get("kind", ""), r.get("target", "")
             detail = " ".join(f"{k} {v}" for k, v in r.items() if k not in ("t_s", "wall", "kind"))
             self._events.append({"t_s": t, "kind": kind, "detail": detail})
             if target.startswith("learner_"):
                 L = self._learner(target.split("_", 1)[1])
-                L["state"] = {"kill-learner": "killed", "learner-crashed": "crashed",
-                              "stop-learner": "stopped", "cont-learner": "live",
-                              "restart-learner": "restarting",
-                              "learner-finished": "finished"}.get(kind, L["state"])
+                L["state"] = {
+                    "kill-learner": "killed",
+                    "learner-crashed": "crashed",
+                    "stop-learner": "stopped",
+                    "cont-learner": "live",
+                    "restart-learner": "restarting",
+                    "learner-finished": "finished",
+                }.get(kind, L["state"])
 
     def view(self) -> dict:
         with self._lock:
@@ -288,28 +342,46 @@ class RunDirReader:
                     summary = json.loads(summary_path.read_text())
                 except json.JSONDecodeError:
                     summary = None  # being replaced
-            learners = [dict(L) for _, L in sorted(self._learners.items(), key=lambda kv: int(kv[0]))]
+            learners = [
+                dict(L) for _, L in sorted(self._learners.items(), key=lambda kv: int(kv[0]))
+            ]
             merges = [[t, 1 + i] for i, (t, _) in enumerate(self._merges)]
             v.update(
-                done=summary is not None, learners=learners,
-                versions=[self._versions.get(p, 0) for p in range(max(self._versions, default=-1) + 1)],
+                done=summary is not None,
+                learners=learners,
+                versions=[
+                    self._versions.get(p, 0) for p in range(max(self._versions, default=-1) + 1)
+                ],
                 loss={m: s.points for m, s in self._loss.items()},
                 events=sorted(self._events, key=lambda e: e["t_s"]),
-                t_s=max([p[0] for p in merges[-1:]] + [p[0] for s in self._loss.values()
-                                                       for p in s.points[-1:]] + [0.0]),
-                series={"live": [[float(t), len(ms)] for t, ms in sorted(self._active.items())],
-                        "merges": merges,
-                        "learners_per_merge": [[t, n] for t, n in self._merges[-MAX_POINTS:]],
-                        "goodput": [], "steps_done": []})
+                t_s=max(
+                    [p[0] for p in merges[-1:]]
+                    + [p[0] for s in self._loss.values() for p in s.points[-1:]]
+                    + [0.0]
+                ),
+                series={
+                    "live": [[float(t), len(ms)] for t, ms in sorted(self._active.items())],
+                    "merges": merges,
+                    "learners_per_merge": [[t, n] for t, n in self._merges[-MAX_POINTS:]],
+                    "goodput": [],
+                    "steps_done": [],
+                },
+            )
             n = len(self._merges)
             v["summary"].update(
-                merges=n, live=sum(1 for L in learners if L["state"] == "live"),
-                learners=len(learners), rejections=self._rejects,
+                merges=n,
+                live=sum(1 for L in learners if L["state"] == "live"),
+                learners=len(learners),
+                rejections=self._rejects,
                 mean_quorum=sum(q for _, q in self._merges) / n if n else None,
-                steps_done=sum(L["step"] or 0 for L in learners), initialised=n > 0)
+                steps_done=sum(L["step"] or 0 for L in learners),
+                initialised=n > 0,
+            )
             if summary is not None:
-                v["summary"].update(goodput=summary.get("goodput"),
-                                    bytes_in=summary.get("bytes_up", 0),
-                                    bytes_out=summary.get("bytes_down", 0),
-                                    final_eval_loss=summary.get("final_eval_loss"))
+                v["summary"].update(
+                    goodput=summary.get("goodput"),
+                    bytes_in=summary.get("bytes_up", 0),
+                    bytes_out=summary.get("bytes_down", 0),
+                    final_eval_loss=summary.get("final_eval_loss"),
+                )
             return v

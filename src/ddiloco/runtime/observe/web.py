@@ -26,9 +26,8 @@ from http import HTTPStatus
 from http.cookies import SimpleCookie
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
-from urllib.parse import parse_qs, urlsplit
-
 from typing import TYPE_CHECKING
+from urllib.parse import parse_qs, urlsplit
 
 from ddiloco.runtime.transport.auth import check_token
 
@@ -51,9 +50,11 @@ def dashboard_html() -> bytes:
     return resources.files("ddiloco.runtime.observe").joinpath("dashboard.html").read_bytes()
 
 
-_UNAUTHORIZED = (b"<!doctype html><title>ddiloco: token needed</title><p>This page needs the "
-                 b"run's shared secret: open <code>/?token=TOKEN</code> once (a session cookie "
-                 b"is set), or send <code>Authorization: Bearer TOKEN</code>.</p>")
+_UNAUTHORIZED = (
+    b"<!doctype html><title>ddiloco: token needed</title><p>This page needs the "
+    b"run's shared secret: open <code>/?token=TOKEN</code> once (a session cookie "
+    b"is set), or send <code>Authorization: Bearer TOKEN</code>.</p>"
+)
 
 
 class ObserveServer:
@@ -64,10 +65,17 @@ class ObserveServer:
     for ``/metrics`` (None: no ``/metrics``, e.g. for a run directory); ``ready_fn`` returns
     ``(ready, reason)`` for ``/readyz`` (None: always ready)."""
 
-    def __init__(self, *, host: str, port: int, token: str, view_fn: Callable[[], dict],
-                 status_fn: Callable[[], dict] | None = None,
-                 ready_fn: Callable[[], tuple[bool, str]] | None = None,
-                 ssl_context: ssl.SSLContext | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        host: str,
+        port: int,
+        token: str,
+        view_fn: Callable[[], dict],
+        status_fn: Callable[[], dict] | None = None,
+        ready_fn: Callable[[], tuple[bool, str]] | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
         if not token:
             raise ValueError("the observability port needs a shared-secret token")
         if not 0 <= port <= 65535:
@@ -77,12 +85,14 @@ class ObserveServer:
         self._registry: CollectorRegistry | None = None
         if status_fn is not None:
             from ddiloco.runtime.observe.prom import syncer_registry
+
             self._registry = syncer_registry(status_fn)
         self.tls = ssl_context is not None
         self._httpd = _HTTPServer((host, port), self._handler_class())
         if ssl_context is not None:
             self._httpd.socket = ssl_context.wrap_socket(
-                self._httpd.socket, server_side=True, do_handshake_on_connect=False)
+                self._httpd.socket, server_side=True, do_handshake_on_connect=False
+            )
         self.host, self.port = host, self._httpd.server_address[1]
         self._thread: threading.Thread | None = None
 
@@ -92,8 +102,12 @@ class ObserveServer:
         return f"{'https' if self.tls else 'http'}://{host}:{self.port}/"
 
     def start(self) -> int:
-        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={
-            "poll_interval": 0.2}, name="observe-http", daemon=True)
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever,
+            kwargs={"poll_interval": 0.2},
+            name="observe-http",
+            daemon=True,
+        )
         self._thread.start()
         return self.port
 
@@ -130,9 +144,13 @@ class ObserveServer:
             return _send(h, HTTPStatus.OK, b"ok\n", "text/plain", head_only)
         if path == "/readyz":
             ready, reason = self.ready_fn() if self.ready_fn else (True, "ready")
-            return _send(h, HTTPStatus.OK if ready else HTTPStatus.SERVICE_UNAVAILABLE,
-                         f"{'ready' if ready else 'not ready'}: {reason}\n".encode(),
-                         "text/plain", head_only)
+            return _send(
+                h,
+                HTTPStatus.OK if ready else HTTPStatus.SERVICE_UNAVAILABLE,
+                f"{'ready' if ready else 'not ready'}: {reason}\n".encode(),
+                "text/plain",
+                head_only,
+            )
         query = parse_qs(url.query)
         if path in ("/", "/index.html") and "token" in query:
             if not check_token(self.token, query["token"][0]):
@@ -140,26 +158,43 @@ class ObserveServer:
                 return _send(h, HTTPStatus.UNAUTHORIZED, _UNAUTHORIZED, "text/html", head_only)
             h.send_response(HTTPStatus.SEE_OTHER)
             h.send_header("Location", "/")
-            h.send_header("Set-Cookie", f"{COOKIE}={self._cookie}; Path=/; HttpOnly; "
-                          f"SameSite=Lax{'; Secure' if self.tls else ''}")
+            h.send_header(
+                "Set-Cookie",
+                f"{COOKIE}={self._cookie}; Path=/; HttpOnly; "
+                f"SameSite=Lax{'; Secure' if self.tls else ''}",
+            )
             h.send_header("Content-Length", "0")
             h.end_headers()
             return None
         if path not in ("/", "/index.html", "/api/state", "/metrics"):
             return _send(h, HTTPStatus.NOT_FOUND, b"not found\n", "text/plain", head_only)
         if not self._authorised(h):
-            return _send(h, HTTPStatus.UNAUTHORIZED, _UNAUTHORIZED, "text/html", head_only,
-                         {"WWW-Authenticate": 'Bearer realm="ddiloco"'})
+            return _send(
+                h,
+                HTTPStatus.UNAUTHORIZED,
+                _UNAUTHORIZED,
+                "text/html",
+                head_only,
+                {"WWW-Authenticate": 'Bearer realm="ddiloco"'},
+            )
         if path == "/metrics":
             if self._registry is None:
-                return _send(h, HTTPStatus.NOT_FOUND, b"no syncer to take metrics from (a run "
-                             b"directory is shown from its files)\n", "text/plain", head_only)
+                return _send(
+                    h,
+                    HTTPStatus.NOT_FOUND,
+                    b"no syncer to take metrics from (a run directory is shown from its files)\n",
+                    "text/plain",
+                    head_only,
+                )
             from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-            return _send(h, HTTPStatus.OK, generate_latest(self._registry), CONTENT_TYPE_LATEST,
-                         head_only)
+
+            return _send(
+                h, HTTPStatus.OK, generate_latest(self._registry), CONTENT_TYPE_LATEST, head_only
+            )
         if path == "/api/state":
-            return _send(h, HTTPStatus.OK, json.dumps(self.view_fn()).encode(),
-                         "application/json", head_only)
+            return _send(
+                h, HTTPStatus.OK, json.dumps(self.view_fn()).encode(), "application/json", head_only
+            )
         return _send(h, HTTPStatus.OK, dashboard_html(), "text/html; charset=utf-8", head_only)
 
     def _handler_class(self) -> type[BaseHTTPRequestHandler]:
@@ -184,8 +219,13 @@ class ObserveServer:
                 except Exception:  # noqa: BLE001 - one bad request must not stop the port
                     log.exception("observability request %s failed", self.path)
                     try:
-                        _send(self, HTTPStatus.INTERNAL_SERVER_ERROR, b"internal error\n",
-                              "text/plain", head_only)
+                        _send(
+                            self,
+                            HTTPStatus.INTERNAL_SERVER_ERROR,
+                            b"internal error\n",
+                            "text/plain",
+                            head_only,
+                        )
                     except (ConnectionError, ssl.SSLError):
                         pass
 
@@ -203,15 +243,24 @@ class _HTTPServer(ThreadingHTTPServer):
         log.debug("observability connection from %s failed", client_address, exc_info=True)
 
 
-def _send(h: BaseHTTPRequestHandler, code: HTTPStatus, body: bytes, ctype: str,
-          head_only: bool, headers: dict[str, str] | None = None) -> None:
+def _send(
+    h: BaseHTTPRequestHandler,
+    code: HTTPStatus,
+    body: bytes,
+    ctype: str,
+    head_only: bool,
+    headers: dict[str, str] | None = None,
+) -> None:
     h.send_response(code)
     h.send_header("Content-Type", ctype)
     h.send_header("Content-Length", str(len(body)))
     h.send_header("Cache-Control", "no-store")
     h.send_header("X-Content-Type-Options", "nosniff")
-    h.send_header("Content-Security-Policy", "default-src 'self'; script-src 'unsafe-inline'; "
-                  "style-src 'unsafe-inline'; img-src 'self' data:")
+    h.send_header(
+        "Content-Security-Policy",
+        "default-src 'self'; script-src 'unsafe-inline'; "
+        "style-src 'unsafe-inline'; img-src 'self' data:",
+    )
     for k, v in (headers or {}).items():
         h.send_header(k, v)
     h.end_headers()

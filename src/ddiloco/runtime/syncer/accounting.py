@@ -37,18 +37,26 @@ def instance_totals(rep: dict | None, *, ended: bool = False) -> dict:
     if ended:
         led["lost"] += led["pending"] + led["unpushed"]
         led["pending"] = led["unpushed"] = 0.0
-    return {"steps": int(_num(rep.get("step"))), "tokens": int(_num(rep.get("tokens"))),
-            "compute_s": compute_s, "useful_s": useful_s, "ledger": led}
+    return {
+        "steps": int(_num(rep.get("step"))),
+        "tokens": int(_num(rep.get("tokens"))),
+        "compute_s": compute_s,
+        "useful_s": useful_s,
+        "ledger": led,
+    }
 
 
 def add_totals(a: dict | None, b: dict) -> dict:
     """The sum of two totals (``a`` None: nothing yet)."""
     if not a:
         return {**b, "ledger": dict(b["ledger"])}
-    return {"steps": a["steps"] + b["steps"], "tokens": a["tokens"] + b["tokens"],
-            "compute_s": a["compute_s"] + b["compute_s"],
-            "useful_s": a["useful_s"] + b["useful_s"],
-            "ledger": {k: a["ledger"].get(k, 0.0) + b["ledger"].get(k, 0.0) for k in LEDGER_KEYS}}
+    return {
+        "steps": a["steps"] + b["steps"],
+        "tokens": a["tokens"] + b["tokens"],
+        "compute_s": a["compute_s"] + b["compute_s"],
+        "useful_s": a["useful_s"] + b["useful_s"],
+        "ledger": {k: a["ledger"].get(k, 0.0) + b["ledger"].get(k, 0.0) for k in LEDGER_KEYS},
+    }
 
 
 def fold(carried: dict | None, ended_report: dict | None) -> dict | None:

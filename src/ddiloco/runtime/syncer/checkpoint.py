@@ -24,8 +24,16 @@ from typing import Any
 
 import torch
 
-__all__ = ["save_atomic", "load_checkpoint", "load_newest_valid", "remove_stale_temps",
-           "CheckpointError", "CHECKPOINT_NAME", "MAGIC", "DEFAULT_KEEP"]
+__all__ = [
+    "save_atomic",
+    "load_checkpoint",
+    "load_newest_valid",
+    "remove_stale_temps",
+    "CheckpointError",
+    "CHECKPOINT_NAME",
+    "MAGIC",
+    "DEFAULT_KEEP",
+]
 
 log = logging.getLogger("ddiloco.syncer")
 
@@ -81,8 +89,13 @@ def _nonfinite(obj: Any, where: str = "") -> str | None:
         if obj.is_floating_point() and not bool(torch.isfinite(obj).all()):
             return where or "tensor"
         return None
-    items = (obj.items() if isinstance(obj, dict)
-             else enumerate(obj) if isinstance(obj, (list, tuple)) else ())
+    items = (
+        obj.items()
+        if isinstance(obj, dict)
+        else enumerate(obj)
+        if isinstance(obj, (list, tuple))
+        else ()
+    )
     for k, v in items:
         bad = _nonfinite(v, f"{where}/{k}")
         if bad:
@@ -95,15 +108,18 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
     raises ``FileNotFoundError`` or ``CheckpointError``."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"no checkpoint at {path}; start without --resume or point "
-                                f"--checkpoint-dir at the directory holding {CHECKPOINT_NAME}")
+        raise FileNotFoundError(
+            f"no checkpoint at {path}; start without --resume or point "
+            f"--checkpoint-dir at the directory holding {CHECKPOINT_NAME}"
+        )
     data = path.read_bytes()
     if not data.startswith(MAGIC) or len(data) < len(MAGIC) + 32:
         raise CheckpointError(f"{path} is not a ddiloco checkpoint (no {MAGIC!r} header)")
-    digest, payload = data[len(MAGIC):len(MAGIC) + 32], memoryview(data)[len(MAGIC) + 32:]
+    digest, payload = data[len(MAGIC) : len(MAGIC) + 32], memoryview(data)[len(MAGIC) + 32 :]
     if hashlib.sha256(payload).digest() != digest:
-        raise CheckpointError(f"{path} fails its SHA-256 checksum: the file was damaged "
-                              f"after it was written")
+        raise CheckpointError(
+            f"{path} fails its SHA-256 checksum: the file was damaged after it was written"
+        )
     try:
         ck = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unpickling failure is a bad file
@@ -132,13 +148,19 @@ def load_newest_valid(path: str | os.PathLike, keep: int = DEFAULT_KEEP) -> tupl
             errors.append(str(e))
             continue
         if errors:
-            log.error("RESUMING FROM AN OLDER CHECKPOINT %s: the newer ones are damaged (%s); "
-                      "merges after it are lost", cand, "; ".join(errors))
+            log.error(
+                "RESUMING FROM AN OLDER CHECKPOINT %s: the newer ones are damaged (%s); "
+                "merges after it are lost",
+                cand,
+                "; ".join(errors),
+            )
         return ck, cand
     if errors:
         raise CheckpointError(f"no valid checkpoint in {path.parent}: {'; '.join(errors)}")
-    raise FileNotFoundError(f"no checkpoint at {path}; start without --resume or point "
-                            f"--checkpoint-dir at the directory holding {CHECKPOINT_NAME}")
+    raise FileNotFoundError(
+        f"no checkpoint at {path}; start without --resume or point "
+        f"--checkpoint-dir at the directory holding {CHECKPOINT_NAME}"
+    )
 
 
 def remove_stale_temps(directory: str | os.PathLike, name: str = CHECKPOINT_NAME) -> int:

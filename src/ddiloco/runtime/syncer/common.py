@@ -30,6 +30,7 @@ class Reject(Exception):
 @dataclass(slots=True)
 class LearnerInfo:
     """The syncer's view of one learner id: incarnation, liveness and its last report."""
+
     incarnation: int = 0
     last_hb_s: float = 0.0
     state: str = "live"
@@ -66,9 +67,12 @@ def handler(what: str, bulk: bool = False) -> Callable[[Callable[..., Any]], Cal
                 if bulk:
                     held = self._bulk_slots.acquire(blocking=False)
                     if not held:
-                        raise Reject(grpc.StatusCode.UNAVAILABLE, E.BUSY,
-                                     f"all {self.config.max_workers - self.config.control_reserve}"
-                                     f" bulk call slots are taken; retry")
+                        raise Reject(
+                            grpc.StatusCode.UNAVAILABLE,
+                            E.BUSY,
+                            f"all {self.config.max_workers - self.config.control_reserve}"
+                            f" bulk call slots are taken; retry",
+                        )
                 out = fn(self, req, ctx)
                 if held and isinstance(out, Iterator):
                     held = False
@@ -77,8 +81,11 @@ def handler(what: str, bulk: bool = False) -> Callable[[Callable[..., Any]], Cal
             except Reject as r:
                 err = r
             except grpc.RpcError:  # the client's request stream broke (cancelled, timed out)
-                err = Reject(grpc.StatusCode.CANCELLED, E.CANCELLED,
-                             "the client ended the call before sending all of it")
+                err = Reject(
+                    grpc.StatusCode.CANCELLED,
+                    E.CANCELLED,
+                    "the client ended the call before sending all of it",
+                )
             except Exception as e:  # noqa: BLE001 - a handler bug must not escape untyped
                 log.exception("%s failed", what)
                 err = Reject(grpc.StatusCode.INTERNAL, E.INTERNAL, f"{type(e).__name__}: {e}")

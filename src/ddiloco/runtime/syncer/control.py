@@ -16,8 +16,14 @@ from ddiloco.runtime.syncer.accounting import fold, goodput_of
 from ddiloco.runtime.syncer.common import LearnerInfo, Reject, handler
 from ddiloco.runtime.syncer.membership import assign_learner_id
 from ddiloco.runtime.transport import session, wire
-from ddiloco.runtime.transport.schema import (HeartbeatRequest, InitHeader, JoinRequest,
-                                               LeaveRequest, Report, WatchRequest)
+from ddiloco.runtime.transport.schema import (
+    HeartbeatRequest,
+    InitHeader,
+    JoinRequest,
+    LeaveRequest,
+    Report,
+    WatchRequest,
+)
 from ddiloco.runtime.transport.spec import check_spec, fragmentation_from_spec, spec_diff
 from ddiloco.runtime.transport.wire import ErrorCode as E
 
@@ -42,12 +48,19 @@ class ControlHandlers:
         req_id, inc = (-1 if h.learner is None else h.learner), h.incarnation
         with self._lock:
             if self.state is None:
-                return wire.pack({"need_init": True, "boot_id": self.boot_id,
-                                  "shards": self.shard_map})
+                return wire.pack(
+                    {"need_init": True, "boot_id": self.boot_id, "shards": self.shard_map}
+                )
             if req_id < 0 and self.config.shards and self.config.shard != 0:
                 # ids are handed out by shard 0 only: answer with the map, join nobody
-                return wire.pack({"need_init": False, "redirect": True,
-                                  "boot_id": self.boot_id, "shards": self.shard_map})
+                return wire.pack(
+                    {
+                        "need_init": False,
+                        "redirect": True,
+                        "boot_id": self.boot_id,
+                        "shards": self.shard_map,
+                    }
+                )
             m = assign_learner_id(req_id, self._incarnations)
             if h.fingerprint not in (None, self._fp):
                 what = ""
@@ -57,22 +70,32 @@ class ControlHandlers:
                         what = spec_diff(self.spec, h.spec)
                     except (ValueError, TypeError):  # a malformed spec: the fingerprint says it
                         pass
-                raise Reject(grpc.StatusCode.FAILED_PRECONDITION, E.SPEC,
-                             f"model/fragmentation spec {h.fingerprint} differs from the "
-                             f"syncer's {self._fp}{': ' + what if what else ''}; every learner "
-                             f"must pass the same model (names, shapes, dtypes), P and strategy")
+                raise Reject(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    E.SPEC,
+                    f"model/fragmentation spec {h.fingerprint} differs from the "
+                    f"syncer's {self._fp}{': ' + what if what else ''}; every learner "
+                    f"must pass the same model (names, shapes, dtypes), P and strategy",
+                )
             now = time.monotonic()
             info = self._learners.get(m)
-            if (info is not None and info.state == "live" and m in self.state.live
-                    and now - info.last_hb_s <= self.config.heartbeat_timeout_s
-                    and not (info.session_key and session.verify(info.session_key, raw))):
-                raise Reject(grpc.StatusCode.FAILED_PRECONDITION, E.DUPLICATE,
-                             f"learner {m} is already live in another process (host "
-                             f"{info.host}, pid {info.pid}, incarnation {info.incarnation}, "
-                             f"last heartbeat {now - info.last_hb_s:.1f} s ago): give every "
-                             f"learner its own id, or start this one once the other has "
-                             f"stopped (it is declared dead "
-                             f"{self.config.heartbeat_timeout_s:g} s after its last heartbeat)")
+            if (
+                info is not None
+                and info.state == "live"
+                and m in self.state.live
+                and now - info.last_hb_s <= self.config.heartbeat_timeout_s
+                and not (info.session_key and session.verify(info.session_key, raw))
+            ):
+                raise Reject(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    E.DUPLICATE,
+                    f"learner {m} is already live in another process (host "
+                    f"{info.host}, pid {info.pid}, incarnation {info.incarnation}, "
+                    f"last heartbeat {now - info.last_hb_s:.1f} s ago): give every "
+                    f"learner its own id, or start this one once the other has "
+                    f"stopped (it is declared dead "
+                    f"{self.config.heartbeat_timeout_s:g} s after its last heartbeat)",
+                )
             if inc < 0 or inc != self._incarnations.get(m):
                 inc = self._incarnations.get(m, 0) + 1
                 self._incarnations[m] = inc
@@ -87,24 +110,45 @@ class ControlHandlers:
             info.host, info.pid = h.host, h.pid
             self.state.join(m)
             self.members.note("join", m, inc, len(self.state.live))
-            self._event("join", learner=m, incarnation=inc, host=h.host, pid=h.pid,
-                        assigned=req_id < 0, live=len(self.state.live))
-            log.info("[learner %d] joined (incarnation %d%s), %d live", m, inc,
-                     ", id assigned" if req_id < 0 else "", len(self.state.live))
-            return wire.pack({
-                "need_init": False, "boot_id": self.boot_id, "incarnation": inc,
-                "learner": m, "shards": self.shard_map,
-                "versions": [v for v, _ in self._pub], "spec": self.spec,
-                "fingerprint": self._fp, "downlink_codec": self.config.downlink_codec,
-                "history": self.config.syncer.history,
-                "merged_seq": self._merged_seq_pub.get(m, {}),
-                "step_budget": self.config.step_budget, "stop": self.budget_spent,
-                "bulk_port": self.bulk_port, "bulk_host": self.config.data_host,
-                "session": info.session_key.hex(),
-                # this learner's steps over its earlier processes (its latest report)
-                "steps_done": self._steps_done.get(m, 0),
-                "clock": self.clock.to_dict() if self.clock else None,
-            })
+            self._event(
+                "join",
+                learner=m,
+                incarnation=inc,
+                host=h.host,
+                pid=h.pid,
+                assigned=req_id < 0,
+                live=len(self.state.live),
+            )
+            log.info(
+                "[learner %d] joined (incarnation %d%s), %d live",
+                m,
+                inc,
+                ", id assigned" if req_id < 0 else "",
+                len(self.state.live),
+            )
+            return wire.pack(
+                {
+                    "need_init": False,
+                    "boot_id": self.boot_id,
+                    "incarnation": inc,
+                    "learner": m,
+                    "shards": self.shard_map,
+                    "versions": [v for v, _ in self._pub],
+                    "spec": self.spec,
+                    "fingerprint": self._fp,
+                    "downlink_codec": self.config.downlink_codec,
+                    "history": self.config.syncer.history,
+                    "merged_seq": self._merged_seq_pub.get(m, {}),
+                    "step_budget": self.config.step_budget,
+                    "stop": self.budget_spent,
+                    "bulk_port": self.bulk_port,
+                    "bulk_host": self.config.data_host,
+                    "session": info.session_key.hex(),
+                    # this learner's steps over its earlier processes (its latest report)
+                    "steps_done": self._steps_done.get(m, 0),
+                    "clock": self.clock.to_dict() if self.clock else None,
+                }
+            )
 
     @handler("init", bulk=True)
     def _init(self, it, ctx: grpc.ServicerContext) -> bytes:
@@ -122,18 +166,23 @@ class ControlHandlers:
         numels = [math.prod(s) for s in spec["shapes"]]
         expected = 4 * sum(numels)
         if expected > self.config.max_push_bytes * max(1, frag.P):
-            raise Reject(grpc.StatusCode.RESOURCE_EXHAUSTED, E.OVERSIZE,
-                          f"initial model of {expected} bytes exceeds the limit")
+            raise Reject(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                E.OVERSIZE,
+                f"initial model of {expected} bytes exceeds the limit",
+            )
         buf = self._read_stream(payload, it, expected)
         params = {}
         off = 0
         for n, s, k in zip(spec["names"], spec["shapes"], numels):
-            params[n] = torch.frombuffer(buf, dtype=torch.float32, count=k,
-                                         offset=off).view(s).clone()
+            params[n] = (
+                torch.frombuffer(buf, dtype=torch.float32, count=k, offset=off).view(s).clone()
+            )
             off += 4 * k
         if not all(all_finite(t) for t in params.values()):
-            raise Reject(grpc.StatusCode.INVALID_ARGUMENT, E.NONFINITE,
-                          "initial model has NaN/inf values")
+            raise Reject(
+                grpc.StatusCode.INVALID_ARGUMENT, E.NONFINITE, "initial model has NaN/inf values"
+            )
         with self._lock:
             if self.state is not None:
                 return wire.pack({"accepted": False, "fingerprint": self._fp})
@@ -142,25 +191,39 @@ class ControlHandlers:
             self.state.unlocked = self._unlocked
             for p in range(frag.P):
                 self._publish(p, 0, self.state.frags[p].theta)
-            log.info("initialised by learner %s: %d tensors, P=%d, %d bytes", h.learner,
-                     len(numels), frag.P, expected)
+            log.info(
+                "initialised by learner %s: %d tensors, P=%d, %d bytes",
+                h.learner,
+                len(numels),
+                frag.P,
+                expected,
+            )
             self._event("init", learner=h.learner, nbytes=expected)
             return wire.pack({"accepted": True, "fingerprint": self._fp})
 
     def _read_stream(self, payload: memoryview, it, nbytes: int) -> bytearray:
         buf = bytearray(payload)
         if len(buf) > nbytes:
-            raise Reject(grpc.StatusCode.RESOURCE_EXHAUSTED, E.OVERSIZE,
-                          f"payload exceeds its declared {nbytes} bytes")
+            raise Reject(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                E.OVERSIZE,
+                f"payload exceeds its declared {nbytes} bytes",
+            )
         for frame in it:
             _, more = self._parse(frame)
             if len(buf) + len(more) > nbytes:
-                raise Reject(grpc.StatusCode.RESOURCE_EXHAUSTED, E.OVERSIZE,
-                              f"payload exceeds its declared {nbytes} bytes")
+                raise Reject(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    E.OVERSIZE,
+                    f"payload exceeds its declared {nbytes} bytes",
+                )
             buf += more
         if len(buf) != nbytes:
-            raise Reject(grpc.StatusCode.INVALID_ARGUMENT, E.SIZE,
-                          f"payload has {len(buf)} bytes, header declared {nbytes}")
+            raise Reject(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                E.SIZE,
+                f"payload has {len(buf)} bytes, header declared {nbytes}",
+            )
         self.counters["bytes_in"] += len(buf)
         return buf
 
@@ -172,14 +235,22 @@ class ControlHandlers:
         deadline = time.monotonic() + h.timeout_s
         with self._lock:
             self._require_ready()
-            while (not self._closed and [v for v, _ in self._pub] == cursor
-                   and self._merged_seq_pub.get(m, {}) == seen):
+            while (
+                not self._closed
+                and [v for v, _ in self._pub] == cursor
+                and self._merged_seq_pub.get(m, {}) == seen
+            ):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 self._published_cv.wait(left)
-            return wire.pack({"versions": [v for v, _ in self._pub], "boot_id": self.boot_id,
-                              "merged_seq": self._merged_seq_pub.get(m, {})})
+            return wire.pack(
+                {
+                    "versions": [v for v, _ in self._pub],
+                    "boot_id": self.boot_id,
+                    "merged_seq": self._merged_seq_pub.get(m, {}),
+                }
+            )
 
     @handler("heartbeat")
     def _heartbeat(self, req: bytes, ctx: grpc.ServicerContext) -> bytes:
@@ -193,8 +264,11 @@ class ControlHandlers:
                 return wire.pack({"rejoin": True, "boot_id": self.boot_id})
             self._require_session(m, raw, "heartbeat")
             if h.hb <= info.hb:
-                raise Reject(grpc.StatusCode.FAILED_PRECONDITION, E.SESSION,
-                             f"heartbeat {h.hb} of learner {m} replayed (last was {info.hb})")
+                raise Reject(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    E.SESSION,
+                    f"heartbeat {h.hb} of learner {m} replayed (last was {info.hb})",
+                )
             info.hb = h.hb
             info.last_hb_s = time.monotonic()
             if h.report is not None:
@@ -203,10 +277,16 @@ class ControlHandlers:
                     st.observe_step_s(h.report.step_s)
                 self._count_steps(m, h.report)
             self._retime()
-            return wire.pack({"rejoin": False, "boot_id": self.boot_id,
-                              "versions": [v for v, _ in self._pub], "live": len(st.live),
-                              "stop": self.budget_spent,
-                              "clock": self.clock.to_dict() if self.clock else None})
+            return wire.pack(
+                {
+                    "rejoin": False,
+                    "boot_id": self.boot_id,
+                    "versions": [v for v, _ in self._pub],
+                    "live": len(st.live),
+                    "stop": self.budget_spent,
+                    "clock": self.clock.to_dict() if self.clock else None,
+                }
+            )
 
     @handler("leave")
     def _leave(self, req: bytes, ctx: grpc.ServicerContext) -> bytes:
@@ -254,11 +334,20 @@ class ControlHandlers:
         learner hears it first."""
         if self.epoch_s is None or self.state is None:
             return
-        steps = [info.report.get("step_s") for m, info in self._learners.items()
-                 if m in self.state.live and info.state == "live"]
+        steps = [
+            info.report.get("step_s")
+            for m, info in self._learners.items()
+            if m in self.state.live and info.state == "live"
+        ]
         slot = measured_slot_s([float(x) for x in steps if isinstance(x, (int, float))])
-        nxt = next_clock(self.clock, epoch_s=self.epoch_s, slot_s=slot, now_s=time.time(),
-                         lead_s=CLOCK_LEAD_S, min_interval_s=CLOCK_MIN_INTERVAL_S)
+        nxt = next_clock(
+            self.clock,
+            epoch_s=self.epoch_s,
+            slot_s=slot,
+            now_s=time.time(),
+            lead_s=CLOCK_LEAD_S,
+            min_interval_s=CLOCK_MIN_INTERVAL_S,
+        )
         if nxt is not None:
             self.clock = nxt
             self._event("clock", slot_s=nxt.slot_s, t0_s=nxt.t0_s, x0=nxt.x0)
@@ -286,27 +375,38 @@ class ControlHandlers:
             for m, info in sorted(self._learners.items()):
                 led = st.ledger.get(m) if st else None
                 learners[str(m)] = {
-                    "state": info.state, "incarnation": info.incarnation, "joins": info.joins,
+                    "state": info.state,
+                    "incarnation": info.incarnation,
+                    "joins": info.joins,
                     "last_heartbeat_age_s": round(now - info.last_hb_s, 3),
                     "report": info.report,
                     "carried": info.carried,
-                    "syncer_ledger": {k: round(v, 3) if isinstance(v, float) else v
-                                      for k, v in vars_of(led).items()} if led else {},
+                    "syncer_ledger": {
+                        k: round(v, 3) if isinstance(v, float) else v
+                        for k, v in vars_of(led).items()
+                    }
+                    if led
+                    else {},
                 }
             pol = st.policy if st else None
             t_end = self.run_ended_wall or time.time()
             out = {
-                "boot_id": self.boot_id, "uptime_s": round(now - self.started_s, 3),
+                "boot_id": self.boot_id,
+                "uptime_s": round(now - self.started_s, 3),
                 "initialised": st is not None,
                 "versions": [v for v, _ in self._pub],
                 "merges": st.merges if st else 0,
                 "live": sorted(st.live) if st else [],
                 "learners": learners,
-                "counters": {**self.counters,
-                             "merge_s": self.merge_s, "merge_cpu_s": self.merge_cpu_s},
+                "counters": {
+                    **self.counters,
+                    "merge_s": self.merge_s,
+                    "merge_cpu_s": self.merge_cpu_s,
+                },
                 "rejections": dict(self.rejections),
-                "mean_quorum": (sum(st.quorum_sizes) / len(st.quorum_sizes)
-                                if st and st.quorum_sizes else None),
+                "mean_quorum": (
+                    sum(st.quorum_sizes) / len(st.quorum_sizes) if st and st.quorum_sizes else None
+                ),
                 "xi_step_s": pol.xi_step.value if pol else None,
                 "xi_quorum_s": pol.xi_quorum.value if pol else None,
                 "xi_sync_s": pol.xi_sync.value if pol else None,
@@ -315,8 +415,11 @@ class ControlHandlers:
                 "step_budget": self.config.step_budget,
                 "steps_done": sum(self._steps_done.values()),
                 "budget_spent": self.budget_spent,
-                "run_s": (round(t_end - self.run_started_wall, 3)
-                          if self.run_started_wall is not None else None),
+                "run_s": (
+                    round(t_end - self.run_started_wall, 3)
+                    if self.run_started_wall is not None
+                    else None
+                ),
                 "membership": {**self.members.counts, "events": self.members.to_list()},
                 "shard_map": self.shard_map,
             }

@@ -27,6 +27,7 @@ log = logging.getLogger("ddiloco.syncer")
 @dataclass(slots=True, frozen=True)
 class PushCheck:
     """A push header that passed validation: what reading and applying its payload needs."""
+
     m: int
     p: int
     inc: int
@@ -62,33 +63,57 @@ class DataHandlers:
         except ValueError as e:
             raise Reject(grpc.StatusCode.INVALID_ARGUMENT, E.CODEC, str(e)) from None
         if nbytes > self.config.max_push_bytes:
-            raise Reject(grpc.StatusCode.RESOURCE_EXHAUSTED, E.OVERSIZE,
-                         f"declared payload {nbytes} bytes exceeds max_push_bytes "
-                         f"{self.config.max_push_bytes}")
+            raise Reject(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                E.OVERSIZE,
+                f"declared payload {nbytes} bytes exceeds max_push_bytes "
+                f"{self.config.max_push_bytes}",
+            )
         with self._lock:
             st = self._require_live(m, inc)
             self._require_session(m, raw, "push")
             if not 0 <= p < st.fragmentation.P:
-                raise Reject(grpc.StatusCode.INVALID_ARGUMENT, E.FRAGMENT,
-                             f"fragment {p} out of range [0, {st.fragmentation.P})")
+                raise Reject(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    E.FRAGMENT,
+                    f"fragment {p} out of range [0, {st.fragmentation.P})",
+                )
             self._require_owned(p)
             fr = st.fragmentation.fragments[p]
             shapes = self._shapes[p]
         if h.numels != list(fr.numels):
             shown = h.numels if len(h.numels) <= 16 else f"{len(h.numels)} tensors"
-            raise Reject(grpc.StatusCode.INVALID_ARGUMENT, E.SHAPE,
-                         f"fragment {p} has tensors of {list(fr.numels)} elements, push "
-                         f"declares {shown}")
+            raise Reject(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                E.SHAPE,
+                f"fragment {p} has tensors of {list(fr.numels)} elements, push declares {shown}",
+            )
         expected = sum(codec.nbytes(n) for n in fr.numels)
         if nbytes != expected:
-            raise Reject(grpc.StatusCode.INVALID_ARGUMENT, E.SIZE,
-                         f"{codec.name} payload of fragment {p} must be {expected} bytes, "
-                         f"push declares {nbytes}")
-        return PushCheck(m=m, p=p, inc=inc, seq=h.seq, base=h.base_version, c_steps=h.c_steps,
-                         c_tokens=h.c_tokens, nbytes=nbytes, codec=codec, names=fr.names,
-                         numels=fr.numels, shapes=shapes, delta=h.delta,
-                         who=self._push_who(raw), final=h.final,
-                         final_fragments=tuple(h.final_fragments))
+            raise Reject(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                E.SIZE,
+                f"{codec.name} payload of fragment {p} must be {expected} bytes, "
+                f"push declares {nbytes}",
+            )
+        return PushCheck(
+            m=m,
+            p=p,
+            inc=inc,
+            seq=h.seq,
+            base=h.base_version,
+            c_steps=h.c_steps,
+            c_tokens=h.c_tokens,
+            nbytes=nbytes,
+            codec=codec,
+            names=fr.names,
+            numels=fr.numels,
+            shapes=shapes,
+            delta=h.delta,
+            who=self._push_who(raw),
+            final=h.final,
+            final_fragments=tuple(h.final_fragments),
+        )
 
     def _push_apply(self, pc: PushCheck, buf: bytearray) -> dict:
         """Decode a validated push's payload and hand it to the state machine."""
@@ -97,28 +122,45 @@ class DataHandlers:
         params, off = [], 0
         for k, shape in zip(pc.numels, pc.shapes):
             nb = codec.nbytes(k)
-            params.append(codec.decode(memoryview(buf)[off:off + nb], k).view(shape))
+            params.append(codec.decode(memoryview(buf)[off : off + nb], k).view(shape))
             off += nb
         if pc.delta:
             with self._lock:
                 ref = self._require_ready().published(p, pc.base)
                 ref = None if ref is None else [t.clone() for t in ref]
             if ref is None:
-                raise Reject(grpc.StatusCode.FAILED_PRECONDITION, E.BASE,
-                              f"delta push against version {pc.base} of fragment {p}, which the "
-                              f"syncer no longer holds (raise --history or send parameters)")
+                raise Reject(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    E.BASE,
+                    f"delta push against version {pc.base} of fragment {p}, which the "
+                    f"syncer no longer holds (raise --history or send parameters)",
+                )
             params = [r.add_(d) for r, d in zip(ref, params)]
         # fp32 pushes: one check of the whole payload, tensor by tensor only to name a culprit
-        if not (codec.name == "fp32" and not pc.delta
-                and all_finite(codec.decode(memoryview(buf), sum(pc.numels)))):
+        if not (
+            codec.name == "fp32"
+            and not pc.delta
+            and all_finite(codec.decode(memoryview(buf), sum(pc.numels)))
+        ):
             for name, t in zip(pc.names, params):
                 if not all_finite(t):
-                    raise Reject(grpc.StatusCode.INVALID_ARGUMENT, E.NONFINITE,
-                                  f"tensor {name} has NaN/inf values")
+                    raise Reject(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        E.NONFINITE,
+                        f"tensor {name} has NaN/inf values",
+                    )
         m, seq = pc.m, pc.seq
-        c = Contribution(learner=m, fragment=p, params=params, c_steps=pc.c_steps,
-                         c_tokens=pc.c_tokens, base_version=pc.base, seq=seq, final=pc.final,
-                         final_fragments=pc.final_fragments)
+        c = Contribution(
+            learner=m,
+            fragment=p,
+            params=params,
+            c_steps=pc.c_steps,
+            c_tokens=pc.c_tokens,
+            base_version=pc.base,
+            seq=seq,
+            final=pc.final,
+            final_fragments=pc.final_fragments,
+        )
         with self._lock:
             st = self._require_live(m, pc.inc)
             t0 = time.monotonic()
@@ -128,8 +170,7 @@ class DataHandlers:
             if res.status is Status.INVALID:
                 raise Reject(grpc.StatusCode.INVALID_ARGUMENT, E.INVALID, res.message)
             if res.status is Status.UNKNOWN_LEARNER:
-                raise Reject(grpc.StatusCode.FAILED_PRECONDITION, E.UNKNOWN_LEARNER,
-                              res.message)
+                raise Reject(grpc.StatusCode.FAILED_PRECONDITION, E.UNKNOWN_LEARNER, res.message)
             if res.status is Status.ACCEPTED:
                 if res.merged is not None:
                     self._on_merged(res.merged, time.monotonic() - t0)
@@ -137,11 +178,13 @@ class DataHandlers:
                     self._add_timer(res.wake_at_s, p)
                 self._followups(t0)
             elif res.status is not Status.DUPLICATE:
-                self._event("push-" + res.status.value, learner=m, fragment=p,
-                            message=res.message)
+                self._event("push-" + res.status.value, learner=m, fragment=p, message=res.message)
                 log.info("%s: %s (%s)", pc.who, res.status.value, res.message)
-        return {"status": res.status.value, "message": res.message,
-                "target_version": res.target_version}
+        return {
+            "status": res.status.value,
+            "message": res.message,
+            "target_version": res.target_version,
+        }
 
     @handler("push", bulk=True)
     def _push(self, it, ctx: grpc.ServicerContext) -> bytes:
@@ -153,8 +196,11 @@ class DataHandlers:
         limit = self.config.max_streams_per_learner
         with self._lock:
             if self._pushing[pc.m] >= limit:
-                raise Reject(grpc.StatusCode.UNAVAILABLE, E.BUSY,
-                             f"learner {pc.m} already has {limit} pushes in progress; retry")
+                raise Reject(
+                    grpc.StatusCode.UNAVAILABLE,
+                    E.BUSY,
+                    f"learner {pc.m} already has {limit} pushes in progress; retry",
+                )
             self._pushing[pc.m] += 1
         try:
             return wire.pack(self._push_apply(pc, self._read_stream(payload, it, pc.nbytes)))
@@ -172,12 +218,14 @@ class DataHandlers:
             if want is None:  # every fragment this shard owns
                 want = [p for p in range(P) if self._owns(p)]
             if any(p >= P for p in want):
-                raise Reject(grpc.StatusCode.INVALID_ARGUMENT, E.FRAGMENT,
-                             f"fragments must be a list of ints in [0, {P})")
+                raise Reject(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    E.FRAGMENT,
+                    f"fragments must be a list of ints in [0, {P})",
+                )
             for p in want:
                 self._require_owned(p)
-            items = [(p, *self._pub[p], list(st.fragmentation.fragments[p].numels))
-                     for p in want]
+            items = [(p, *self._pub[p], list(st.fragmentation.fragments[p].numels)) for p in want]
             self.counters["bytes_out"] += sum(len(b) for _, _, d, _ in items for b in d)
         return items
 
@@ -189,8 +237,16 @@ class DataHandlers:
     def _fetch_frames(self, items) -> Iterator[bytes]:
         for p, version, pieces, numels in items:
             data = b"".join(pieces)
-            yield from wire.chunks({"fragment": p, "version": version, "nbytes": len(data),
-                                    "codec": self.config.downlink_codec, "numels": numels}, data)
+            yield from wire.chunks(
+                {
+                    "fragment": p,
+                    "version": version,
+                    "nbytes": len(data),
+                    "codec": self.config.downlink_codec,
+                    "numels": numels,
+                },
+                data,
+            )
 
     def _bulk(self, op: str, h: dict, plen: int, read_payload) -> tuple[dict, list[bytes]]:
         """Requests on the data port (``ddiloco.runtime.transport.bulk``): push and fetch."""
@@ -200,23 +256,42 @@ class DataHandlers:
                 who = self._push_who(h)
                 pc = self._push_check(h)
                 if plen != pc.nbytes:
-                    raise Reject(grpc.StatusCode.INVALID_ARGUMENT, E.SIZE,
-                                  f"payload has {plen} bytes, header declared {pc.nbytes}")
+                    raise Reject(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        E.SIZE,
+                        f"payload has {plen} bytes, header declared {pc.nbytes}",
+                    )
                 buf = read_payload()
                 self.counters["bytes_in"] += len(buf)
                 return self._push_apply(pc, buf), []
             if op == "fetch":
                 if plen:
-                    raise Reject(grpc.StatusCode.INVALID_ARGUMENT, E.BAD_FRAME,
-                                  "a fetch request carries no payload")
+                    raise Reject(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        E.BAD_FRAME,
+                        "a fetch request carries no payload",
+                    )
                 items = self._fetch_items(h)
-                return ({"items": [{"fragment": p, "version": v,
-                                    "nbytes": sum(len(b) for b in d),
-                                    "codec": self.config.downlink_codec, "numels": n}
-                                   for p, v, d, n in items]},
-                        [b for _, _, d, _ in items for b in d])
-            raise Reject(grpc.StatusCode.INVALID_ARGUMENT, E.BAD_FRAME,
-                          f"unknown bulk op {op!r} (push, fetch)")
+                return (
+                    {
+                        "items": [
+                            {
+                                "fragment": p,
+                                "version": v,
+                                "nbytes": sum(len(b) for b in d),
+                                "codec": self.config.downlink_codec,
+                                "numels": n,
+                            }
+                            for p, v, d, n in items
+                        ]
+                    },
+                    [b for _, _, d, _ in items for b in d],
+                )
+            raise Reject(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                E.BAD_FRAME,
+                f"unknown bulk op {op!r} (push, fetch)",
+            )
         except Reject as r:
             err = r
         except Exception as e:  # noqa: BLE001 - a handler bug must not escape untyped
@@ -224,4 +299,3 @@ class DataHandlers:
             err = Reject(grpc.StatusCode.INTERNAL, E.INTERNAL, f"{type(e).__name__}: {e}")
         self._note_reject(err, who)
         raise BulkReject(err.status, f"{err.code}: {err.message}")
-

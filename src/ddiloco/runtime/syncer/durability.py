@@ -43,19 +43,28 @@ class Durability:
             self._merged_seq.setdefault(m, {})[mg.fragment] = seq
         self.counters["merges"] += 1
         try:  # timing and metrics: never in the way of publishing what was merged
-            fetch_s = [i.report.get("fetch_s", 0.0) for i in self._learners.values()
-                       if i.state == "live" and i.report.get("fetch_s") is not None]
-            self.state.observe_sync_s(merge_s + (sum(fetch_s) / len(fetch_s) if fetch_s
-                                                 else 0.0))
+            fetch_s = [
+                i.report.get("fetch_s", 0.0)
+                for i in self._learners.values()
+                if i.state == "live" and i.report.get("fetch_s") is not None
+            ]
+            self.state.observe_sync_s(merge_s + (sum(fetch_s) / len(fetch_s) if fetch_s else 0.0))
             if self._metrics:
-                self._event("merge", fragment=mg.fragment, version=mg.version,
-                            learners=list(mg.learners), n_learners=len(mg.learners),
-                            weights=[round(w, 3) for w in mg.weights],
-                            reason=mg.reason, merge_s=round(merge_s, 6))
+                self._event(
+                    "merge",
+                    fragment=mg.fragment,
+                    version=mg.version,
+                    learners=list(mg.learners),
+                    n_learners=len(mg.learners),
+                    weights=[round(w, 3) for w in mg.weights],
+                    reason=mg.reason,
+                    merge_s=round(merge_s, 6),
+                )
         except Exception:  # noqa: BLE001 - counted and logged
             self.counters["merge_bookkeeping_errors"] += 1
-            log.exception("merge of fragment %d: bookkeeping failed (the merge stands)",
-                          mg.fragment)
+            log.exception(
+                "merge of fragment %d: bookkeeping failed (the merge stands)", mg.fragment
+            )
         self._dirty_merges += 1
         if self._durable:
             self._unpublished[mg.fragment] = mg
@@ -77,15 +86,21 @@ class Durability:
         except Exception as e:  # noqa: BLE001 - counted, logged and retried
             self.counters["publish_errors"] += 1
             self._publish_retry[mg.fragment] = mg
-            log.error("publishing version %d of fragment %d failed (%s: %s): retrying",
-                      mg.version, mg.fragment, type(e).__name__, e)
+            log.error(
+                "publishing version %d of fragment %d failed (%s: %s): retrying",
+                mg.version,
+                mg.fragment,
+                type(e).__name__,
+                e,
+            )
             return False
         self._publish_retry.pop(mg.fragment, None)
         # copy on write: watchers hold the old mapping; only these learners' entries moved
-        self._merged_seq_pub = ({m: dict(d) for m, d in merged_seq.items()}
-                                if merged_seq is not None else
-                                {**self._merged_seq_pub,
-                                 **{m: dict(self._merged_seq[m]) for m in mg.learners}})
+        self._merged_seq_pub = (
+            {m: dict(d) for m, d in merged_seq.items()}
+            if merged_seq is not None
+            else {**self._merged_seq_pub, **{m: dict(self._merged_seq[m]) for m in mg.learners}}
+        )
         self._published_cv.notify_all()
         return True
 
@@ -126,7 +141,6 @@ class Durability:
         heapq.heappush(self._timers, (at_s, p))
         self._timer_cv.notify_all()
 
-
     def _snapshot(self) -> dict:
         return {
             "format": 1,
@@ -143,19 +157,25 @@ class Durability:
             "clock": self.clock.to_dict() if self.clock else None,
             "accounting": {  # goodput's ledger survives a restart of the syncer
                 "run_started_wall": self.run_started_wall,
-                "learners": {m: {"process": i.process, "carried": i.carried,
-                                 "report": dict(i.report)} for m, i in self._learners.items()},
+                "learners": {
+                    m: {"process": i.process, "carried": i.carried, "report": dict(i.report)}
+                    for m, i in self._learners.items()
+                },
             },
         }
 
     def _write(self, snap: dict) -> None:
         t0 = time.monotonic()
-        n = save_atomic(snap, Path(self.config.checkpoint_dir) / CHECKPOINT_NAME,
-                        keep=self.config.checkpoint_keep)
+        n = save_atomic(
+            snap,
+            Path(self.config.checkpoint_dir) / CHECKPOINT_NAME,
+            keep=self.config.checkpoint_keep,
+        )
         self.counters["checkpoints"] += 1
         self.counters["checkpoint_bytes"] = n
         self.counters["checkpoint_s_total"] = self.counters.get("checkpoint_s_total", 0) + (
-            time.monotonic() - t0)
+            time.monotonic() - t0
+        )
 
     def _ckpt_loop(self) -> None:
         if not self.config.checkpoint_dir:
@@ -181,7 +201,7 @@ class Durability:
                     self.counters["checkpoint_errors"] += 1
                 continue
             with self._lock:
-                for p, mg in to_publish.items():
+                for _p, mg in to_publish.items():
                     self._publish_merged(mg, merged_seq)
 
     def _load(self, path: Path) -> None:
@@ -190,8 +210,9 @@ class Durability:
         self.state.load_state_dict(ck["state"])
         for p in range(len(self._pub)):
             self._publish(p, self.state.version(p), self.state.frags[p].theta)
-        self._merged_seq = {int(m): {int(p): int(s) for p, s in d.items()}
-                            for m, d in ck["merged_seq"].items()}
+        self._merged_seq = {
+            int(m): {int(p): int(s) for p, s in d.items()} for m, d in ck["merged_seq"].items()
+        }
         self._merged_seq_pub = {m: dict(d) for m, d in self._merged_seq.items()}
         self._incarnations = {int(m): int(v) for m, v in ck["incarnations"].items()}
         self._steps_done = {int(m): int(v) for m, v in ck.get("steps_done", {}).items()}
@@ -205,13 +226,20 @@ class Durability:
             # known learners, not live until they join again (the same process continues
             # its ledger; a restarted one is folded into the carried totals)
             self._learners[int(m)] = LearnerInfo(
-                incarnation=self._incarnations.get(int(m), 0), state="dead",
-                report=d.get("report") or {}, process=d.get("process") or "",
-                carried=d.get("carried"))
+                incarnation=self._incarnations.get(int(m), 0),
+                state="dead",
+                report=d.get("report") or {},
+                process=d.get("process") or "",
+                carried=d.get("carried"),
+            )
         self.counters["resumes"] += 1
         self._event("resume", versions=self.state.versions(), merges=self.state.merges)
-        log.info("resumed from %s: versions %s, %d merges", path, self.state.versions(),
-                 self.state.merges)
+        log.info(
+            "resumed from %s: versions %s, %d merges",
+            path,
+            self.state.versions(),
+            self.state.merges,
+        )
 
     def _setup(self, spec: dict) -> None:
         check_spec(spec)
@@ -225,4 +253,3 @@ class Durability:
         self._pub = [(0, []) for _ in range(frag.P)]
         shape = dict(zip(spec["names"], (tuple(s) for s in spec["shapes"])))
         self._shapes = [[shape[n] for n in f.names] for f in frag.fragments]  # per fragment
-

@@ -44,10 +44,12 @@ class Liveness:
                     info = self._learners.get(m)
                     if info is not None and now - info.last_hb_s > self.config.heartbeat_timeout_s:
                         info.state = "dead"
-                        log.warning("[learner %d] no heartbeat for %.1f s: declared dead", m,
-                                    now - info.last_hb_s)
+                        log.warning(
+                            "[learner %d] no heartbeat for %.1f s: declared dead",
+                            m,
+                            now - info.last_hb_s,
+                        )
                         t0 = time.monotonic()
                         self._handle_merges(self.state.leave(m, now), t0)
                         self.members.note("dead", m, info.incarnation, len(self.state.live))
                         self._event("dead", learner=m, live=len(self.state.live))
-

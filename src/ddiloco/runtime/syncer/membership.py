@@ -55,9 +55,20 @@ class MembershipLog:
         if kind not in self.counts:
             raise ValueError(f"membership event kind must be one of {sorted(self.counts)}")
         self.counts[kind] += 1
-        self._events.append(MemberEvent(round(time.monotonic() - self._started_s, 3), kind,
-                                        learner, incarnation, live))
+        self._events.append(
+            MemberEvent(
+                round(time.monotonic() - self._started_s, 3), kind, learner, incarnation, live
+            )
+        )
 
     def to_list(self) -> list[dict]:
-        return [{"t_s": e.t_s, "kind": e.kind, "learner": e.learner,
-                 "incarnation": e.incarnation, "live": e.live} for e in self._events]
+        return [
+            {
+                "t_s": e.t_s,
+                "kind": e.kind,
+                "learner": e.learner,
+                "incarnation": e.incarnation,
+                "live": e.live,
+            }
+            for e in self._events
+        ]

@@ -147,8 +147,9 @@ class SyncerServerConfig:
     def __post_init__(self) -> None:
         self.shards = tuple(self.shards)
         if self.shards and not 0 <= self.shard < len(self.shards):
-            raise ValueError(f"shard index {self.shard} out of range for {len(self.shards)} "
-                             f"shard addresses")
+            raise ValueError(
+                f"shard index {self.shard} out of range for {len(self.shards)} shard addresses"
+            )
         if not self.token:
             raise ValueError("a shared-secret token is required")
         if self.downlink_codec not in DOWNLINK_CODECS:
@@ -164,23 +165,31 @@ class SyncerServerConfig:
         if self.heartbeat_timeout_s <= 0:
             raise ValueError("heartbeat_timeout_s must be > 0")
         if not 0 < self.control_reserve < self.max_workers:
-            raise ValueError(f"control_reserve must be in [1, max_workers) = [1, "
-                             f"{self.max_workers}), got {self.control_reserve}")
+            raise ValueError(
+                f"control_reserve must be in [1, max_workers) = [1, "
+                f"{self.max_workers}), got {self.control_reserve}"
+            )
         if self.max_streams_per_learner < 1:
             raise ValueError("max_streams_per_learner must be >= 1")
         if self.step_budget < 0:
             raise ValueError("step_budget must be >= 0 (0: no budget)")
         if self.http_port is not None and not 0 <= self.http_port <= 65535:
-            raise ValueError(f"HTTP port must be in [0, 65535] (0: any free port; off: "
-                             f"leave --http-port out), got {self.http_port}")
+            raise ValueError(
+                f"HTTP port must be in [0, 65535] (0: any free port; off: "
+                f"leave --http-port out), got {self.http_port}"
+            )
         self.metrics_sinks = tuple(s for s in parse_sinks(self.metrics_sinks) if s != "jsonl")
         if self.metrics_sinks and not (self.metrics_dir or self.metrics_path):
-            raise ValueError(f"metrics sinks {', '.join(self.metrics_sinks)} need a folder: "
-                             f"pass metrics_dir (--metrics-dir) or metrics_path "
-                             f"(--metrics-file)")
+            raise ValueError(
+                f"metrics sinks {', '.join(self.metrics_sinks)} need a folder: "
+                f"pass metrics_dir (--metrics-dir) or metrics_path "
+                f"(--metrics-file)"
+            )
         if self.bulk_port is not None and not 0 <= self.bulk_port <= 65535:
-            raise ValueError(f"data port must be in [0, 65535] (0: any free port; off: "
-                             f"--bulk-port -1 / bulk_port=None), got {self.bulk_port}")
+            raise ValueError(
+                f"data port must be in [0, 65535] (0: any free port; off: "
+                f"--bulk-port -1 / bulk_port=None), got {self.bulk_port}"
+            )
 
 
 def tune_malloc() -> bool:
@@ -207,12 +216,15 @@ def tune_malloc() -> bool:
     try:
         libc = ctypes.CDLL(name)
         m_trim_threshold, m_mmap_threshold, m_arena_max = -1, -3, -8
-        return all([bool(libc.mallopt(m_arena_max, 1)),
-                    bool(libc.mallopt(m_mmap_threshold, 32 << 20)),
-                    bool(libc.mallopt(m_trim_threshold, 256 << 20))])
+        return all(
+            [
+                bool(libc.mallopt(m_arena_max, 1)),
+                bool(libc.mallopt(m_mmap_threshold, 32 << 20)),
+                bool(libc.mallopt(m_trim_threshold, 256 << 20)),
+            ]
+        )
     except (OSError, AttributeError):
         return False
-
 
 
 class SyncerServer(ControlHandlers, DataHandlers, Durability, Liveness):
@@ -233,14 +245,16 @@ class SyncerServer(ControlHandlers, DataHandlers, Durability, Liveness):
         self.state: SyncerState | None = None
         self.spec: dict | None = None
         self._fp = ""
-        self._pub: list[tuple[int, list[memoryview]]] = []  # per fragment: (version, downlink bytes)
+        self._pub: list[
+            tuple[int, list[memoryview]]
+        ] = []  # per fragment: (version, downlink bytes)
         self._shapes: list[list[tuple[int, ...]]] = []  # per fragment: its tensors' shapes
         self._bulk_slots = threading.BoundedSemaphore(config.max_workers - config.control_reserve)
-        self._pushing: Counter = Counter()              # learner -> gRPC pushes in progress
-        self._unpublished: dict[int, Merged] = {}       # merged, waiting for durability
-        self._publish_retry: dict[int, Merged] = {}     # merged, publication failed: retried
-        self._merged_seq: dict[int, dict[int, int]] = {}       # m -> p -> seq (all merges)
-        self._merged_seq_pub: dict[int, dict[int, int]] = {}   # the published part
+        self._pushing: Counter = Counter()  # learner -> gRPC pushes in progress
+        self._unpublished: dict[int, Merged] = {}  # merged, waiting for durability
+        self._publish_retry: dict[int, Merged] = {}  # merged, publication failed: retried
+        self._merged_seq: dict[int, dict[int, int]] = {}  # m -> p -> seq (all merges)
+        self._merged_seq_pub: dict[int, dict[int, int]] = {}  # the published part
         self._learners: dict[int, LearnerInfo] = {}
         self._incarnations: dict[int, int] = {}
         self.members = MembershipLog(self.started_s)
@@ -262,8 +276,11 @@ class SyncerServer(ControlHandlers, DataHandlers, Durability, Liveness):
         self.rejections: Counter = Counter()
         self._metrics = open_sinks(
             (("jsonl",) if config.metrics_path else ()) + config.metrics_sinks,
-            config.metrics_dir or Path(config.metrics_path or ".").parent, name="syncer",
-            jsonl_path=config.metrics_path, flush_rows=True)
+            config.metrics_dir or Path(config.metrics_path or ".").parent,
+            name="syncer",
+            jsonl_path=config.metrics_path,
+            flush_rows=True,
+        )
         self._server: grpc.Server | None = None
         self._bulk_server: BulkServer | None = None
         self.bulk_port: int | None = None
@@ -288,23 +305,29 @@ class SyncerServer(ControlHandlers, DataHandlers, Durability, Liveness):
             "Leave": grpc.unary_unary_rpc_method_handler(self._leave),
             "Status": grpc.unary_unary_rpc_method_handler(self._status),
         }
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=self.config.max_workers),
-                                   options=wire.GRPC_SERVER_OPTIONS)
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=self.config.max_workers),
+            options=wire.GRPC_SERVER_OPTIONS,
+        )
         self._server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler(wire.SERVICE, handlers),))
+            (grpc.method_handlers_generic_handler(wire.SERVICE, handlers),)
+        )
         addr = f"{self.config.host}:{self.config.port}"
         try:
             if self.config.tls_cert:
                 self.port = self._server.add_secure_port(
-                    addr, server_credentials(self.config.tls_cert, self.config.tls_key))
+                    addr, server_credentials(self.config.tls_cert, self.config.tls_key)
+                )
             else:
                 self.port = self._server.add_insecure_port(addr)
         except RuntimeError:
             self.port = 0
         if self.port == 0:
-            raise RuntimeError(f"could not bind {addr}: the port is in use (another syncer?) "
-                               f"or the address is not this host's; choose another port "
-                               f"(0: a free one) or stop the process holding it")
+            raise RuntimeError(
+                f"could not bind {addr}: the port is in use (another syncer?) "
+                f"or the address is not this host's; choose another port "
+                f"(0: a free one) or stop the process holding it"
+            )
         if self.config.bulk_port is not None:
             self._start_data_port()
         for target, name in ((self._timer_loop, "syncer-timer"), (self._ckpt_loop, "syncer-ckpt")):
@@ -314,15 +337,22 @@ class SyncerServer(ControlHandlers, DataHandlers, Durability, Liveness):
         self._server.start()
         if self.config.http_port is not None:
             from ddiloco.runtime.observe import serve_syncer
+
             try:
                 self._observer = serve_syncer(self, self.config.http_port)
             except OSError as e:
                 self.close()
-                raise RuntimeError(f"could not bind the HTTP port {self.config.host}:"
-                                   f"{self.config.http_port}: {e}") from None
+                raise RuntimeError(
+                    f"could not bind the HTTP port {self.config.host}:{self.config.http_port}: {e}"
+                ) from None
             self.http_port = self._observer.port
-        log.info("syncer %s listening on %s:%d (data port %s)", self.boot_id, self.config.host,
-                 self.port, self.bulk_port if self.bulk_port is not None else "off")
+        log.info(
+            "syncer %s listening on %s:%d (data port %s)",
+            self.boot_id,
+            self.config.host,
+            self.port,
+            self.bulk_port if self.bulk_port is not None else "off",
+        )
         return self.port
 
     def _start_data_port(self) -> None:
@@ -339,18 +369,28 @@ class SyncerServer(ControlHandlers, DataHandlers, Durability, Liveness):
         for i, port in enumerate(ports):
             try:
                 self._bulk_server = BulkServer(
-                    cfg.host, port, cfg.token, self._bulk, max_payload=cfg.max_push_bytes,
-                    ssl_context=ctx, on_auth_failure=self._bulk_auth_failed,
-                    on_refused=self._bulk_refused, limits=cfg.data_limits)
+                    cfg.host,
+                    port,
+                    cfg.token,
+                    self._bulk,
+                    max_payload=cfg.max_push_bytes,
+                    ssl_context=ctx,
+                    on_auth_failure=self._bulk_auth_failed,
+                    on_refused=self._bulk_refused,
+                    limits=cfg.data_limits,
+                )
                 break
             except OSError as e:
                 if i + 1 < len(ports):
-                    log.warning("data port %d of the previous run is taken (%s): binding "
-                                "another; learners learn it when they rejoin", port, e)
+                    log.warning(
+                        "data port %d of the previous run is taken (%s): binding "
+                        "another; learners learn it when they rejoin",
+                        port,
+                        e,
+                    )
                     continue
                 self._server.stop(None)
-                raise RuntimeError(f"could not bind the data port {cfg.host}:{port}: {e}"
-                                   ) from None
+                raise RuntimeError(f"could not bind the data port {cfg.host}:{port}: {e}") from None
         self.bulk_port = self._bulk_server.port
         if remembered is not None and cfg.bulk_port == 0:
             with contextlib.suppress(OSError):
@@ -380,8 +420,11 @@ class SyncerServer(ControlHandlers, DataHandlers, Durability, Liveness):
             try:
                 self._write(snap)
             except OSError as e:  # disk full at shutdown: the last durable checkpoint stays
-                log.error("final checkpoint not written: %s (the last durable checkpoint "
-                          "stays; no published version is lost)", e)
+                log.error(
+                    "final checkpoint not written: %s (the last durable checkpoint "
+                    "stays; no published version is lost)",
+                    e,
+                )
         self._metrics.close()
 
     def __enter__(self) -> SyncerServer:
@@ -402,16 +445,25 @@ class SyncerServer(ControlHandlers, DataHandlers, Durability, Liveness):
     # -- helpers --------------------------------------------------------------------------
     def _event(self, kind: str, **kw) -> None:
         if self._metrics:
-            self._metrics.write({"t_s": round(time.monotonic() - self.started_s, 4),
-                                 "wall": time.time(), "kind": kind, **kw})
+            self._metrics.write(
+                {
+                    "t_s": round(time.monotonic() - self.started_s, 4),
+                    "wall": time.time(),
+                    "kind": kind,
+                    **kw,
+                }
+            )
 
     def _auth(self, ctx: grpc.ServicerContext) -> None:
         md = dict(ctx.invocation_metadata())
         token = md.get(wire.TOKEN_METADATA)
         if not isinstance(token, str) or not check_token(self.config.token, token):
-            raise Reject(grpc.StatusCode.UNAUTHENTICATED, E.AUTH,
-                         f"missing or wrong token from {ctx.peer()} (set $DDILOCO_TOKEN or "
-                         f"--token-file to the syncer's secret)")
+            raise Reject(
+                grpc.StatusCode.UNAUTHENTICATED,
+                E.AUTH,
+                f"missing or wrong token from {ctx.peer()} (set $DDILOCO_TOKEN or "
+                f"--token-file to the syncer's secret)",
+            )
 
     def _note_reject(self, r: Reject, who: str) -> None:
         with self._lock:
@@ -465,14 +517,20 @@ class SyncerServer(ControlHandlers, DataHandlers, Durability, Liveness):
     def _require_owned(self, p: int) -> None:
         if not self._owns(p):
             S = len(self.config.shards)  # noqa: N806
-            raise Reject(grpc.StatusCode.INVALID_ARGUMENT, E.FRAGMENT,
-                         f"fragment {p} belongs to shard {p % S} ({self.config.shards[p % S]}), "
-                         f"this is shard {self.config.shard}")
+            raise Reject(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                E.FRAGMENT,
+                f"fragment {p} belongs to shard {p % S} ({self.config.shards[p % S]}), "
+                f"this is shard {self.config.shard}",
+            )
 
     def _require_ready(self) -> SyncerState:
         if self.state is None:
-            raise Reject(grpc.StatusCode.FAILED_PRECONDITION, E.NOT_READY,
-                          "the syncer has no model yet: Join, then Init with the initial model")
+            raise Reject(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                E.NOT_READY,
+                "the syncer has no model yet: Join, then Init with the initial model",
+            )
         return self.state
 
     def _require_session(self, m: int, raw: dict, what: str) -> LearnerInfo:
@@ -480,18 +538,23 @@ class SyncerServer(ControlHandlers, DataHandlers, Durability, Liveness):
         (caller holds the lock, ``m`` is live)."""
         info = self._learners[m]
         if info.session_key is None or not session.verify(info.session_key, raw):
-            raise Reject(grpc.StatusCode.FAILED_PRECONDITION, E.SESSION,
-                         f"{what} as learner {m} without the session of its live process "
-                         f"(incarnation {info.incarnation}): only the process that joined "
-                         f"can act as it; Join again")
+            raise Reject(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                E.SESSION,
+                f"{what} as learner {m} without the session of its live process "
+                f"(incarnation {info.incarnation}): only the process that joined "
+                f"can act as it; Join again",
+            )
         return info
 
     def _require_live(self, m: int, incarnation: int) -> SyncerState:
         st = self._require_ready()
         info = self._learners.get(m)
         if m not in st.live or info is None or info.incarnation != incarnation:
-            raise Reject(grpc.StatusCode.FAILED_PRECONDITION, E.UNKNOWN_LEARNER,
-                          f"learner {m} (incarnation {incarnation}) is not joined or was declared "
-                          f"dead; Join again")
+            raise Reject(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                E.UNKNOWN_LEARNER,
+                f"learner {m} (incarnation {incarnation}) is not joined or was declared "
+                f"dead; Join again",
+            )
         return st
-

@@ -105,14 +105,20 @@ def aggregate_status(parts: list[dict | None]) -> dict:
         return out
 
     merges = sum(s.get("merges") or 0 for _, s in live)
-    quorum = [(s["mean_quorum"], s.get("merges") or 0) for _, s in live
-              if s.get("mean_quorum") is not None]
+    quorum = [
+        (s["mean_quorum"], s.get("merges") or 0)
+        for _, s in live
+        if s.get("mean_quorum") is not None
+    ]
     wq = sum(w for _, w in quorum)
-    members = {k: sum((s.get("membership") or {}).get(k, 0) for _, s in live)
-               for k in ("join", "leave", "dead")}
-    events = sorted((dict(e, shard=k) for k, s in live
-                     for e in (s.get("membership") or {}).get("events", [])),
-                    key=lambda e: e["t_s"])
+    members = {
+        k: sum((s.get("membership") or {}).get(k, 0) for _, s in live)
+        for k in ("join", "leave", "dead")
+    }
+    events = sorted(
+        (dict(e, shard=k) for k, s in live for e in (s.get("membership") or {}).get("events", [])),
+        key=lambda e: e["t_s"],
+    )
     return {
         **first,
         "boot_id": "+".join(s["boot_id"] if s else "down" for s in parts),
@@ -128,7 +134,13 @@ def aggregate_status(parts: list[dict | None]) -> dict:
         "steps_done": max(s.get("steps_done") or 0 for _, s in live),
         "budget_spent": any(s.get("budget_spent") for _, s in live),
         "membership": {**members, "events": events[-64:]},
-        "shards": [{"index": k, "up": s is not None,
-                    "boot_id": s["boot_id"] if s else None,
-                    "merges": s.get("merges") if s else None} for k, s in enumerate(parts)],
+        "shards": [
+            {
+                "index": k,
+                "up": s is not None,
+                "boot_id": s["boot_id"] if s else None,
+                "merges": s.get("merges") if s else None,
+            }
+            for k, s in enumerate(parts)
+        ],
     }

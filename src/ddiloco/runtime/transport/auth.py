@@ -15,8 +15,16 @@ from pathlib import Path
 
 import grpc
 
-__all__ = ["TOKEN_ENV", "load_token", "new_token", "check_token", "server_credentials",
-           "channel_credentials", "server_ssl_context", "client_ssl_context"]
+__all__ = [
+    "TOKEN_ENV",
+    "load_token",
+    "new_token",
+    "check_token",
+    "server_credentials",
+    "channel_credentials",
+    "server_ssl_context",
+    "client_ssl_context",
+]
 
 TOKEN_ENV = "DDILOCO_TOKEN"
 
@@ -33,9 +41,11 @@ def load_token(token_file: str | os.PathLike | None = None) -> str:
         return token
     token = os.environ.get(TOKEN_ENV, "").strip()
     if not token:
-        raise ValueError(f"no shared-secret token: set ${TOKEN_ENV} or pass --token-file PATH "
-                         f"(e.g. `export {TOKEN_ENV}=$(python -c 'import secrets; "
-                         f"print(secrets.token_hex(16))')` on every host)")
+        raise ValueError(
+            f"no shared-secret token: set ${TOKEN_ENV} or pass --token-file PATH "
+            f"(e.g. `export {TOKEN_ENV}=$(python -c 'import secrets; "
+            f"print(secrets.token_hex(16))')` on every host)"
+        )
     return token
 
 
@@ -48,7 +58,9 @@ def check_token(expected: str, got: str | None) -> bool:
 
 
 def server_credentials(cert_file: str, key_file: str) -> grpc.ServerCredentials:
-    return grpc.ssl_server_credentials([(Path(key_file).read_bytes(), Path(cert_file).read_bytes())])
+    return grpc.ssl_server_credentials(
+        [(Path(key_file).read_bytes(), Path(cert_file).read_bytes())]
+    )
 
 
 def channel_credentials(ca_file: str | None) -> grpc.ChannelCredentials:

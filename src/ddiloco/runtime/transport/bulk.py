@@ -49,8 +49,15 @@ from ddiloco.runtime.transport import wire
 from ddiloco.runtime.transport.auth import check_token
 from ddiloco.runtime.transport.schema import Hello, SchemaError, loads, parse
 
-__all__ = ["BulkClient", "BulkError", "BulkLimits", "BulkServer", "BulkReject", "empty_buffer",
-           "split_host"]
+__all__ = [
+    "BulkClient",
+    "BulkError",
+    "BulkLimits",
+    "BulkServer",
+    "BulkReject",
+    "empty_buffer",
+    "split_host",
+]
 
 log = logging.getLogger("ddiloco.bulk")
 
@@ -64,8 +71,7 @@ SOCK_BUF = 8 << 20
 class BulkError(grpc.RpcError):
     """A bulk request that failed; ``code()`` and ``details()`` as a gRPC error's."""
 
-    def __init__(self, code: grpc.StatusCode, details: str, connect_failed: bool = False
-                 ) -> None:
+    def __init__(self, code: grpc.StatusCode, details: str, connect_failed: bool = False) -> None:
         super().__init__(f"{code.name}: {details}")
         self._code, self._details = code, details
         self.connect_failed = connect_failed
@@ -128,8 +134,7 @@ def _recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = 
     n, total = 0, len(view)
     # MSG_WAITALL on a blocking socket: the kernel fills the whole view in one call (one
     # GIL release and one wake-up, not one per socket-buffer's worth); TLS takes no flags
-    flags = 0 if isinstance(sock, ssl.SSLSocket) or sock.gettimeout() is not None \
-        else _WAITALL
+    flags = 0 if isinstance(sock, ssl.SSLSocket) or sock.gettimeout() is not None else _WAITALL
     while n < total:
         k = sock.recv_into(view[n:], 0, flags)
         if k == 0:
@@ -198,8 +203,7 @@ class BulkLimits:
     """Time an authenticated client has to send one whole request (header and payload)."""
 
     def __post_init__(self) -> None:
-        for name in ("hello_max_bytes", "max_connections", "max_connections_per_peer",
-                     "workers"):
+        for name in ("hello_max_bytes", "max_connections", "max_connections_per_peer", "workers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         for name in ("handshake_timeout_s", "request_timeout_s"):
@@ -224,11 +228,19 @@ class BulkServer:
     authenticated connections; a bounded pool of ``limits.workers`` threads serves the
     requests. Connections are bounded in total and per peer address."""
 
-    def __init__(self, host: str, port: int, token: str, handler: Handler, *,
-                 max_payload: int, ssl_context: ssl.SSLContext | None = None,
-                 on_auth_failure: Callable[[str], None] | None = None,
-                 on_refused: Callable[[str, str, str], None] | None = None,
-                 limits: BulkLimits | None = None) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        token: str,
+        handler: Handler,
+        *,
+        max_payload: int,
+        ssl_context: ssl.SSLContext | None = None,
+        on_auth_failure: Callable[[str], None] | None = None,
+        on_refused: Callable[[str, str, str], None] | None = None,
+        limits: BulkLimits | None = None,
+    ) -> None:
         self.token, self.handler, self.max_payload = token, handler, max_payload
         self.ssl_context = ssl_context
         self.on_auth_failure = on_auth_failure
@@ -237,8 +249,9 @@ class BulkServer:
         authentication (``E_BUSY``: a connection limit; ``E_HANDSHAKE``: no valid hello in
         time, or one too large)."""
         self.limits = limits or BulkLimits()
-        self._sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host
-                                          else socket.AF_INET, backlog=128)
+        self._sock = socket.create_server(
+            (host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET, backlog=128
+        )
         self._sock.setblocking(False)
         self.port = self._sock.getsockname()[1]
         self._sel = selectors.DefaultSelector()
@@ -250,8 +263,9 @@ class BulkServer:
         self._ready: list[socket.socket] = []  # served: back to the selector
         self._lock = threading.Lock()
         self._closed = False
-        self._pool = ThreadPoolExecutor(max_workers=self.limits.workers,
-                                        thread_name_prefix="bulk-worker")
+        self._pool = ThreadPoolExecutor(
+            max_workers=self.limits.workers, thread_name_prefix="bulk-worker"
+        )
         self._thread = threading.Thread(target=self._loop, name="bulk-loop", daemon=True)
 
     @property
@@ -297,7 +311,7 @@ class BulkServer:
                 ready, self._ready = self._ready, []
             for conn in ready:
                 self._watch_idle(conn)
-            for key, ev in self._sel.select(timeout=0.25):
+            for key, _ev in self._sel.select(timeout=0.25):
                 if key.data == "accept":
                     self._accept()
                 elif key.data == "wake":
@@ -331,18 +345,25 @@ class BulkServer:
             if full or busy:
                 with contextlib.suppress(OSError):
                     conn.close()
-                self._note_refused(peer, wire.ErrorCode.BUSY,
-                                   f"connection limit ({lim.max_connections} in total)" if full
-                                   else f"connection limit ({lim.max_connections_per_peer} "
-                                   f"per peer)")
+                self._note_refused(
+                    peer,
+                    wire.ErrorCode.BUSY,
+                    f"connection limit ({lim.max_connections} in total)"
+                    if full
+                    else f"connection limit ({lim.max_connections_per_peer} per peer)",
+                )
                 continue
             conn.setblocking(False)
             _tune(conn)
             tls = self.ssl_context is not None
             if tls:
                 try:
-                    conn = self._swap(conn, self.ssl_context.wrap_socket(
-                        conn, server_side=True, do_handshake_on_connect=False))
+                    conn = self._swap(
+                        conn,
+                        self.ssl_context.wrap_socket(
+                            conn, server_side=True, do_handshake_on_connect=False
+                        ),
+                    )
                 except (OSError, ValueError) as e:
                     self._drop(conn)
                     self._note_refused(peer, wire.ErrorCode.HANDSHAKE, f"TLS setup failed: {e}")
@@ -384,15 +405,19 @@ class BulkServer:
                 if len(pend.buf) == _PREFIX.size:
                     hlen, plen = _PREFIX.unpack_from(pend.buf)
                     if hlen > self.limits.hello_max_bytes or plen:
-                        self._refuse(pend, f"hello of {hlen} bytes (+{plen}) exceeds "
-                                           f"{self.limits.hello_max_bytes}", reply=False)
+                        self._refuse(
+                            pend,
+                            f"hello of {hlen} bytes (+{plen}) exceeds "
+                            f"{self.limits.hello_max_bytes}",
+                            reply=False,
+                        )
                         return
                     want += hlen
         except (OSError, ValueError) as e:
             self._refuse(pend, f"handshake failed: {type(e).__name__}: {e}", reply=False)
             return
         try:
-            raw = loads(pend.buf[_PREFIX.size:])
+            raw = loads(pend.buf[_PREFIX.size :])
         except SchemaError as e:  # not JSON (or too deep): closed without a reply
             self._refuse(pend, str(e), reply=False)
             return
@@ -416,8 +441,9 @@ class BulkServer:
             return
         self._watch_idle(conn)
 
-    def _refuse(self, pend: _Pending, reason: str, reply: bool = False,
-                counted: bool = True) -> None:
+    def _refuse(
+        self, pend: _Pending, reason: str, reply: bool = False, counted: bool = True
+    ) -> None:
         conn = pend.sock
         self._pending.pop(conn, None)
         with contextlib.suppress(KeyError, ValueError):
@@ -426,9 +452,14 @@ class BulkServer:
             with contextlib.suppress(OSError, ValueError):
                 conn.setblocking(True)
                 conn.settimeout(1.0)
-                _send(conn, {"error": f"{wire.ErrorCode.AUTH}: missing or wrong token (set "
-                                      f"$DDILOCO_TOKEN or --token-file to the syncer's secret)",
-                             "grpc": "UNAUTHENTICATED"})
+                _send(
+                    conn,
+                    {
+                        "error": f"{wire.ErrorCode.AUTH}: missing or wrong token (set "
+                        f"$DDILOCO_TOKEN or --token-file to the syncer's secret)",
+                        "grpc": "UNAUTHENTICATED",
+                    },
+                )
         if counted:
             self._note_refused(pend.peer, wire.ErrorCode.HANDSHAKE, reason)
         self._drop(conn)
@@ -493,9 +524,14 @@ class BulkServer:
         except ConnectionError:
             return False
         if plen > self.max_payload:
-            _send(conn, {"error": f"{wire.ErrorCode.OVERSIZE}: payload of {plen} bytes exceeds "
-                                  f"the limit of {self.max_payload}",
-                         "grpc": "RESOURCE_EXHAUSTED"})
+            _send(
+                conn,
+                {
+                    "error": f"{wire.ErrorCode.OVERSIZE}: payload of {plen} bytes exceeds "
+                    f"the limit of {self.max_payload}",
+                    "grpc": "RESOURCE_EXHAUSTED",
+                },
+            )
             _linger(conn)
             return False
         consumed = plen == 0
@@ -536,9 +572,15 @@ class BulkClient:
     """One authenticated connection to a syncer's data port, one request at a time
     (a lock serialises callers). Reconnects on the next request after any failure."""
 
-    def __init__(self, host: str, port: int, token: str, *,
-                 ssl_context: ssl.SSLContext | None = None, connect_timeout_s: float = 5.0
-                 ) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        token: str,
+        *,
+        ssl_context: ssl.SSLContext | None = None,
+        connect_timeout_s: float = 5.0,
+    ) -> None:
         self.host, self.port, self.token = host, port, token
         self.ssl_context = ssl_context
         self.connect_timeout_s = connect_timeout_s
@@ -579,17 +621,20 @@ class BulkClient:
         code = getattr(grpc.StatusCode, str(h.get("grpc")), grpc.StatusCode.UNKNOWN)
         return BulkError(code, str(h.get("error", "malformed error reply")))
 
-    def request(self, header: dict, payload: Sequence[bytes | memoryview] = (),
-                timeout_s: float = 60.0) -> tuple[dict, memoryview]:
+    def request(
+        self, header: dict, payload: Sequence[bytes | memoryview] = (), timeout_s: float = 60.0
+    ) -> tuple[dict, memoryview]:
         """Send one request; returns (reply header, reply payload)."""
         with self._lock:
             if self._sock is None:
                 try:
                     self._sock = self._connect()
                 except (OSError, ValueError, ConnectionError) as e:
-                    raise BulkError(grpc.StatusCode.UNAVAILABLE,
-                                    f"cannot connect to {self.host}:{self.port}: "
-                                    f"{type(e).__name__}: {e}", connect_failed=True) from None
+                    raise BulkError(
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"cannot connect to {self.host}:{self.port}: {type(e).__name__}: {e}",
+                        connect_failed=True,
+                    ) from None
             try:
                 if timeout_s != self._timeout_s:  # a few syscalls: only when it changes
                     _set_deadline(self._sock, timeout_s)
@@ -600,11 +645,14 @@ class BulkClient:
                 _recv_exact(self._sock, buf)
             except (OSError, ValueError, ConnectionError) as e:
                 self._drop()
-                code = (grpc.StatusCode.DEADLINE_EXCEEDED
-                        if isinstance(e, (TimeoutError, BlockingIOError))
-                        else grpc.StatusCode.UNAVAILABLE)
-                raise BulkError(code, f"bulk connection to {self.host}:{self.port}: "
-                                      f"{type(e).__name__}: {e}") from None
+                code = (
+                    grpc.StatusCode.DEADLINE_EXCEEDED
+                    if isinstance(e, (TimeoutError, BlockingIOError))
+                    else grpc.StatusCode.UNAVAILABLE
+                )
+                raise BulkError(
+                    code, f"bulk connection to {self.host}:{self.port}: {type(e).__name__}: {e}"
+                ) from None
             if "error" in h:
                 self._drop()  # the server may have closed it (unread payload)
                 raise self._error(h)

@@ -25,10 +25,27 @@ import pydantic
 import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["MAX_LEARNER", "MAX_INCARNATION", "MAX_FRAGMENTS", "MAX_TENSORS", "MAX_COUNT",
-           "MAX_SECONDS", "MAX_JSON_DEPTH", "SchemaError", "loads", "parse", "JoinRequest",
-           "InitHeader", "PushHeader", "FetchRequest", "WatchRequest", "Report",
-           "HeartbeatRequest", "LeaveRequest", "Hello"]
+__all__ = [
+    "MAX_LEARNER",
+    "MAX_INCARNATION",
+    "MAX_FRAGMENTS",
+    "MAX_TENSORS",
+    "MAX_COUNT",
+    "MAX_SECONDS",
+    "MAX_JSON_DEPTH",
+    "SchemaError",
+    "loads",
+    "parse",
+    "JoinRequest",
+    "InitHeader",
+    "PushHeader",
+    "FetchRequest",
+    "WatchRequest",
+    "Report",
+    "HeartbeatRequest",
+    "LeaveRequest",
+    "Hello",
+]
 
 MAX_LEARNER = (1 << 20) - 1
 """Largest learner id."""
@@ -76,8 +93,9 @@ def parse(model: type[M], header: Any, what: str = "") -> M:
         return model.model_validate(header)
     except pydantic.ValidationError as e:
         errs = e.errors(include_url=False, include_input=False)
-        shown = "; ".join(f"{'.'.join(str(x) for x in err['loc']) or 'header'}: {err['msg']}"
-                          for err in errs[:3])
+        shown = "; ".join(
+            f"{'.'.join(str(x) for x in err['loc']) or 'header'}: {err['msg']}" for err in errs[:3]
+        )
         more = f" (and {len(errs) - 3} more)" if len(errs) > 3 else ""
         raise SchemaError(f"{what or model.__name__} rejected: {shown}{more}") from None
 
@@ -121,29 +139,37 @@ class PushHeader(BaseModel):
     c_tokens: Count
     codec: ShortStr
     delta: bool = False
-    numels: Annotated[list[Annotated[int, Field(ge=0, le=MAX_COUNT)]],
-                      Field(max_length=MAX_TENSORS)]
+    numels: Annotated[
+        list[Annotated[int, Field(ge=0, le=MAX_COUNT)]], Field(max_length=MAX_TENSORS)
+    ]
     nbytes: Count
     step: Count | None = None
     final: bool = False
     """The learner's last push of this fragment (it is finishing)."""
-    final_fragments: Annotated[list[Annotated[int, Field(ge=0, lt=MAX_FRAGMENTS)]],
-                               Field(max_length=MAX_FRAGMENTS)] = []
+    final_fragments: Annotated[
+        list[Annotated[int, Field(ge=0, lt=MAX_FRAGMENTS)]], Field(max_length=MAX_FRAGMENTS)
+    ] = []
     """With ``final``: every fragment the finishing learner sends a final push of."""
 
     @model_validator(mode="after")
     def _seq_of_this_incarnation(self) -> PushHeader:
         if self.seq >= (self.incarnation + 1) << 32:
-            raise ValueError(f"seq {self.seq} is beyond incarnation {self.incarnation}'s range "
-                             f"[0, {(self.incarnation + 1) << 32}) (seq = (incarnation << 32) "
-                             f"+ n)")
+            raise ValueError(
+                f"seq {self.seq} is beyond incarnation {self.incarnation}'s range "
+                f"[0, {(self.incarnation + 1) << 32}) (seq = (incarnation << 32) "
+                f"+ n)"
+            )
         return self
 
 
 class FetchRequest(BaseModel):
     model_config = _CONFIG
-    fragments: Annotated[list[Annotated[int, Field(ge=0, lt=MAX_FRAGMENTS)]],
-                         Field(max_length=MAX_FRAGMENTS)] | None = None
+    fragments: (
+        Annotated[
+            list[Annotated[int, Field(ge=0, lt=MAX_FRAGMENTS)]], Field(max_length=MAX_FRAGMENTS)
+        ]
+        | None
+    ) = None
 
     @model_validator(mode="after")
     def _no_duplicates(self) -> FetchRequest:
@@ -155,14 +181,20 @@ class WatchRequest(BaseModel):
     model_config = _CONFIG
     learner: LearnerId
     cursor: Annotated[list[Count], Field(max_length=MAX_FRAGMENTS)] | None = None
-    merged_seq: Annotated[dict[Annotated[str, Field(max_length=8)], Annotated[int, Field(ge=0)]],
-                          Field(max_length=MAX_FRAGMENTS)] | None = None
+    merged_seq: (
+        Annotated[
+            dict[Annotated[str, Field(max_length=8)], Annotated[int, Field(ge=0)]],
+            Field(max_length=MAX_FRAGMENTS),
+        ]
+        | None
+    ) = None
     timeout_s: Annotated[float, Field(ge=0.0, le=30.0, allow_inf_nan=False)] = 1.0
 
 
 class Report(BaseModel):
     """A learner's progress report (heartbeat, leave). The fields the syncer reads are
     typed; others are kept for ``status`` as they came."""
+
     model_config = ConfigDict(strict=True, extra="allow", frozen=True)
     step: Count | None = None
     global_step: Count | None = None
@@ -188,6 +220,7 @@ class LeaveRequest(BaseModel):
 
 class Hello(BaseModel):
     """The first message on a data-port connection (read before authentication)."""
+
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
     op: Literal["hello"]
     token: Annotated[str, Field(max_length=1024)]

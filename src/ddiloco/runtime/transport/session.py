@@ -40,8 +40,9 @@ def _canonical(header: dict[str, Any]) -> bytes:
 def sign(key: bytes, header: dict[str, Any]) -> dict[str, Any]:
     """``header`` with its ``mac`` under ``key``."""
     # as the syncer will parse it (dict keys become strings, tuples lists)
-    body = json.loads(json.dumps({k: v for k, v in header.items() if k != MAC_FIELD},
-                                 allow_nan=False))
+    body = json.loads(
+        json.dumps({k: v for k, v in header.items() if k != MAC_FIELD}, allow_nan=False)
+    )
     return {**body, MAC_FIELD: hmac.new(key, _canonical(body), hashlib.sha256).hexdigest()}
 
 

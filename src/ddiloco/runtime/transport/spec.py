@@ -13,14 +13,18 @@ import torch
 
 from ddiloco.algorithm.fragments import Fragmentation, fragment_parameters
 
-__all__ = ["model_spec", "fragmentation_from_spec", "spec_fingerprint", "check_spec",
-           "spec_diff"]
+__all__ = ["model_spec", "fragmentation_from_spec", "spec_fingerprint", "check_spec", "spec_diff"]
 
 
-def model_spec(model: torch.nn.Module, P: int, strategy: str = "balanced",  # noqa: N803
-               embedding_names: set[str] | None = None) -> dict:
+def model_spec(
+    model: torch.nn.Module,
+    P: int,
+    strategy: str = "balanced",  # noqa: N803
+    embedding_names: set[str] | None = None,
+) -> dict:
     if embedding_names is None:
         from ddiloco.models import embedding_param_names
+
         embedding_names = embedding_param_names(model)
     named = list(model.named_parameters())
     return {
@@ -38,16 +42,27 @@ def check_spec(spec: dict) -> None:
     """Raise ValueError if ``spec`` is malformed (it arrives over the network)."""
     try:
         names, shapes, esizes = spec["names"], spec["shapes"], spec["esizes"]
-        ok = (isinstance(names, list) and len(names) == len(shapes) == len(esizes) > 0
-              and all(isinstance(n, str) for n in names)
-              and all(isinstance(s, list) and all(isinstance(d, int) and d >= 0 for d in s)
-                      for s in shapes)
-              and all(isinstance(e, int) and e > 0 for e in esizes)
-              and isinstance(spec["P"], int) and isinstance(spec["strategy"], str)
-              and isinstance(spec["embedding"], list)
-              and (spec.get("dtypes") is None or (
-                  isinstance(spec["dtypes"], list) and len(spec["dtypes"]) == len(names)
-                  and all(isinstance(d, str) for d in spec["dtypes"]))))
+        ok = (
+            isinstance(names, list)
+            and len(names) == len(shapes) == len(esizes) > 0
+            and all(isinstance(n, str) for n in names)
+            and all(
+                isinstance(s, list) and all(isinstance(d, int) and d >= 0 for d in s)
+                for s in shapes
+            )
+            and all(isinstance(e, int) and e > 0 for e in esizes)
+            and isinstance(spec["P"], int)
+            and isinstance(spec["strategy"], str)
+            and isinstance(spec["embedding"], list)
+            and (
+                spec.get("dtypes") is None
+                or (
+                    isinstance(spec["dtypes"], list)
+                    and len(spec["dtypes"]) == len(names)
+                    and all(isinstance(d, str) for d in spec["dtypes"])
+                )
+            )
+        )
     except (KeyError, TypeError):
         ok = False
     if not ok:
@@ -57,15 +72,24 @@ def check_spec(spec: dict) -> None:
 def fragmentation_from_spec(spec: dict) -> Fragmentation:
     return fragment_parameters(
         ((n, math.prod(s), e) for n, s, e in zip(spec["names"], spec["shapes"], spec["esizes"])),
-        spec["P"], spec["strategy"], spec["embedding"])
+        spec["P"],
+        spec["strategy"],
+        spec["embedding"],
+    )
 
 
 def spec_fingerprint(spec: dict) -> str:
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def spec_diff(ours: dict, theirs: dict, *, ours_name: str = "syncer",
-              theirs_name: str = "learner", limit: int = 4) -> str:
+def spec_diff(
+    ours: dict,
+    theirs: dict,
+    *,
+    ours_name: str = "syncer",
+    theirs_name: str = "learner",
+    limit: int = 4,
+) -> str:
     """What differs between two specs, field by field, in words (empty when they agree):
     P, fragmentation strategy, tensor count and names, then each tensor's shape, dtype and
     element size, then the embedding names."""
@@ -83,23 +107,34 @@ def spec_diff(ours: dict, theirs: dict, *, ours_name: str = "syncer",
     missing = [n for n in names_a if n not in set(names_b)]
     extra = [n for n in names_b if n not in set(names_a)]
     if missing:
-        out.append(f"tensors only the {ours_name} has: {missing[:limit]}"
-                   f"{' ...' if len(missing) > limit else ''}")
+        out.append(
+            f"tensors only the {ours_name} has: {missing[:limit]}"
+            f"{' ...' if len(missing) > limit else ''}"
+        )
     if extra:
-        out.append(f"tensors only the {theirs_name} has: {extra[:limit]}"
-                   f"{' ...' if len(extra) > limit else ''}")
+        out.append(
+            f"tensors only the {theirs_name} has: {extra[:limit]}"
+            f"{' ...' if len(extra) > limit else ''}"
+        )
     if not missing and not extra and names_a != names_b:
         out.append("tensor order differs (named_parameters() must list them in the same order)")
     for field, what in (("shapes", "shape"), ("dtypes", "dtype"), ("esizes", "element size")):
         if a.get(field) is None or b.get(field) is None:
             continue
         va, vb = dict(zip(names_a, a[field])), dict(zip(names_b, b[field]))
-        diffs = [f"{n}: {ours_name} {va[n]}, {theirs_name} {vb[n]}"
-                 for n in names_a if n in vb and va[n] != vb[n]]
+        diffs = [
+            f"{n}: {ours_name} {va[n]}, {theirs_name} {vb[n]}"
+            for n in names_a
+            if n in vb and va[n] != vb[n]
+        ]
         if diffs:
-            out.append(f"tensor {what}s differ ({len(diffs)}): {'; '.join(diffs[:limit])}"
-                       f"{' ...' if len(diffs) > limit else ''}")
+            out.append(
+                f"tensor {what}s differ ({len(diffs)}): {'; '.join(diffs[:limit])}"
+                f"{' ...' if len(diffs) > limit else ''}"
+            )
     if sorted(a.get("embedding") or []) != sorted(b.get("embedding") or []):
-        out.append(f"embedding tensors: {ours_name} {a.get('embedding')}, "
-                   f"{theirs_name} {b.get('embedding')}")
+        out.append(
+            f"embedding tensors: {ours_name} {a.get('embedding')}, "
+            f"{theirs_name} {b.get('embedding')}"
+        )
     return "; ".join(out)

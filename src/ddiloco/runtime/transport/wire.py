@@ -26,9 +26,20 @@ from collections.abc import Iterator
 
 from ddiloco.runtime.transport.schema import loads
 
-__all__ = ["SERVICE", "CHUNK_BYTES", "MAX_HEADER_BYTES", "MAX_FRAME_BYTES", "pack", "unpack",
-           "method", "chunks", "ErrorCode", "TOKEN_METADATA", "GRPC_OPTIONS",
-           "GRPC_SERVER_OPTIONS"]
+__all__ = [
+    "SERVICE",
+    "CHUNK_BYTES",
+    "MAX_HEADER_BYTES",
+    "MAX_FRAME_BYTES",
+    "pack",
+    "unpack",
+    "method",
+    "chunks",
+    "ErrorCode",
+    "TOKEN_METADATA",
+    "GRPC_OPTIONS",
+    "GRPC_SERVER_OPTIONS",
+]
 
 SERVICE = "ddiloco.Syncer"
 CHUNK_BYTES = 1 << 20
@@ -99,18 +110,19 @@ def unpack(buf: bytes) -> tuple[dict, memoryview]:
     (n,) = _LEN.unpack_from(buf, 0)
     if n > MAX_HEADER_BYTES or 4 + n > len(buf):
         raise ValueError(f"frame header length {n} invalid for a {len(buf)}-byte frame")
-    header = loads(buf[4:4 + n])
+    header = loads(buf[4 : 4 + n])
     if not isinstance(header, dict):
         raise ValueError("frame header must be a JSON object")
-    return header, memoryview(buf)[4 + n:]
+    return header, memoryview(buf)[4 + n :]
 
 
 def method(name: str) -> str:
     return f"/{SERVICE}/{name}"
 
 
-def chunks(header: dict, payload: bytes | memoryview, chunk_bytes: int = CHUNK_BYTES
-           ) -> Iterator[bytes]:
+def chunks(
+    header: dict, payload: bytes | memoryview, chunk_bytes: int = CHUNK_BYTES
+) -> Iterator[bytes]:
     """Frames of a chunked transfer: the header rides on the first frame, continuation
     frames carry ``{"cont": i}``. An empty payload still yields one frame."""
     mv = memoryview(payload)
@@ -119,4 +131,4 @@ def chunks(header: dict, payload: bytes | memoryview, chunk_bytes: int = CHUNK_B
         return
     yield pack(header, mv[:chunk_bytes])
     for i, off in enumerate(range(chunk_bytes, len(mv), chunk_bytes), start=1):
-        yield pack({"cont": i}, mv[off:off + chunk_bytes])
+        yield pack({"cont": i}, mv[off : off + chunk_bytes])
