@@ -28,6 +28,7 @@ def _train(address: str, m: int, start: threading.Barrier, out: dict) -> None:
         P=1,
         H=H,
         tau=0,
+        schedule="steps",  # a push every H of its own steps, as synchronous DiLoCo does
         codec="fp32",
         token="test-token",
         heartbeat_interval=timedelta(milliseconds=200),
