@@ -138,3 +138,35 @@ def expect_rejection(code, tag: str, fn) -> None:
         fn()
     assert ei.value.code() == code, ei.value
     assert ei.value.details().startswith(tag), ei.value.details()
+
+
+def self_signed_cert(tmp: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 and its key (PEM) made by openssl in ``tmp``;
+    skips the calling test, saying why, where openssl cannot make one."""
+    import pytest
+
+    cert, key = tmp / "cert.pem", tmp / "key.pem"
+    r = subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        capture_output=True,
+    )
+    if r.returncode != 0:
+        pytest.skip(f"openssl cannot make a test certificate: {r.stderr[-200:]!r}")
+    return cert, key

@@ -8,12 +8,11 @@ import json
 import socket
 import ssl
 import struct
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
-from runtime_helpers import SyncerProcess, init_syncer, tiny_model
+from runtime_helpers import SyncerProcess, init_syncer, self_signed_cert, tiny_model
 
 from ddiloco.runtime.learner.client import SyncerClient
 from ddiloco.runtime.transport.bulk import BulkClient
@@ -123,30 +122,7 @@ def test_pre_auth_limits_on_plain_tcp(syncer_factory):
 
 @pytest.mark.timeout(120)
 def test_pre_auth_limits_on_tls(tmp_path):
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    r = subprocess.run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-days",
-            "1",
-            "-subj",
-            "/CN=localhost",
-            "-addext",
-            "subjectAltName=IP:127.0.0.1",
-            "-keyout",
-            str(key),
-            "-out",
-            str(cert),
-        ],
-        capture_output=True,
-    )
-    if r.returncode != 0:
-        pytest.skip(f"openssl cannot make a test certificate: {r.stderr[-200:]!r}")
+    cert, key = self_signed_cert(tmp_path)
     s = SyncerProcess(tmp_path, "tok", "--tls-cert", str(cert), "--tls-key", str(key), *LIMITS)
     try:
         client = SyncerClient(s.address, "tok", tls_ca=str(cert))

@@ -10,7 +10,7 @@ import os
 import pytest
 from observe_helpers import BackgroundRun, DashboardProcess, free_port, get, wait_for
 from prometheus_client.parser import text_string_to_metric_families
-from runtime_helpers import init_syncer, tiny_model
+from runtime_helpers import init_syncer, self_signed_cert, tiny_model
 
 
 def scrape(url: str, token: str) -> dict[tuple[str, tuple], float]:
@@ -80,32 +80,8 @@ def test_probes_auth_and_readiness_of_a_syncer_process(syncer_factory):
 @pytest.mark.timeout(60)
 def test_with_a_certificate_the_port_speaks_https(syncer_factory, tmp_path):
     import ssl
-    import subprocess
 
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    r = subprocess.run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-days",
-            "1",
-            "-subj",
-            "/CN=localhost",
-            "-addext",
-            "subjectAltName=IP:127.0.0.1",
-            "-keyout",
-            str(key),
-            "-out",
-            str(cert),
-        ],
-        capture_output=True,
-    )
-    if r.returncode != 0:
-        pytest.skip(f"openssl cannot make a test certificate: {r.stderr[-200:]!r}")
+    cert, key = self_signed_cert(tmp_path)
     port = free_port()
     s = syncer_factory("--http-port", str(port), "--tls-cert", str(cert), "--tls-key", str(key))
     ctx = ssl.create_default_context(cafile=str(cert))

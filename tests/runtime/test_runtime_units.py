@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from runtime_helpers import SyncerProcess, init_syncer, tiny_model
+from runtime_helpers import SyncerProcess, init_syncer, self_signed_cert, tiny_model
 
 from ddiloco.runtime.launch.chaos import ChaosConfig, chaos_preset, chaos_schedule
 from ddiloco.runtime.learner.client import SyncerClient
@@ -61,30 +61,7 @@ def test_chaos_schedule_is_seeded():
 
 @pytest.mark.timeout(60)
 def test_tls_and_status_command(tmp_path):
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    r = subprocess.run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-days",
-            "1",
-            "-subj",
-            "/CN=localhost",
-            "-addext",
-            "subjectAltName=IP:127.0.0.1",
-            "-keyout",
-            str(key),
-            "-out",
-            str(cert),
-        ],
-        capture_output=True,
-    )
-    if r.returncode != 0:
-        pytest.skip(f"openssl cannot make a test certificate: {r.stderr[-200:]!r}")
+    cert, key = self_signed_cert(tmp_path)
     s = SyncerProcess(tmp_path, "tok", "--tls-cert", str(cert), "--tls-key", str(key))
     try:
         assert SyncerClient(s.address, "tok", tls_ca=str(cert)).status()["initialised"] is False
