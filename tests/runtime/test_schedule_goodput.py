@@ -45,7 +45,12 @@ def test_time_driven_schedule_gathers_learners_and_goodput_is_one_number(tmp_pat
         assert pl["ledger_balance_error"] < 1e-6
         assert led["overwritten"] > 0
         assert pl["tokens_computed"] == led["computed"] * per_step
-        # the syncer's token ledger counts each push once per fragment share
-        assert pl["syncer_tokens"]["tokens_merged"] == pytest.approx(
-            led["merged"] * per_step, rel=0.05
+        # the syncer's token ledger counts each push once per fragment share; it counts a
+        # merged push in full, where the learner moves the part of it that a late install
+        # overwrote out of "merged" (into lost or overwritten)
+        got = pl["syncer_tokens"]["tokens_merged"]
+        assert 0.95 * led["merged"] * per_step <= got, (got, led)
+        assert got <= 1.05 * (led["merged"] + led["lost"] + led["overwritten"]) * per_step, (
+            got,
+            led,
         )
