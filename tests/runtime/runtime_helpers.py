@@ -170,3 +170,23 @@ def self_signed_cert(tmp: Path) -> tuple[Path, Path]:
     if r.returncode != 0:
         pytest.skip(f"openssl cannot make a test certificate: {r.stderr[-200:]!r}")
     return cert, key
+
+
+def push_header(frag, p: int, data: bytes, inc: int, seq: int, codec: str = "fp32", **kw) -> dict:
+    """A well-formed push header for fragment p of ``frag`` carrying ``data`` (4 steps, 400
+    tokens, base version 0); keyword arguments override or add fields."""
+    return {
+        "learner": 0,
+        "incarnation": inc,
+        "fragment": p,
+        "seq": seq,
+        "base_version": 0,
+        "c_steps": 4,
+        "c_tokens": 400,
+        "codec": codec,
+        "delta": False,
+        "numels": list(frag.fragments[p].numels),
+        "nbytes": len(data),
+        "step": 4,
+        **kw,
+    }

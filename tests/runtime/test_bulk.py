@@ -11,30 +11,12 @@ import struct
 import grpc
 import pytest
 import torch
-from runtime_helpers import expect_rejection, init_syncer, tiny_model
+from runtime_helpers import expect_rejection, init_syncer, push_header, tiny_model
 
 from ddiloco.algorithm.codecs import get_codec
 from ddiloco.runtime.learner.client import SyncerClient
 from ddiloco.runtime.transport.bulk import BulkClient, BulkError, split_host
 from ddiloco.runtime.transport.spec import fragmentation_from_spec
-
-
-def _header(frag, p, data, inc, seq, codec="fp32", **kw):
-    return {
-        "learner": 0,
-        "incarnation": inc,
-        "fragment": p,
-        "seq": seq,
-        "base_version": 0,
-        "c_steps": 4,
-        "c_tokens": 400,
-        "codec": codec,
-        "delta": False,
-        "numels": list(frag.fragments[p].numels),
-        "nbytes": len(data),
-        "step": 4,
-        **kw,
-    }
 
 
 def _setup(s):
@@ -59,9 +41,9 @@ def test_data_port_pushes_and_fetches_match_grpc(syncer_factory):
     bytes_in = client.status()["counters"]["bytes_in"]  # the initial model so far
     moved = [t.clone().view(-1) - 0.01 for t in before[0][1]]
     data = b"".join(get_codec("fp32").encode(t) for t in moved)
-    r = client.push(_header(frag, 0, data, inc, seq=1), data)
+    r = client.push(push_header(frag, 0, data, inc, seq=1), data)
     assert r["status"] == "accepted" and r["target_version"] == 1
-    assert client.push(_header(frag, 0, data, inc, seq=1), data)["status"] == "duplicate"
+    assert client.push(push_header(frag, 0, data, inc, seq=1), data)["status"] == "duplicate"
     after, after_grpc = client.fetch([0, 1]), grpc_only.fetch([0, 1])
     assert after[0][0] == after_grpc[0][0] == 1 and after[1][0] == 0
     for a, b, old in zip(after[0][1], after_grpc[0][1], before[0][1]):
@@ -69,7 +51,7 @@ def test_data_port_pushes_and_fetches_match_grpc(syncer_factory):
     # an int8 delta push over the data port is reconstructed like one over gRPC
     c8 = get_codec("int8")
     data8 = b"".join(c8.encode(torch.full_like(t.view(-1), -0.02)) for t in before[1][1])
-    r = client.push(_header(frag, 1, data8, inc, seq=2, codec="int8", delta=True), data8)
+    r = client.push(push_header(frag, 1, data8, inc, seq=2, codec="int8", delta=True), data8)
     assert r["status"] == "accepted"
     st = client.status()
     assert st["versions"] == [1, 1] and st["merges"] == 2
@@ -96,7 +78,7 @@ def test_data_port_rejects_bad_requests_and_keeps_the_model(syncer_factory):
     expect_rejection(
         grpc.StatusCode.INVALID_ARGUMENT,
         "E_SHAPE",
-        lambda: client.push(_header(frag, 0, data, inc, 1, numels=wrong), data),
+        lambda: client.push(push_header(frag, 0, data, inc, 1, numels=wrong), data),
     )
     nan = [t.clone() for t in good]
     nan[0][5] = float("inf")
@@ -104,21 +86,21 @@ def test_data_port_rejects_bad_requests_and_keeps_the_model(syncer_factory):
     expect_rejection(
         grpc.StatusCode.INVALID_ARGUMENT,
         "E_NONFINITE",
-        lambda: client.push(_header(frag, 0, nan_data, inc, 2), nan_data),
+        lambda: client.push(push_header(frag, 0, nan_data, inc, 2), nan_data),
     )
     # the declared size and the bytes that follow disagree
     expect_rejection(
         grpc.StatusCode.INVALID_ARGUMENT,
         "E_SIZE",
         lambda: client.data.request(
-            {"op": "push", **client.sign(_header(frag, 0, data, inc, 3))}, [data, b"\0" * 8]
+            {"op": "push", **client.sign(push_header(frag, 0, data, inc, 3))}, [data, b"\0" * 8]
         ),
     )
     expect_rejection(
         grpc.StatusCode.RESOURCE_EXHAUSTED,
         "E_OVERSIZE",
         lambda: client.data.request(
-            {"op": "push", **client.sign(_header(frag, 0, data, inc, 4))}, [b"\0" * 300_000]
+            {"op": "push", **client.sign(push_header(frag, 0, data, inc, 4))}, [b"\0" * 300_000]
         ),
     )
     expect_rejection(grpc.StatusCode.INVALID_ARGUMENT, "E_FRAGMENT", lambda: client.fetch([0, 9]))
@@ -130,7 +112,7 @@ def test_data_port_rejects_bad_requests_and_keeps_the_model(syncer_factory):
     expect_rejection(
         grpc.StatusCode.FAILED_PRECONDITION,
         "E_UNKNOWN_LEARNER",
-        lambda: client.push(_header(frag, 0, data, inc, 5, learner=3), data),
+        lambda: client.push(push_header(frag, 0, data, inc, 5, learner=3), data),
     )
 
     # hostile bytes: a header length over the limit, non-JSON, a prefix cut short
@@ -157,7 +139,7 @@ def test_data_port_rejects_bad_requests_and_keeps_the_model(syncer_factory):
     ):
         assert st["rejections"].get(code, 0) >= 1, (code, st["rejections"])
     # after all that, a good push over the data port still merges
-    assert client.push(_header(frag, 0, data, inc, 9), data)["status"] == "accepted"
+    assert client.push(push_header(frag, 0, data, inc, 9), data)["status"] == "accepted"
     assert client.status()["versions"][0] == 1
 
 
@@ -173,7 +155,7 @@ def test_unreachable_data_port_falls_back_to_grpc(syncer_factory):
     assert client.data is None and client.data_fetch is None and before[0][0] == 0
     moved = [t.clone().view(-1) + 0.01 for t in before[0][1]]
     data = b"".join(t.numpy().tobytes() for t in moved)
-    assert client.push(_header(frag, 0, data, inc, 1), data)["status"] == "accepted"
+    assert client.push(push_header(frag, 0, data, inc, 1), data)["status"] == "accepted"
     # the next Join restores the advertised port
     client.unary("Join", {"learner": 0, "incarnation": inc}, control=True)
     assert client.data is not None and client.data.port != dead
@@ -187,7 +169,7 @@ def test_data_port_off(syncer_factory):
     assert client.data is None
     before = client.fetch([0])
     data = b"".join(t.view(-1).numpy().tobytes() for t in before[0][1])
-    assert client.push(_header(frag, 0, data, inc, 1), data)["status"] == "accepted"
+    assert client.push(push_header(frag, 0, data, inc, 1), data)["status"] == "accepted"
 
 
 def test_split_host():

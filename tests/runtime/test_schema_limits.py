@@ -11,32 +11,13 @@ import time
 import grpc
 import pytest
 import torch
-from runtime_helpers import expect_rejection, init_syncer, tiny_model
+from runtime_helpers import expect_rejection, init_syncer, push_header, tiny_model
 
 from ddiloco.algorithm.codecs import get_codec
 from ddiloco.runtime.learner.client import SyncerClient
 from ddiloco.runtime.transport import wire
 from ddiloco.runtime.transport.bulk import BulkClient, split_host
 from ddiloco.runtime.transport.spec import fragmentation_from_spec
-
-
-def _push_h(frag, p, data, inc, sq, **kw):
-    h = {
-        "learner": 0,
-        "incarnation": inc,
-        "fragment": p,
-        "seq": sq,
-        "base_version": 0,
-        "c_steps": 4,
-        "c_tokens": 400,
-        "codec": "fp32",
-        "delta": False,
-        "numels": list(frag.fragments[p].numels),
-        "nbytes": len(data),
-        "step": 4,
-    }
-    h.update(kw)
-    return h
 
 
 def _raw_frame(header_bytes: bytes) -> bytes:
@@ -63,7 +44,7 @@ def test_out_of_range_numbers_are_refused_and_merging_goes_on(syncer_factory):
         "fragment": "0",
     }
     for key, value in bad.items():
-        h = _push_h(frag, 0, data, inc, seq, **{key: value})
+        h = push_header(frag, 0, data, inc, seq, **{key: value})
         expect_rejection(
             grpc.StatusCode.INVALID_ARGUMENT,
             "E_FRAME",
@@ -95,7 +76,7 @@ def test_out_of_range_numbers_are_refused_and_merging_goes_on(syncer_factory):
 
     # every rejection above was typed and counted, none was an internal error, and a
     # valid push still merges and is published
-    r = client.push(_push_h(frag, 0, data, inc, seq), data)
+    r = client.push(push_header(frag, 0, data, inc, seq), data)
     assert r["status"] == "accepted" and r["target_version"] == 1
     assert hb({"fetch_s": 0.01, "step_s": 0.1, "step": 4})["rejoin"] is False
     assert client.fetch([0])[0][0] == 1
@@ -161,7 +142,7 @@ def test_a_failed_publication_is_counted_and_retried_never_lost():
         server._encode_down = flaky
         base = client.fetch([0])[0][1]
         data = b"".join(get_codec("fp32").encode(t.view(-1) - 0.01) for t in base)
-        r = client.push(_push_h(frag, 0, data, inc, (inc << 32) + 1), data)
+        r = client.push(push_header(frag, 0, data, inc, (inc << 32) + 1), data)
         assert r["status"] == "accepted"
         deadline = time.monotonic() + 5
         while client.status()["versions"][0] != 1:

@@ -9,7 +9,7 @@ from datetime import timedelta
 import grpc
 import pytest
 import torch
-from runtime_helpers import expect_rejection, init_syncer, tiny_model
+from runtime_helpers import expect_rejection, init_syncer, push_header, tiny_model
 
 from ddiloco.algorithm.codecs import get_codec
 from ddiloco.runtime.learner.client import SyncerClient, SyncerError
@@ -21,22 +21,8 @@ from ddiloco.runtime.transport.spec import fragmentation_from_spec
 def _push(client, frag, p, tensors, *, inc, seq=1, codec="fp32", **override):
     c = get_codec(codec)
     data = b"".join(c.encode(t) for t in tensors)
-    h = {
-        "learner": 0,
-        "incarnation": inc,
-        "fragment": p,
-        "seq": seq,
-        "base_version": 0,
-        "c_steps": 4,
-        "c_tokens": 400,
-        "codec": codec,
-        "delta": False,
-        "numels": list(frag.fragments[p].numels),
-        "nbytes": len(data),
-        "step": 4,
-    }
     payload = override.pop("payload", data)
-    h.update(override)
+    h = push_header(frag, p, data, inc, seq, codec, **override)
     return client.stream("Push", wire.chunks(client.sign(h), payload, chunk_bytes=4096))
 
 
