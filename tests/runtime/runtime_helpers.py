@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 TINY = dict(
     model="gpt_tiny",
     batch_size=8,
@@ -190,3 +192,18 @@ def push_header(frag, p: int, data: bytes, inc: int, seq: int, codec: str = "fp3
         "step": 4,
         **kw,
     }
+
+
+@pytest.fixture
+def syncer_factory(tmp_path):
+    """Start ``ddiloco syncer`` processes on ephemeral ports; stop them after the test."""
+    made = []
+
+    def make(*args: str, token: str = "test-token") -> SyncerProcess:
+        s = SyncerProcess(tmp_path, token, *args)
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.close()
