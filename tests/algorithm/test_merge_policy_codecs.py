@@ -219,3 +219,14 @@ def test_a_quantised_codec_with_another_block_size():
     for bad in ("int2/100", "int2/4", "bf16/64", "int9", "int2/x"):
         with pytest.raises(ValueError):
             get_codec(bad)
+
+
+def test_default_grace_window_covers_one_step_of_arrival_spread():
+    """With the time-driven schedule learners push fragment p at their first step end after
+    its slot, up to one step apart; at the default tau the default window must cover that
+    step (plus a merge-and-return time of a sixth of a step), and must stay inside the
+    overlap that hides it."""
+    cfg = PolicyConfig()
+    step, sync = 0.030, 0.005
+    grace = grace_window_s(cfg.tau, step, 0.0, sync, cfg.gamma)
+    assert step < grace < cfg.tau * step - sync

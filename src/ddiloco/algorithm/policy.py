@@ -62,8 +62,9 @@ class PolicyConfig:
     """K: minimum learners per merge. Capped at the number of live learners."""
     grace: bool = True
     """Wait for more learners after the quorum, within the adaptive grace window."""
-    gamma: float = 0.5
-    """Safety factor on the slack; must be in [0, 1)."""
+    gamma: float = 0.8
+    """Safety factor on the slack; must be in [0, 1). At tau = 2 a window that covers one
+    step's spread of arrivals needs gamma above 1/2 (see ``SyncConfig.gamma``)."""
     tau: int = 2
     """Overlap in inner steps (the slack the grace window may use)."""
     ema_alpha: float = 0.2

@@ -142,8 +142,11 @@ class SyncConfig:
     grace: bool = True
     """Adaptive grace window after the quorum (wait for more learners while it costs
     nothing)."""
-    gamma: float = 0.5
-    """Grace window safety factor, in [0, 1)."""
+    gamma: float = 0.8
+    """Grace window safety factor, in [0, 1): the window is gamma x (tau x step time - time to
+    quorum - merge and return). With the time-driven schedule learners push fragment p at
+    their first step end after its slot, up to one step apart, so covering that spread at
+    tau = 2 needs gamma above 1/2 plus a margin for the merge's return."""
     outer_lr: float = 0.7
     """Outer Nesterov SGD learning rate."""
     outer_momentum: float = 0.9
