@@ -577,13 +577,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ddiloco: could not fetch the syncer's status: {e}", file=sys.stderr)
             return 1
         return 0
-    s = summarise(args.out)
+    summary = summarise(args.out)
+    codes = [pl["exit_code"] for pl in summary["per_learner"]]
     print(
-        f"ddiloco: {'done' if s['ok'] else 'FAILED'}: eval loss {s['initial_eval_loss']:.4f} -> "
-        f"{s['final_eval_loss']}, merges {s['merges']}, learners' exit codes "
-        f"{[pl['exit_code'] for pl in s['per_learner']]}, summary in {Path(args.out) / 'summary.json'}"
+        f"ddiloco: {'done' if summary['ok'] else 'FAILED'}: eval loss "
+        f"{summary['initial_eval_loss']:.4f} -> {summary['final_eval_loss']}, merges "
+        f"{summary['merges']}, learners' exit codes {codes}, summary in "
+        f"{Path(args.out) / 'summary.json'}"
     )
-    return 0 if s["ok"] else 1
+    return 0 if summary["ok"] else 1
 
 
 if __name__ == "__main__":
