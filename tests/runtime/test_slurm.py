@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from runtime_helpers import read_jsonl, tiny_config
+from runtime_helpers import TINY, read_jsonl, tiny_config
 from slurm_cluster import SlurmCluster, SlurmUnavailable, _free_ports
 
 from ddiloco.cli import main as ddiloco_main
@@ -263,10 +263,16 @@ def job_log(out: Path, job: int) -> str:
 
 
 @pytest.mark.timeout(60)
-def test_sbatch_test_only_accepts_the_script(slurm, tmp_path):
-    job = one_node_job(tmp_path / "one")
-    r = slurm.run("sbatch", "--test-only", str(job.script), check=False)
-    assert r.returncode == 0 and "to start at" in r.stderr, r.stderr
+def test_sbatch_test_only_accepts_the_script(slurm, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SLURM_CONF", slurm.env["SLURM_CONF"])
+    out = tmp_path / "one"
+    rc = ddiloco_main(
+        ["launch", "--backend", "slurm", "--single-node", "--test-only", "--out", str(out)]
+        + ["--model", "gpt_tiny", "-M", "2", "--island-size", "2"]
+    )
+    printed = capsys.readouterr().out
+    assert rc == 0 and "to start at" in printed, printed
+    assert f"using 1 processors on nodes {slurm.node} in partition debug" in printed
     # the five-node layout asks for five nodes, which this cluster does not have
     cfg = tiny_config(tmp_path / "five", learners=2, island_size=2)
     five = write_slurm_job(cfg, SlurmOptions(nodes_per_island=2))
@@ -276,12 +282,22 @@ def test_sbatch_test_only_accepts_the_script(slurm, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_a_run_on_slurm_trains_and_merges(slurm, tmp_path):
+def test_a_run_on_slurm_trains_and_merges(slurm, tmp_path, monkeypatch, capsys):
     """Two torchrun islands of two ranks and two syncer shards, all job steps of one
     sbatch job."""
     out = tmp_path / "run"
-    job = one_node_job(out, island_size=2, shards=2)
-    jid = slurm.submit(job.script)
+    port, rdzv = _free_ports(2)
+    monkeypatch.setenv("SLURM_CONF", slurm.env["SLURM_CONF"])
+    rc = ddiloco_main(
+        ["launch", "--backend", "slurm", "--single-node", "--submit", "--out", str(out)]
+        + ["--rdzv-port", str(rdzv), "--port", str(port), "-M", "2", "--steps", "60"]
+        + ["--island-size", "2", "--shards", "2"]
+        + [f"--{k.replace('_', '-')}={v}" for k, v in TINY.items() if k not in ("H", "progress")]
+        + ["-H", str(TINY["H"])]
+    )
+    printed = capsys.readouterr().out
+    assert rc == 0 and "Submitted batch job" in printed, printed
+    jid = int(printed.split("Submitted batch job")[1].split()[0])
     state = slurm.wait_job(jid, timeout_s=150)
     log = job_log(out, jid)
     assert state == "COMPLETED", log

@@ -39,18 +39,23 @@ def _parser() -> argparse.ArgumentParser:
         help="ask the scheduler whether and when it would run the job (sbatch --test-only)",
     )
     s = p.add_argument_group("slurm")
-    s.add_argument("--nodes-per-island", type=int, default=1)
+    s.add_argument(
+        "--nodes-per-island",
+        type=int,
+        default=1,
+        help="nodes of each island; its --island-size ranks are split evenly across them",
+    )
     s.add_argument(
         "--single-node",
         action="store_true",
         help="the syncer and every island on one node (else one node for the syncer and "
         "--nodes-per-island nodes for each island)",
     )
-    s.add_argument("--partition")
+    s.add_argument("--partition", help="sbatch --partition")
     s.add_argument("--time", dest="time_limit", help="sbatch --time, e.g. 02:00:00")
-    s.add_argument("--account")
-    s.add_argument("--gpus-per-node", type=int)
-    s.add_argument("--job-name", default="ddiloco")
+    s.add_argument("--account", help="sbatch --account")
+    s.add_argument("--gpus-per-node", type=int, help="sbatch --gpus-per-node")
+    s.add_argument("--job-name", default="ddiloco", help="sbatch --job-name")
     s.add_argument(
         "--sbatch-arg",
         action="append",
@@ -62,10 +67,30 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--python", default=sys.executable, help="Python with ddiloco, the same path on every node"
     )
-    s.add_argument("--rdzv-port", type=int, default=29400)
-    s.add_argument("--syncer-restarts", type=int, default=100)
-    s.add_argument("--island-restarts", type=int, default=3)
-    s.add_argument("--torchrun-restarts", type=int, default=0)
+    s.add_argument(
+        "--rdzv-port",
+        type=int,
+        default=29400,
+        help="island m's c10d rendezvous listens on its first node at this port + m",
+    )
+    s.add_argument(
+        "--syncer-restarts",
+        type=int,
+        default=100,
+        help="times a syncer shard that exits is restarted (resuming from its checkpoint)",
+    )
+    s.add_argument(
+        "--island-restarts",
+        type=int,
+        default=3,
+        help="times an island that exits with an error is started again (same learner id)",
+    )
+    s.add_argument(
+        "--torchrun-restarts",
+        type=int,
+        default=0,
+        help="torchrun --max-restarts: restarts of an island's ranks inside one start",
+    )
     return p
 
 
