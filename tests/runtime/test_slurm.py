@@ -149,7 +149,8 @@ STUBS = {
     "squeue": 'echo "42.0 syncer_0"; echo "42.3 syncer_1"; echo "42.batch batch"\n',
     "scancel": 'echo "scancel $*" >> "$CALLS"\n',
     # the Python: a shard runs until the job stops it, except that shard 1's first start
-    # writes a checkpoint and dies; learner 1's first start fails
+    # writes a checkpoint and dies; a learner trains until shard 1 is back (or 10 s), and
+    # learner 1's first start fails
     "python": r"""echo "python $*" >> "$CALLS"
 args=" $* "
 cfg=""; prev=""
@@ -160,8 +161,12 @@ if [[ $args == *" syncer "* ]]; then
     mkdir -p "$out/checkpoint/shard_1"; touch "$out/checkpoint/shard_1/syncer.pt"
     touch "$out/shard1.died"; exit 9
   fi
+  [[ $args == *" --shard 1 "* ]] && touch "$out/shard1.back"
   while [[ ! -e $out/logs/stop.$SLURM_JOB_ID ]]; do sleep 0.05; done
   exit 0
+fi
+if [[ $args == *" learner "* ]]; then
+  for _ in $(seq 200); do [[ -e $out/shard1.back ]] && break; sleep 0.05; done
 fi
 if [[ $args == *" --learner 1 "* && ! -e $out/learner1.failed ]]; then
   touch "$out/learner1.failed"; exit 1

@@ -83,9 +83,8 @@ class SlurmOptions:
     """Seconds before a restart."""
 
     def __post_init__(self) -> None:
-        for name in ("nodes_per_island",):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.nodes_per_island < 1:
+            raise ValueError(f"nodes_per_island must be >= 1, got {self.nodes_per_island}")
         for name in ("syncer_restarts", "island_restarts", "torchrun_restarts"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -199,7 +198,7 @@ HEADER = Template("""\
 #SBATCH --nodes=$nodes
 #SBATCH --ntasks-per-node=1
 #SBATCH --output=$log_pattern
-$sbatch_lines
+${sbatch_lines}
 OUT=$out
 PYTHON=$python
 # learners M, one island each (learner id = island index), and the ranks of an island on
@@ -317,6 +316,8 @@ def _q(v: object) -> str:
 def render_sbatch(cfg, opts: SlurmOptions, out: Path) -> tuple[str, int]:
     """(the sbatch script, nodes it asks for) of run ``cfg`` written to directory ``out``."""
     _check_config(cfg)
+    if any(c.isspace() for c in str(out)):  # #SBATCH --output cannot be quoted
+        raise ValueError(f"the run directory {str(out)!r} must not contain spaces for sbatch")
     rt = cfg.runtime
     if rt.island_size % opts.nodes_per_island:
         raise ValueError(
@@ -347,7 +348,7 @@ def render_sbatch(cfg, opts: SlurmOptions, out: Path) -> tuple[str, int]:
         job_name=opts.job_name,
         nodes=nodes,
         log_pattern=out / "slurm-%j.out",
-        sbatch_lines="\n".join(lines),
+        sbatch_lines="".join(f"{line}\n" for line in lines),
         out=_q(out),
         python=_q(opts.python),
         nodes_per_island=opts.nodes_per_island,
@@ -362,10 +363,7 @@ def render_sbatch(cfg, opts: SlurmOptions, out: Path) -> tuple[str, int]:
         torchrun_restarts=opts.torchrun_restarts,
         restart_delay_s=f"{opts.restart_delay_s:g}",
     )
-    if any(c.isspace() for c in str(out)):
-        # #SBATCH --output cannot be quoted
-        raise ValueError(f"the run directory {str(out)!r} must not contain spaces for sbatch")
-    return header.replace("\n\n\n", "\n\n") + BODY, nodes
+    return header + BODY, nodes
 
 
 def write_slurm_job(cfg, opts: SlurmOptions | None = None) -> SlurmJob:
@@ -375,6 +373,7 @@ def write_slurm_job(cfg, opts: SlurmOptions | None = None) -> SlurmJob:
     from ddiloco.runtime.transport.auth import new_token
 
     opts = opts or SlurmOptions()
+    _check_config(cfg)
     out = Path(cfg.out).resolve()
     token = Path(cfg.runtime.token_file).resolve() if cfg.runtime.token_file else None
     if token is not None and not token.is_file():
