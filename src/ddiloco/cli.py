@@ -1,5 +1,5 @@
-"""The ``ddiloco`` command line: train, syncer, learner, status, simulate, bandwidth, report,
-prepare.
+"""The ``ddiloco`` command line: train, syncer, learner, status, launch, simulate, bandwidth,
+report, prepare.
 
 Entry points stay thin: parse flags into typed configs, build, run, print.
 """
@@ -109,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("ddiloco.sim.cli", ("add_simulate_parser", "add_bandwidth_parser")),
         ("ddiloco.runtime.cli", ("add_syncer_parser", "add_learner_parser", "add_status_parser")),
         ("ddiloco.runtime.export", ("add_export_parser",)),
+        ("ddiloco.runtime.launch.command", ("add_launch_parser",)),
         ("ddiloco.runtime.observe.cli", ("add_dashboard_parser",)),
         ("ddiloco.data.prepare", ("add_prepare_parser",)),
         ("ddiloco.report", ("add_report_parser",)),
@@ -133,6 +134,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ddiloco.runtime.cli import RAW_COMMANDS
 
         return RAW_COMMANDS[argv[0]](argv[1:])
+    if argv and argv[0] == "launch":
+        from ddiloco.runtime.launch.command import cmd_launch
+
+        return cmd_launch(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)
