@@ -44,7 +44,7 @@ def test_out_of_range_numbers_are_refused_and_merging_goes_on(syncer_factory):
         "fragment": "0",
     }
     for key, value in bad.items():
-        h = push_header(frag, 0, data, inc, seq, **{key: value})
+        h = {**push_header(frag, 0, data, inc, seq), key: value}
         expect_rejection(
             grpc.StatusCode.INVALID_ARGUMENT,
             "E_FRAME",
