@@ -24,21 +24,20 @@ def test_clock_maps_wall_time_to_nominal_steps():
         SlotClock.from_dict({"epoch_s": 1.0})
 
 
-def test_step_timer_leaves_out_the_start_up_and_waits_for_a_full_window():
+def test_step_timer_leaves_out_the_start_up_and_averages_a_window():
     t = StepTimer(min_steps=4, min_s=0.1)
     t.add(2.0)  # start-up: from the learner's start to its first step
     for _ in range(3):
         t.add(0.01)
     assert t.step_s is None  # 3 steps: not a measurement yet
-    t.add(0.01)
-    assert t.step_s is None  # 4 steps but 0.04 s
-    for _ in range(7):
+    t.add(0.02)
+    assert t.step_s == pytest.approx(0.0125)  # 4 steps; the 2 s start-up left out
+    for _ in range(4):
         t.add(0.01)
-    assert t.step_s == pytest.approx(0.01)  # 11 steps, 0.11 s; the 2 s start-up left out
+    assert t.step_s == pytest.approx(0.09 / 8)  # all 8 steps while they span under 0.1 s
     for _ in range(100):
         t.add(0.03)
     assert t.step_s == pytest.approx(0.03)  # the window slides: 0.1 s, at least 4 steps
-    assert len(t._dts) == 4
     t.add(1.0)  # one hiccup moves a window of 4 slow steps by a quarter, not all of it
     assert t.step_s == pytest.approx((3 * 0.03 + 1.0) / 4)
     slow = StepTimer(min_steps=4, min_s=0.1)

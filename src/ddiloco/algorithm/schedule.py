@@ -148,15 +148,16 @@ class SlotClock:
 
 class StepTimer:
     """A learner's measured step time (``step_s`` in its heartbeats, which the syncer's slot
-    clock is measured from): the mean of its latest step times over a window of at least
-    ``min_steps`` steps and ``min_s`` seconds.
+    clock is measured from): the mean of its latest step times, over the latest ``min_s``
+    seconds and at least ``min_steps`` steps (over all its steps until it has ``min_s``).
 
     The first ``skip`` intervals are left out: the first one runs from the learner's start
     to its first step (the caller's set-up and the first forward/backward; 0.13-0.35 s
     against steps of 10-20 ms in ``ddiloco train`` with gpt_tiny). ``step_s`` is None until
-    the window is full, so that the syncer never starts or re-times its clock from a few
-    steps: a slot length measured from a start-up or a scheduling hiccup holds until the
-    next re-timing (seconds), and every fragment leaves that many times slower meanwhile."""
+    ``min_steps`` steps are measured, so that the syncer never starts or re-times its clock
+    from a start-up or from one step: a slot length measured from a start-up or a scheduling
+    hiccup holds until the next re-timing (seconds), and every fragment leaves that many
+    times slower meanwhile."""
 
     def __init__(self, min_steps: int = 8, min_s: float = 1.0, skip: int = 1) -> None:
         if min_steps < 1 or min_s < 0 or skip < 0:
@@ -167,6 +168,7 @@ class StepTimer:
         self.min_steps, self.min_s, self._skip = min_steps, min_s, skip
         self._dts: deque[float] = deque()
         self._sum_s = 0.0
+        self._step_s: float | None = None  # one attribute: read whole from another thread
 
     def add(self, dt_s: float) -> None:
         """One step took ``dt_s`` seconds."""
@@ -177,13 +179,13 @@ class StepTimer:
         self._sum_s += dt_s
         while len(self._dts) > self.min_steps and self._sum_s - self._dts[0] >= self.min_s:
             self._sum_s -= self._dts.popleft()
+        if len(self._dts) >= self.min_steps:
+            self._step_s = self._sum_s / len(self._dts)
 
     @property
     def step_s(self) -> float | None:
-        """Mean seconds per step over the window; None until it is full."""
-        if len(self._dts) < self.min_steps or self._sum_s < self.min_s:
-            return None
-        return self._sum_s / len(self._dts)
+        """Mean seconds per step over the window; None until ``min_steps`` are measured."""
+        return self._step_s
 
 
 def measured_slot_s(step_times_s: list[float]) -> float | None:
