@@ -6,6 +6,7 @@ from ddiloco.algorithm.schedule import (
     ClockTrack,
     FragmentSchedule,
     SlotClock,
+    StepTimer,
     measured_slot_s,
     next_clock,
 )
@@ -21,6 +22,30 @@ def test_clock_maps_wall_time_to_nominal_steps():
         SlotClock(epoch_s=0.0, t0_s=0.0, x0=0.0, slot_s=0.0)
     with pytest.raises(ValueError, match="malformed slot clock"):
         SlotClock.from_dict({"epoch_s": 1.0})
+
+
+def test_step_timer_leaves_out_the_start_up_and_averages_a_window():
+    t = StepTimer(min_steps=4, min_s=0.1)
+    t.add(2.0)  # start-up: from the learner's start to its first step
+    for _ in range(3):
+        t.add(0.01)
+    assert t.step_s is None  # 3 steps: not a measurement yet
+    t.add(0.02)
+    assert t.step_s == pytest.approx(0.0125)  # 4 steps; the 2 s start-up left out
+    for _ in range(4):
+        t.add(0.01)
+    assert t.step_s == pytest.approx(0.09 / 8)  # all 8 steps while they span under 0.1 s
+    for _ in range(100):
+        t.add(0.03)
+    assert t.step_s == pytest.approx(0.03)  # the window slides: 0.1 s, at least 4 steps
+    t.add(1.0)  # one hiccup moves a window of 4 slow steps by a quarter, not all of it
+    assert t.step_s == pytest.approx((3 * 0.03 + 1.0) / 4)
+    slow = StepTimer(min_steps=4, min_s=0.1)
+    for _ in range(6):
+        slow.add(2.0)
+    assert slow.step_s == pytest.approx(2.0)  # slow steps: 4 of them, not 0.1 s
+    with pytest.raises(ValueError, match="min_steps"):
+        StepTimer(min_steps=0)
 
 
 def test_measured_slot_is_the_mean_step_time_of_the_learners():

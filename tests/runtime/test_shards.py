@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from runtime_helpers import read_jsonl, tiny_config
+from runtime_helpers import read_jsonl, step_walls, tiny_config
 
 from ddiloco.runtime.launch.launcher import Launcher
 from ddiloco.runtime.syncer.shards import ShardMap, aggregate_status, parse_shards
@@ -111,16 +111,40 @@ def test_two_shards_train_like_one(tmp_path):
     assert abs(losses[2] - losses[1]) < 0.2 * (init - losses[1]), losses
 
 
+def outage_merge_rates(run, t0: float, t1: float) -> dict:
+    """Shard 0's merges per second while both learners step: in the first 2 s after shard 1
+    died, over the whole outage, and outside it (steps and merges after the learners' budget
+    ran out, the flush, are left out)."""
+    steps = [step_walls(run, m) for m in (0, 1)]
+    s0, s1 = max(s[0] for s in steps), min(s[-1] for s in steps)
+    m0 = [r["wall"] for r in _merges_by_fragment(run, "syncer_0.metrics.jsonl")]
+    end = min(t1, s1)
+
+    def rate(a: float, b: float) -> float:
+        return sum(a <= t <= b for t in m0) / (b - a)
+
+    outside_s = (s1 - s0) - (end - t0)
+    n_out = sum(s0 <= t <= s1 for t in m0) - sum(t0 <= t <= end for t in m0)
+    return {
+        "first_2s": rate(t0, min(t0 + 2.0, end)),
+        "outage": rate(t0, end),
+        "outside": n_out / outside_s,
+        "outage_stepping_s": end - t0,
+        "outside_s": outside_s,
+    }
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(240)
 def test_a_dead_shard_stalls_only_its_own_fragments(tmp_path):
     run = tmp_path / "run"
     chaos = tmp_path / "chaos.json"
-    # shard 1 is SIGKILLed once the learners are at step 40 and stays down 6 s
+    # shard 1 is SIGKILLed once the learners are at step 40 and stays down 6 s; 1000 steps
+    # each keep them stepping through the outage and seconds after it
     chaos.write_text(
         json.dumps({"syncer_kill_at_step": 40, "syncer_kill_shard": 1, "syncer_downtime_s": 6.0})
     )
-    cfg = tiny_config(run, learners=2, steps=200, shards=2, chaos=str(chaos))
+    cfg = tiny_config(run, learners=2, steps=1000, shards=2, chaos=str(chaos))
     with Launcher(cfg) as la:
         s = la.run()
     assert s["ok"], s
@@ -129,20 +153,21 @@ def test_a_dead_shard_stalls_only_its_own_fragments(tmp_path):
     back = next(r for r in ev if r["kind"] == "restart-syncer")
     assert kill["target"] == "syncer_1" and back["target"] == "syncer_1"
     t0, t1 = kill["wall"], back["wall"]
-    m0 = [r["wall"] for r in _merges_by_fragment(run, "syncer_0.metrics.jsonl")]
     m1 = [r["wall"] for r in _merges_by_fragment(run, "syncer_1.metrics.jsonl")]
-    # shard 0 merged while shard 1 was down. Known limit: after the kill, shard 0's merges
-    # pause for several seconds (4-5 s in a 6 s outage measured here) before they resume, so
-    # only "it merged during the outage" is asserted, not its usual rate (docs/cluster.md)
-    during = [t for t in m0 if t0 <= t <= t1]
-    assert len(during) >= 3, len(during)
+    # shard 0 merges at its usual rate from the moment shard 1 dies and all through the
+    # outage (the learners step on: shard 0's fragments do not wait for shard 1's). On this
+    # 2-core machine the outage's rate was 1.09-1.54x the rest of the run's, 1.14-2.18x in
+    # its first 2 s (3 runs); with a slot clock started from the learners' start-up it was
+    # 0.23-0.55x in the first 2 s (5 of 6 runs; docs/cluster.md)
+    m0 = [r["wall"] for r in _merges_by_fragment(run, "syncer_0.metrics.jsonl")]
+    assert sum(t0 <= t <= t1 for t in m0) >= 3
+    r = outage_merge_rates(run, t0, t1)
+    assert r["outage_stepping_s"] > 2.0 and r["outside_s"] > 2.0, r
+    assert r["first_2s"] >= 0.7 * r["outside"], r
+    assert r["outage"] >= 0.7 * r["outside"], r
     # learners kept stepping, and shard 1 came back (resumed) and merged again
     for m in (0, 1):
-        steps = [
-            r["wall"]
-            for r in read_jsonl(run / f"learner_{m}" / "metrics.jsonl")
-            if r["kind"] == "step" and t0 <= r["wall"] <= t1
-        ]
+        steps = [t for t in step_walls(run, m) if t0 <= t <= t1]
         assert len(steps) > 10, (m, len(steps))
     assert any(t > t1 for t in m1)
     assert not any(t0 + 0.5 < t < t1 for t in m1)

@@ -5,9 +5,11 @@ as written."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -16,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from runtime_helpers import init_syncer, tiny_model
+from runtime_helpers import init_syncer, read_jsonl, tiny_model
 
 from ddiloco.runtime.export import state_dict_from_syncer
 from ddiloco.runtime.learner.client import SyncerClient, SyncerError
@@ -84,6 +86,45 @@ def test_the_global_model_comes_into_the_users_model(syncer_factory):
     assert _equal_to(live, model)  # at exit the model holds the syncer's global model
     st = SyncerClient(s.address, s.token).status()
     assert st["learners"]["0"]["report"]["global_step"] == 40
+
+
+@pytest.mark.timeout(90)
+def test_the_slot_clock_is_the_step_time_not_the_start_up(syncer_factory):
+    """The syncer starts the time-driven schedule's slot clock from the step times the
+    learners report; a learner's start-up (its caller's set-up after ``start`` and the first
+    forward/backward) is no step: a slot length measured from it would hold until the
+    next re-timing (seconds) and send every fragment that many times slower."""
+    s = syncer_factory()
+    model = tiny_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    walls = []
+    with DecoupledLearner(
+        model,
+        opt,
+        syncer=s.address,
+        learner=0,
+        P=2,
+        H=4,
+        tau=1,
+        tokens_per_step=64,
+        token=s.token,
+        heartbeat_interval=timedelta(milliseconds=50),
+    ):
+        time.sleep(1.0)  # the caller's set-up: its data, its logging...
+        end = time.monotonic() + 3.0
+        for x, y in itertools.cycle(_batches(8)):
+            model(x, y)[1].backward()
+            time.sleep(0.02)
+            opt.step()
+            opt.zero_grad()
+            walls.append(time.monotonic())
+            if walls[-1] > end:
+                break
+    step_s = statistics.median(b - a for a, b in zip(walls, walls[1:]))
+    clocks = [r["slot_s"] for r in read_jsonl(s.tmp / "syncer.jsonl") if r["kind"] == "clock"]
+    assert clocks, "the syncer announced no slot clock"
+    # the first slot length is the step time (a step here is 20-40 ms; the start-up is 1 s)
+    assert clocks[0] < 2 * step_s, (clocks, step_s)
 
 
 _LOOP = """

@@ -38,7 +38,7 @@ import torch
 
 from ddiloco.algorithm.codecs import get_codec
 from ddiloco.algorithm.learner_state import LearnerSync, Outgoing
-from ddiloco.algorithm.schedule import ClockTrack, FragmentSchedule, SlotClock
+from ddiloco.algorithm.schedule import ClockTrack, FragmentSchedule, SlotClock, StepTimer
 from ddiloco.runtime.learner.client import RETRYABLE, LinkLimits, SyncerError, rpc_code, rpc_details
 from ddiloco.runtime.learner.device import DeviceCopier
 from ddiloco.runtime.learner.sharded import SendQueues, ShardedClient
@@ -185,7 +185,9 @@ class DecoupledLearner:
         self._merged_applied: dict[int, int] = {}
         self._threads: list[threading.Thread] = []
         self._last_step_t: float | None = None
-        self.step_s_ema: float | None = None
+        self.step_timer = StepTimer()
+        """This learner's measured step time (``step_s`` in its reports): the syncer's
+        slot clock is measured from it."""
         self.compute_s = 0.0
         self.tokens = 0
         """Tokens this process stepped (the syncer carries earlier processes' totals)."""
@@ -559,7 +561,7 @@ class DecoupledLearner:
         if self._last_step_t is not None:
             dt = now - self._last_step_t
             self.compute_s += dt
-            self.step_s_ema = dt if self.step_s_ema is None else 0.8 * self.step_s_ema + 0.2 * dt
+            self.step_timer.add(dt)
         self._last_step_t = now
         self.tokens += tokens
         installed: list[int] = []
@@ -700,7 +702,7 @@ class DecoupledLearner:
             "incarnation": self.incarnation,
             "process": self.process_id,
             "tokens": self.tokens,
-            "step_s": self.step_s_ema,
+            "step_s": self.step_timer.step_s,
             "compute_s": self.compute_s,
             "ledger": asdict(self.sync.ledger),
             "tokens_per_step": self.tokens_per_step,
