@@ -210,3 +210,35 @@ def test_a_cut_link_fails_every_call_as_unavailable_until_restored(syncer_factor
     with pytest.raises(ValueError, match="link_cut"):
         ChaosConfig(link_cut=[[0, 5, 0.0]])
     assert ChaosConfig(link_cut=[[0, 5, 2]]).to_dict()["link_cut"] == [[0, 5, 2.0]]
+
+
+def test_a_sharded_heartbeat_takes_the_slot_clock_only_from_shard_0():
+    """Each shard runs its own slot clock; while shard 0 is down a heartbeat answered by
+    shard 1 alone must not hand the learner shard 1's clock (another epoch restarts the
+    learner's slot count). Stand-in shard clients: the unit under test is the reply merge."""
+    import concurrent.futures as cf
+
+    from ddiloco.runtime.learner.sharded import ShardedClient
+
+    class Down:
+        def unary(self, *a, **k):
+            raise grpc.RpcError()
+
+    class Up:
+        def __init__(self, epoch: float):
+            self.epoch = epoch
+
+        def unary(self, *a, **k):
+            clock = {"epoch_s": self.epoch, "t0_s": 0.0, "x0": 0.0, "slot_s": 0.1}
+            return {"boot_id": f"b{self.epoch}", "clock": clock, "stop": False}
+
+    c = object.__new__(ShardedClient)
+    c._inc, c._boots = {}, ["", ""]
+    c._pool = cf.ThreadPoolExecutor(max_workers=2)
+    try:
+        c.clients = [Down(), Up(2.0)]
+        assert "clock" not in c._each("Heartbeat", {}, 1.0, True)
+        c.clients = [Up(1.0), Up(2.0)]
+        assert c._each("Heartbeat", {}, 1.0, True)["clock"]["epoch_s"] == 1.0
+    finally:
+        c._pool.shutdown()

@@ -213,6 +213,10 @@ class ShardedClient:
             if r.get("boot_id"):
                 self._boots[k] = r["boot_id"]
         out = dict(replies.get(0) or next(iter(replies.values())))
+        if 0 not in replies:
+            # the run's slot clock is shard 0's: another shard's (its own epoch) would make
+            # the learner restart its slot count while shard 0 is down, and again on its return
+            out.pop("clock", None)
         out["boot_id"] = "+".join(self._boots)
         out["stop"] = any(r.get("stop") for r in replies.values())
         out["rejoin"] = any(r.get("rejoin") for r in replies.values())
