@@ -5,9 +5,11 @@
 #      Gloo island with its model on CUDA; the NCCL island needs 2 GPUs and says so);
 #   2. bench/gpu_throughput.py: gpt_125m, bf16 autocast, M learners sharing the GPU, tokens/s
 #      with sync on against off in adjacent block pairs;
-#   3. a profile of the snapshot's stream overlap (torch.profiler trace).
+#   3. a profile of the snapshot's stream overlap (torch.profiler trace);
+#   4. the syncer sharded over S = 1, 2, 4 processes (bench/perf_syncer.py --scaling; CPU only,
+#      it wants the machine's many cores), target >= 0.8 x S.
 # Results land in $OUT (default bench/results/gpu): gpu_check.md (summary), pytest.log,
-# gpu_throughput.json, gpu_snapshot_trace.json, nvidia-smi.txt.
+# gpu_throughput.json, gpu_snapshot_trace.json, shard_scaling.{json,md}, nvidia-smi.txt.
 #
 # Usage, from the repository root on a machine with PyTorch and CUDA:
 #   bash bench/gpu_check.sh            # M = 2 learners
@@ -43,16 +45,26 @@ nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
 "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))" \
   | tee -a "$OUT/gpu_check.log"
 
-log "1/3 CUDA tests"
+log "1/4 CUDA tests"
 timeout 240 "$PY" -m pytest tests/runtime/test_device.py -v -rs -p no:cacheprovider \
   > "$OUT/pytest.log" 2>&1
 tests_rc=$?
 tail -n 12 "$OUT/pytest.log" >&2
 
-log "2/3 + 3/3 throughput (M = $LEARNERS) and the snapshot overlap profile"
+log "2/4 + 3/4 throughput (M = $LEARNERS) and the snapshot overlap profile"
 timeout 330 "$PY" bench/gpu_throughput.py --learners "$LEARNERS" --profile --out "$OUT" \
   >> "$OUT/gpu_check.log" 2>&1
 bench_rc=$?
+
+left=$((570 - SECONDS))  # the whole check stays within 10 minutes
+if [ "$left" -ge 60 ]; then
+  log "4/4 syncer shard scaling, S = 1, 2, 4 (at most $((left < 150 ? left : 150)) s)"
+  timeout $((left < 150 ? left : 150)) "$PY" bench/perf_syncer.py --scaling 1,2,4 --learners 8 \
+    --rounds 3 --window-s 3 --out "$OUT" >> "$OUT/gpu_check.log" 2>&1 \
+    || log "shard scaling failed (exit $?)"
+else
+  log "4/4 syncer shard scaling skipped: ${left} s left of the 10-minute budget"
+fi
 
 "$PY" - "$OUT" "$tests_rc" "$bench_rc" <<'EOF'
 import json, re, sys
@@ -81,6 +93,12 @@ if res.exists():
         lines.append(f"- throughput: {d}")
 else:
     lines.append(f"- throughput: no result (exit {bench_rc}); see gpu_check.log")
+sc = out / "shard_scaling.json"
+if sc.exists():
+    d = json.loads(sc.read_text())
+    lines.append(f"- syncer shards ({d['cores']} cores, {d['learners']} learners): " + ", ".join(
+        f"S = {r['S']}: {r['scaling']:.2f}x ({r['MB_per_s']:.0f} MB/s, target {r['target']:.1f})"
+        for r in d["rows"]))
 (out / "gpu_check.md").write_text("\n".join(lines) + "\n")
 print("\n".join(lines))
 EOF

@@ -529,7 +529,94 @@ def main(quick: bool = False) -> dict:
     }
 
 
-if __name__ == "__main__":
+def shard_scaling(
+    shards: list[int],
+    learners: int,
+    rounds: int,
+    duration_s: float,
+    model: str,
+    P: int,  # noqa: N803
+) -> dict:
+    """Throughput of S = each of ``shards`` syncer processes against S = 1, the median of
+    ``rounds`` rounds, each round measuring every S in turn (so the ratios compare runs made
+    under the same load). Target: >= 0.8 x S."""
+    spec = spec_of(meta_model(model), P)
+    init, _ = fragment_payloads(spec)
+    per: dict[int, list[dict]] = {S: [] for S in shards}
+    for _ in range(rounds):
+        for S in shards:
+            per[S].append(syncer_bytes_per_s(S, learners, duration_s, spec, init))
+    base = [r["bytes_per_s"] for r in per[shards[0]]]
+    rows = []
+    for S in shards:
+        ratios = [r["bytes_per_s"] / b for r, b in zip(per[S], base)]
+        scale = statistics.median(ratios) * shards[0]
+        rows.append(
+            {
+                "S": S,
+                "MB_per_s": statistics.median(r["bytes_per_s"] for r in per[S]) / 1e6,
+                "scaling": scale,
+                "target": 0.8 * S,
+                "met": scale >= 0.8 * S,
+                "syncer_cores": statistics.median(r["syncer_cores"] for r in per[S]),
+                "client_cores": statistics.median(r["client_cores"] for r in per[S]),
+            }
+        )
+    return {
+        "cores": os.cpu_count(),
+        "learners": learners,
+        "rounds": rounds,
+        "window_s": duration_s,
+        "model": model,
+        "P": P,
+        "rows": rows,
+    }
+
+
+def _cli() -> None:
+    import argparse
     import json
 
-    print(json.dumps(main(quick=True), indent=1))
+    ap = argparse.ArgumentParser(
+        description="The syncer's throughput. Without --scaling: the quick check of both rows "
+        "(JSON on stdout). With --scaling: S syncer shards against S = 1."
+    )
+    ap.add_argument("--scaling", help="shard counts to compare, e.g. 1,2,4 (the first is the base)")
+    ap.add_argument("--learners", type=int, default=8, help="synthetic learner processes")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--window-s", type=float, default=3.0)
+    ap.add_argument("--model", default="gpt_small")
+    ap.add_argument("-P", type=int, default=24, help="fragments (a multiple of every S)")
+    ap.add_argument("--out", default="bench/results", help="folder for the JSON and markdown")
+    a = ap.parse_args()
+    if not a.scaling:
+        print(json.dumps(main(quick=True), indent=1))
+        return
+    try:
+        shards = [int(x) for x in a.scaling.split(",")]
+    except ValueError:
+        ap.error(f"--scaling takes shard counts separated by commas, got {a.scaling!r}")
+    if not shards or min(shards) < 1 or any(a.P % S for S in shards):
+        ap.error(f"every shard count must be >= 1 and divide P = {a.P}, got {shards}")
+    res = shard_scaling(shards, a.learners, a.rounds, a.window_s, a.model, a.P)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "shard_scaling.json").write_text(json.dumps(res, indent=1))
+    md = [
+        f"# Syncer shard scaling ({res['cores']} cores, {a.learners} synthetic learners, "
+        f"{a.model}, P = {a.P}, median of {a.rounds} rounds of {a.window_s:.0f} s)",
+        "",
+        "| S | MB/s | x S = 1 | target | met | syncer cores | learner cores |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    md += [
+        f"| {r['S']} | {r['MB_per_s']:.0f} | {r['scaling']:.2f} | {r['target']:.1f} | "
+        f"{'yes' if r['met'] else 'no'} | {r['syncer_cores']:.2f} | {r['client_cores']:.2f} |"
+        for r in res["rows"]
+    ]
+    (out / "shard_scaling.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+
+
+if __name__ == "__main__":
+    _cli()
