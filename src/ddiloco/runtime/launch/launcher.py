@@ -686,4 +686,5 @@ class Launcher:
             t_end=self.t_end,
             wall_s=self._now(),
             chaos=self.chaos.to_dict(),
+            extra={"launcher": "local"},
         )
