@@ -26,7 +26,7 @@ def test_a_learner_worker_killed_from_outside_is_restarted_by_ray(cluster, tmp_p
     out = tmp_path / "run"
     # 4 CPUs in the cluster: the syncer (1 CPU, the driver's node) and three learners (1 CPU
     # each) cannot all sit on one node
-    args = ["--ray-address", cluster.address, "-M", "3", "--steps", "800", "--seed", "1"]
+    args = ["--ray-address", cluster.address, "-M", "3", "--steps", "1200", "--seed", "1"]
     run = train_with_kills(
         out, [*args, "--no-progress"], cluster.env, kill_at_steps=(150,), timeout_s=360
     )
