@@ -93,6 +93,12 @@ def _learner_rows(out: Path, m: int) -> list[dict]:
     return read_jsonl(path) if path.is_file() else []
 
 
+def _syncer_pid(out: Path) -> int | None:
+    """The pid of syncer shard 0's Ray worker, as the driver wrote it in ``OUT/ray.json``."""
+    path = out / "ray.json"
+    return json.loads(path.read_text())["syncers"][0]["pid"] if path.is_file() else None
+
+
 def train_with_kills(
     out: Path,
     args: list[str],
@@ -101,10 +107,12 @@ def train_with_kills(
     learner: int = 1,
     kill_at_steps: tuple[int, ...] = (),
     timeout_s: float = 600.0,
+    syncer: bool = False,
 ) -> KilledRun:
     """Run ``ddiloco train --launcher ray ARGS --out OUT``; each time learner ``learner`` has
     reached a step of ``kill_at_steps`` (the steps of its current process), SIGKILL the
-    Ray worker process it trains in (its pid from its ``learner_start`` row)."""
+    Ray worker process it trains in (its pid from its ``learner_start`` row), or with
+    ``syncer`` the Ray worker of syncer shard 0 (its first process only)."""
     t0 = time.monotonic()
     cmd = [str(DDILOCO), "train", "--launcher", "ray", "--out", str(out), *args]
     kills: list[dict] = []
@@ -117,8 +125,8 @@ def train_with_kills(
                     raise TimeoutError(f"{' '.join(cmd)} ran past {timeout_s} s")
                 rows = _learner_rows(out, learner)
                 starts = [r for r in rows if r["kind"] == "learner_start"]
-                if pending and starts and starts[-1]["pid"] not in {k["pid"] for k in kills}:
-                    pid = starts[-1]["pid"]
+                pid = _syncer_pid(out) if syncer else (starts[-1]["pid"] if starts else None)
+                if pending and pid is not None and pid not in {k["pid"] for k in kills}:
                     steps = [r["step"] for r in rows if r["kind"] == "step"]
                     if steps and steps[-1] >= pending[0]:
                         try:

@@ -67,6 +67,29 @@ def test_a_learner_worker_killed_from_outside_is_restarted_by_ray(cluster, tmp_p
     assert first_step_s(out) is not None
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_syncer_worker_killed_from_outside_resumes_on_its_port(cluster, tmp_path):
+    out = tmp_path / "run"
+    args = ["--ray-address", cluster.address, "-M", "2", "--steps", "400", "--no-progress"]
+    run = train_with_kills(
+        out, args, cluster.env, learner=0, kill_at_steps=(100,), timeout_s=240, syncer=True
+    )
+    assert run.rc == 0, (tmp_path / "run.log").read_text()[-3000:]
+    (kill,) = run.kills
+    assert kill["cmdline"].startswith("ray::SyncerActor"), kill
+    s = run.summary
+    assert s["ok"]
+    # Ray restarted the actor on the driver's node: it resumed from its checkpoint, on the
+    # port the learners know, and they trained on to the step budget against it
+    events = [r["kind"] for r in read_jsonl(out / "syncer.metrics.jsonl")]
+    assert events.count("resume") == 1
+    assert sum(p["steps"] for p in s["per_learner"]) >= 800
+    assert s["final_eval_loss"] < s["initial_eval_loss"] - 0.5
+    for p in s["per_learner"]:
+        assert p["ledger_balance_error"] < 1e-6
+
+
 def _train(args: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "ddiloco.cli", "train", *args],

@@ -27,6 +27,7 @@ address, its nodes, where each learner ran and the time it took to connect.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -206,6 +207,8 @@ class RayLauncher:
             ) from None
         self.addresses = [w["address"] for w in where]
         self.info["syncers"] = where
+        # where the syncers serve (address, node, pid of their Ray worker), for operators
+        (self.out / "ray.json").write_text(json.dumps(self.info, indent=2))
         from ddiloco.runtime.learner.sharded import ShardedClient
 
         self._client = ShardedClient(
