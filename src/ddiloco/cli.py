@@ -55,7 +55,7 @@ def cmd_train(argv: Sequence[str]) -> int:
 
         try:
             return run_processes(cfg)
-        except ValueError as e:
+        except (ValueError, ImportError, ConnectionError, TimeoutError) as e:
             print(f"ddiloco train: error: {e}", file=sys.stderr)
             return 2
     from ddiloco.engine import run

@@ -20,6 +20,7 @@ import pytest
 from ddiloco.cli import train_config_from_args
 from ddiloco.config import FLAT, TrainConfig
 from ddiloco.config.flags import flag_names, parse_learner, parse_syncer
+from ddiloco.runtime.cli import launcher_class
 
 
 @dataclass
@@ -247,6 +248,12 @@ ROWS: dict[str, tuple[list[str], Probe, Probe]] = {
     "island_size": (["2"], None, lambda p: p.learner_cmd[:6]),
     "shards": (["2"], None, lambda p: p.server.shards),
     "connect_timeout_s": (["10"], None, lambda p: p.learner["connect_timeout"]),
+    "launcher": (["ray"], None, lambda p: launcher_class(p.launcher.cfg).__name__),
+    "ray_address": (
+        ["10.0.0.1:6379", "--launcher", "ray"],
+        None,
+        lambda p: p.launcher.cfg.runtime.ray_address,
+    ),
     "log_level": (["debug"], None, lambda p: p.run.runtime.log_level),
     "metrics_sinks": (
         ["jsonl,mlflow"],

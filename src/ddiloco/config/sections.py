@@ -327,6 +327,14 @@ class RuntimeConfig:
     ``checkpoint/shard_k`` and restarted on its own."""
     connect_timeout_s: float = 300.0
     """How long a learner waits for the syncer."""
+    launcher: Literal["local", "ray"] = "local"
+    """Who starts and restarts the syncer shards and learners of ``ddiloco train``: local
+    (processes on this host, supervised by the built-in launcher) or ray (Ray actors with
+    declared CPUs and GPUs, brought back by Ray's actor restarts; needs ``pip install
+    'ddiloco[ray]'``)."""
+    ray_address: str | None = None
+    """The Ray cluster of launcher ray: the head's HOST:PORT (or auto: the cluster this
+    machine belongs to); unset: a local cluster started for the run."""
     metrics_sinks: str = "jsonl"
     """Where metrics rows go besides ``metrics.jsonl`` (always written: the summary and
     ``ddiloco report`` read it), in both engines, the syncer and the learners:
@@ -365,6 +373,12 @@ class RuntimeConfig:
         at_least("runtime.island_size", self.island_size, 1)
         at_least("runtime.shards", self.shards, 1)
         positive("runtime.connect_timeout_s", self.connect_timeout_s)
+        one_of("runtime.launcher", self.launcher, ("local", "ray"))
+        if self.ray_address is not None and self.launcher != "ray":
+            raise ValueError(
+                "runtime.ray_address names a Ray cluster: set runtime.launcher = ray "
+                "(--launcher ray) with it"
+            )
         one_of("runtime.log_level", self.log_level, ("debug", "info", "warning", "error"))
         from ddiloco.metrics.sinks import parse_sinks
 

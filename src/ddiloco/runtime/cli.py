@@ -23,6 +23,7 @@ __all__ = [
     "add_learner_parser",
     "add_status_parser",
     "run_processes",
+    "launcher_class",
     "syncer_server_config",
     "syncer_from_args",
     "cmd_syncer",
@@ -229,11 +230,21 @@ def cmd_status(args) -> int:
 
 
 # -- train --engine processes ------------------------------------------------------------------
-def run_processes(config) -> int:
-    """Run ``config`` (a TrainConfig) with a real syncer and learner processes on loopback."""
+def launcher_class(config) -> type:
+    """The launcher of ``runtime.launcher``: ``Launcher`` (local) or ``RayLauncher`` (ray)."""
+    if config.runtime.launcher == "ray":
+        from ddiloco.runtime.launch.ray_backend import RayLauncher
+
+        return RayLauncher
     from ddiloco.runtime.launch.launcher import Launcher
 
-    with Launcher(config) as launcher:
+    return Launcher
+
+
+def run_processes(config) -> int:
+    """Run ``config`` (a TrainConfig) with a real syncer and learner processes: on this host
+    (``runtime.launcher = local``) or as Ray actors (``ray``)."""
+    with launcher_class(config)(config) as launcher:
         summary = launcher.run()
     return 0 if summary.get("ok") else 1
 

@@ -25,7 +25,31 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["LaunchOptions", "Launcher"]
+from ddiloco.runtime.launch.summary import (
+    Member,
+    fetch_global,
+    final_model,
+    poll_status,
+    write_summary,
+)
+
+__all__ = ["LaunchOptions", "Launcher", "check_runnable"]
+
+
+def check_runnable(config):
+    """``config`` with engine processes, or a ValueError saying why real processes cannot run
+    it."""
+    from ddiloco.runtime.syncer.server import DOWNLINK_CODECS
+
+    if config.engine not in ("auto", "processes"):
+        raise ValueError(f"the launcher runs engine processes, not {config.engine!r}")
+    config = config.replace(engine="processes")
+    if config.down_codec not in DOWNLINK_CODECS:
+        raise ValueError(
+            f"sync.down_codec {config.down_codec!r}: the runtime's syncer "
+            f"sends merged fragments as one of {', '.join(DOWNLINK_CODECS)}"
+        )
+    return config
 
 
 @dataclass(kw_only=True, slots=True)
@@ -100,16 +124,8 @@ class Launcher:
 
     def __init__(self, config, options: LaunchOptions | None = None) -> None:
         from ddiloco.runtime.launch.chaos import chaos_for_run
-        from ddiloco.runtime.syncer.server import DOWNLINK_CODECS
 
-        if config.engine not in ("auto", "processes"):
-            raise ValueError(f"the launcher runs engine processes, not {config.engine!r}")
-        config = config.replace(engine="processes")
-        if config.down_codec not in DOWNLINK_CODECS:
-            raise ValueError(
-                f"sync.down_codec {config.down_codec!r}: the runtime's syncer "
-                f"sends merged fragments as one of {', '.join(DOWNLINK_CODECS)}"
-            )
+        config = check_runnable(config)
         self.cfg = config
         self.opts = options or LaunchOptions()
         self.out = Path(config.out)
@@ -407,10 +423,10 @@ class Launcher:
         final_params = None
         if not interrupted:
             self._poll_status()
-            final_params = self._fetch_global()
+            final_params = fetch_global(self._client)
         self.close()
         self.chaos_log.close()
-        return self._summarise(self._final_model(final_params), interrupted)
+        return self._summarise(final_model(self.cfg, self.out, final_params), interrupted)
 
     @property
     def dashboard_url(self) -> str | None:
@@ -634,14 +650,9 @@ class Launcher:
         return rep.get("global_step")
 
     def _poll_status(self) -> None:
-        try:
-            st = self._client.status(timeout_s=2.0)
-        except Exception:  # noqa: BLE001 - the syncer may be down (chaos)
-            return
-        self._status = st
-        for m, info in st.get("learners", {}).items():
-            if info.get("report"):
-                self._reports[(int(m), info["incarnation"])] = info["report"]
+        st = poll_status(self._client, self._reports)
+        if st is not None:
+            self._status = st
 
     def _show_progress(self) -> None:
         if self._progress is not None:
@@ -655,293 +666,25 @@ class Launcher:
                 },
             )
 
-    def _print_progress(self) -> None:
-        st = self._status or {}
-        steps, losses = [], []
-        known = {p.learner: p for p in self._learners() if p.learner is not None}
-        ids = sorted(set(range(self.cfg.learners)) | {int(m) for m in st.get("learners", {})})
-        for m in ids:
-            info = st.get("learners", {}).get(str(m), {})
-            rep = info.get("report") or {}
-            p = known.get(m)
-            tag = {"running": "", "down": "x", "stopped": "z", "finished": "", "failed": "!"}.get(
-                p.state if p else "", ""
-            )
-            steps.append(f"{rep.get('global_step', 0)}{tag}")
-            if rep.get("loss") is not None:
-                losses.append(rep["loss"])
-        from ddiloco.runtime.launch.status import goodput_so_far
-
-        g = goodput_so_far(st) if st else None
-        budget = (
-            f" ({st.get('steps_done', 0)}/{st['step_budget']})" if st.get("step_budget") else ""
-        )
-        print(
-            f"[{self._now():6.1f}s] steps {' '.join(steps)}{budget}  merges {st.get('merges', 0)}  "
-            f"loss {sum(losses) / len(losses) if losses else float('nan'):.3f}  "
-            f"goodput~{g if g is None else round(g, 3)}",
-            file=sys.stderr,
-            flush=True,
-        )
-
-    def _fetch_global(self):
-        try:
-            got = self._client.fetch(None, timeout_s=30.0)
-        except Exception as e:  # noqa: BLE001
-            print(f"ddiloco: could not fetch the final global model: {e}", file=sys.stderr)
-            return None
-        return got
-
-    def _final_model(self, fetched) -> dict | None:
-        """The global model the run ends with, name -> tensor: the syncer's final checkpoint
-        (its fp32 values, written as it stops; what ``ddiloco export OUT`` writes), else the
-        fragments fetched before the stop (None: neither)."""
-        if fetched is None:
-            return None
-        from ddiloco.runtime.export import ExportError, state_dict_from_checkpoint
-
-        if self.cfg.runtime.shards == 1:  # shards checkpoint their own fragments apart
-            try:
-                return state_dict_from_checkpoint(self.out / "checkpoint")[0]
-            except ExportError as e:
-                print(f"ddiloco: evaluating the fetched global model: {e}", file=sys.stderr)
-        from ddiloco.recipe import new_model
-        from ddiloco.runtime.transport.spec import fragmentation_from_spec, model_spec
-
-        model = new_model(self.cfg)
-        frag = fragmentation_from_spec(
-            model_spec(model, self.cfg.fragments, self.cfg.fragmentation)
-        )
-        shapes = {n: t.shape for n, t in model.named_parameters()}
-        return {
-            n: t.view(shapes[n])
-            for p, f in enumerate(frag.fragments)
-            for n, t in zip(f.names, fetched[p][1])
-        }
-
     # -- summary --------------------------------------------------------------------------
     def _summarise(self, final_params: dict | None, interrupted: bool) -> dict:
-        import torch
-
-        from ddiloco.recipe import eval_setup, evaluate, new_model
-
-        c = self.cfg
-        torch.set_num_threads(1)
-        data, lang, floor, evals = eval_setup(c)
-        model = new_model(c)
-        init_loss = evaluate(model, evals)
-        n_params = sum(p.numel() for p in model.parameters())
-        final_loss = None
-        if final_params is not None:
-            model.load_state_dict(final_params)
-            final_loss = evaluate(model, evals)
-        per_step = (
-            c.batch_size if data.kind in ("digits", "images") else c.batch_size * c.block_size
-        )
-        rows = self._collect_rows()
-        # the clock starts when the first learner is ready to step (process start-up of the
-        # first launch is reported apart; restarts after failures count against goodput)
-        starts = [r["t_s"] for r in rows["rows"] if r["kind"] == "learner_start"]
-        t_first = max(self.t_learners, min(starts)) if starts else self.t_learners
-        T = max(1e-9, self.t_end - t_first)
-        # goodput and the step ledger are the syncer's (``syncer.accounting``): every
-        # learner process's last report, restarts folded in; the same as `ddiloco status`
-        from ddiloco.runtime.launch.status import goodput_so_far
-        from ddiloco.runtime.syncer.accounting import learner_totals
-
-        per_learner = []
-        st = self._status or {}
-        run_s = st.get("run_s") or T
-        bytes_up = bytes_down = 0
-        procs = self._learner_ids()
-        ids = sorted(set(range(c.learners)) | set(procs))
-        for m in ids:
-            proc = procs.get(m)
-            final_path = self.out / f"learner_{m}" / "final.json"
-            final = json.loads(final_path.read_text()) if final_path.is_file() else None
-            if final is not None:
-                self._reports[(m, final["incarnation"])] = final
-            for (mm, _), rep in self._reports.items():
-                if mm == m:
-                    bytes_up += rep.get("bytes_sent", 0)
-                    bytes_down += rep.get("bytes_received", 0)
-            info = st.get("learners", {}).get(str(m), {})
-            tot = learner_totals(info)
-            ledger, useful, compute = tot["ledger"], tot["useful_s"], tot["compute_s"]
-            bal = abs(ledger["computed"] - sum(ledger[k] for k in ledger if k != "computed"))
-            per_learner.append(
-                {
-                    "learner": m,
-                    "steps": (final or {}).get(
-                        "global_step", info.get("report", {}).get("global_step")
-                    ),
-                    "failures": proc.kills if proc else 0,
-                    "starts": proc.starts if proc else 0,
-                    "stops": proc.stops if proc else 0,
-                    "ledger_steps": {k: round(v, 4) + 0.0 for k, v in ledger.items()},
-                    "ledger_tokens": {
-                        k: round(v * per_step * self.cfg.runtime.island_size)
-                        for k, v in ledger.items()
-                    },
-                    "ledger_balance_error": bal,
-                    "tokens_computed": tot["tokens"],
-                    "syncer_tokens": info.get("syncer_ledger", {}),
-                    "time": {
-                        "useful_s": round(useful, 3),
-                        "stepping_s": round(compute, 3),
-                        "other_s": round(run_s - compute, 3),
-                    },
-                }
-            )
-        model_bytes = 4 * n_params
-        total_steps = sum(pl["ledger_steps"]["computed"] for pl in per_learner)
-        summary = {
-            "ok": (
-                not interrupted
-                and final_loss is not None
-                and all(p.state == "finished" for p in self._learners())
-            ),
-            "method": "decoupled",
-            "engine": "processes",
-            "learners": len(ids),
-            "membership": {
-                k: (st.get("membership") or {}).get(k, 0) for k in ("join", "leave", "dead")
-            },
-            "island_size": c.runtime.island_size,
-            "steps": c.steps,
-            "shards": c.runtime.shards,
-            "tokens": c.learners * c.steps * per_step * self.cfg.runtime.island_size,
-            "final_eval_loss": final_loss,
-            "entropy_floor": floor,
-            "gap_to_floor": None if final_loss is None or floor is None else final_loss - floor,
-            "entropy_rate": lang.entropy_rate if lang is not None else None,
-            "initial_eval_loss": init_loss,
-            "data": c.data.source,
-            "model": c.model.name,
-            "goodput": goodput_so_far(st) or 0.0,
-            "run_s": run_s,
-            "uptime": rows["uptime"](T),
-            "bytes_up": bytes_up,
-            "bytes_down": bytes_down,
-            "dp_bytes_same_steps": int(total_steps * 2 * model_bytes),
-            "merges": st.get("merges"),
-            "wall_s": round(self._now(), 3),
-            "train_wall_s": round(T, 3),
-            "startup_s": round(t_first - self.t_learners, 3),
-            "versions": st.get("versions"),
-            "mean_quorum": st.get("mean_quorum"),
-            "learners_per_merge": st.get("mean_quorum"),
-            "rejections": st.get("rejections", {}),
-            "syncer_counters": st.get("counters", {}),
-            "chaos_events": rows["n_chaos"],
-            "interrupted": interrupted,
-            "per_learner": per_learner,
-            "n_params": n_params,
-            "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in c.to_dict().items()},
-            "chaos": self.chaos.to_dict(),
+        members = {
+            m: Member(starts=p.starts, failures=p.kills, stops=p.stops)
+            for m, p in self._learner_ids().items()
         }
-        # the run's metrics.jsonl: every process's rows in time order; the run-level rows
-        # (config, evaluations) also go to the other sinks, as writer "run"
-        head = [
-            {"kind": "config", **summary["config"]},
-            {
-                "kind": "eval",
-                "t_s": 0.0,
-                "step": 0,
-                "eval_loss": init_loss,
-                "gap": None if floor is None else init_loss - floor,
-            },
-        ]
-        tail = (
-            []
-            if final_loss is None
-            else [
-                {
-                    "kind": "final",
-                    "step": c.steps,
-                    "eval_loss": final_loss,
-                    "gap": None if floor is None else final_loss - floor,
-                }
-            ]
+        return write_summary(
+            self.cfg,
+            self.out,
+            status=self._status,
+            reports=self._reports,
+            members=members,
+            processes_ok=all(p.state == "finished" for p in self._learners()),
+            interrupted=interrupted,
+            final_params=final_params,
+            wall0=self.wall0,
+            t_learners=self.t_learners,
+            t_end=self.t_end,
+            wall_s=self._now(),
+            chaos=self.chaos.to_dict(),
+            extra={"launcher": "local"},
         )
-        from ddiloco.metrics.sinks import JsonlSink, open_sinks, parse_sinks
-
-        with JsonlSink(self.out / "metrics.jsonl", mode="w") as jsonl:
-            for r in head + rows["rows"] + tail:
-                jsonl.write(r)
-        with open_sinks(
-            [s for s in parse_sinks(c.metrics_sinks) if s != "jsonl"], self.out, name="run"
-        ) as extra:
-            for r in head + tail:
-                extra.write(r)
-        tmp = self.out / "summary.json.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(summary, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.out / "summary.json")
-        if c.progress:
-            print(
-                f"ddiloco: {'done' if summary['ok'] else 'FAILED'} in {summary['wall_s']:.1f} s: "
-                f"eval loss {init_loss:.4f} -> {final_loss}, goodput {summary['goodput']:.3f}, "
-                f"merges {summary['merges']}, summary in {self.out / 'summary.json'}",
-                file=sys.stderr,
-            )
-        return summary
-
-    def _collect_rows(self) -> dict:
-        """Merge learner step rows, syncer events and chaos events into one time-ordered
-        list (t_s relative to the launch), and compute the uptime."""
-        rows, walls = [], []
-        ids = sorted(
-            {
-                int(d.name[len("learner_") :])
-                for d in self.out.glob("learner_*")
-                if d.name[len("learner_") :].isdigit()
-            }
-        )
-        for m in ids:
-            path = self.out / f"learner_{m}" / "metrics.jsonl"
-            if not path.is_file():
-                continue
-            for line in path.read_text().splitlines():
-                try:
-                    r = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a line torn by SIGKILL
-                if r.get("kind") == "step":
-                    walls.append(r["wall"])
-                r["t_s"] = round(r.pop("wall") - self.wall0, 4)
-                r.pop("report", None) if r.get("kind") == "learner_end" else None
-                rows.append(r)
-        for path in [*sorted(self.out.glob("syncer*.metrics.jsonl")), self.out / "chaos.jsonl"]:
-            name = path.name
-            if path.is_file():
-                for line in path.read_text().splitlines():
-                    try:
-                        r = json.loads(line)
-                    except json.JSONDecodeError:
-                        continue
-                    r["t_s"] = round(r.pop("wall") - self.wall0, 4)
-                    if name == "chaos.jsonl":
-                        r["kind"] = "chaos-" + r["kind"]
-                    elif name.startswith("syncer_"):
-                        r["shard"] = int(name.split(".")[0].split("_")[1])
-                    rows.append(r)
-        rows.sort(key=lambda r: r["t_s"])
-        n_chaos = sum(
-            1
-            for r in rows
-            if r["kind"].startswith("chaos-kill") or r["kind"].startswith("chaos-stop")
-        )
-        walls.sort()
-
-        def uptime(T: float) -> float:
-            if len(walls) < 2:
-                return 0.0
-            gaps = sorted(b - a for a, b in zip(walls, walls[1:]))
-            med = gaps[len(gaps) // 2]
-            idle = sum(g for g in gaps if g > max(1.0, 10 * med))
-            return max(0.0, 1.0 - idle / T)
-
-        return {"rows": rows, "uptime": uptime, "n_chaos": n_chaos}

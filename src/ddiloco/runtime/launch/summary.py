@@ -1,0 +1,328 @@
+"""The end of a real run, whoever launched its processes (the built-in launcher or Ray):
+the final global model, its evaluation, ``summary.json`` and the run's ``metrics.jsonl``.
+
+Everything here reads the run directory and the syncer: the learners' rows
+(``learner_m/metrics.jsonl``, ``final.json``), the syncers' event files, ``chaos.jsonl``, and
+the syncer's status snapshot, which holds goodput and every learner's step ledger
+(``syncer.accounting``). What the launcher adds is how often each learner was started.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "Member",
+    "collect_rows",
+    "fetch_global",
+    "final_model",
+    "poll_status",
+    "write_summary",
+]
+
+
+@dataclass(slots=True)
+class Member:
+    """How a launcher saw one learner id: process starts, failures (kills, crashes, dead
+    workers) and SIGSTOPs."""
+
+    starts: int = 0
+    failures: int = 0
+    stops: int = 0
+
+
+def poll_status(client, reports: dict[tuple[int, int], dict]) -> dict | None:
+    """The syncer's status snapshot (None while it is unreachable); every learner process's
+    latest report is kept in ``reports``, keyed by (learner, incarnation)."""
+    try:
+        st = client.status(timeout_s=2.0)
+    except Exception:  # noqa: BLE001 - the syncer may be down (chaos, restart)
+        return None
+    for m, info in st.get("learners", {}).items():
+        if info.get("report"):
+            reports[(int(m), info["incarnation"])] = info["report"]
+    return st
+
+
+def fetch_global(client):
+    """Every fragment of the global model from the syncer (None if it cannot be fetched)."""
+    try:
+        return client.fetch(None, timeout_s=30.0)
+    except Exception as e:  # noqa: BLE001
+        print(f"ddiloco: could not fetch the final global model: {e}", file=sys.stderr)
+        return None
+
+
+def final_model(cfg, out: Path, fetched) -> dict | None:
+    """The global model the run ends with, name -> tensor: the syncer's final checkpoint
+    (its fp32 values, written as it stops; what ``ddiloco export OUT`` writes), else the
+    fragments fetched before the stop (None: neither)."""
+    if fetched is None:
+        return None
+    from ddiloco.runtime.export import ExportError, state_dict_from_checkpoint
+
+    if cfg.runtime.shards == 1:  # shards checkpoint their own fragments apart
+        try:
+            return state_dict_from_checkpoint(out / "checkpoint")[0]
+        except ExportError as e:
+            print(f"ddiloco: evaluating the fetched global model: {e}", file=sys.stderr)
+    from ddiloco.recipe import new_model
+    from ddiloco.runtime.transport.spec import fragmentation_from_spec, model_spec
+
+    model = new_model(cfg)
+    frag = fragmentation_from_spec(model_spec(model, cfg.fragments, cfg.fragmentation))
+    shapes = {n: t.shape for n, t in model.named_parameters()}
+    return {
+        n: t.view(shapes[n])
+        for p, f in enumerate(frag.fragments)
+        for n, t in zip(f.names, fetched[p][1])
+    }
+
+
+def _learner_dirs(out: Path) -> list[int]:
+    return sorted(
+        int(d.name[len("learner_") :])
+        for d in out.glob("learner_*")
+        if d.name[len("learner_") :].isdigit()
+    )
+
+
+def collect_rows(out: Path, wall0: float) -> dict:
+    """Merge learner step rows, syncer events and chaos events into one time-ordered list
+    (``t_s`` relative to ``wall0``, the launch), and compute the uptime."""
+    rows, walls = [], []
+    for m in _learner_dirs(out):
+        path = out / f"learner_{m}" / "metrics.jsonl"
+        if not path.is_file():
+            continue
+        for line in path.read_text().splitlines():
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line torn by SIGKILL
+            if r.get("kind") == "step":
+                walls.append(r["wall"])
+            r["t_s"] = round(r.pop("wall") - wall0, 4)
+            r.pop("report", None) if r.get("kind") == "learner_end" else None
+            rows.append(r)
+    for path in [*sorted(out.glob("syncer*.metrics.jsonl")), out / "chaos.jsonl"]:
+        name = path.name
+        if path.is_file():
+            for line in path.read_text().splitlines():
+                try:
+                    r = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                r["t_s"] = round(r.pop("wall") - wall0, 4)
+                if name == "chaos.jsonl":
+                    r["kind"] = "chaos-" + r["kind"]
+                elif name.startswith("syncer_"):
+                    r["shard"] = int(name.split(".")[0].split("_")[1])
+                rows.append(r)
+    rows.sort(key=lambda r: r["t_s"])
+    n_chaos = sum(
+        1 for r in rows if r["kind"].startswith("chaos-kill") or r["kind"].startswith("chaos-stop")
+    )
+    walls.sort()
+
+    def uptime(T: float) -> float:
+        if len(walls) < 2:
+            return 0.0
+        gaps = sorted(b - a for a, b in zip(walls, walls[1:]))
+        med = gaps[len(gaps) // 2]
+        idle = sum(g for g in gaps if g > max(1.0, 10 * med))
+        return max(0.0, 1.0 - idle / T)
+
+    return {"rows": rows, "uptime": uptime, "n_chaos": n_chaos}
+
+
+def write_summary(
+    cfg,
+    out: Path,
+    *,
+    status: dict | None,
+    reports: dict[tuple[int, int], dict],
+    members: dict[int, Member],
+    processes_ok: bool,
+    interrupted: bool,
+    final_params: dict | None,
+    wall0: float,
+    t_learners: float,
+    t_end: float,
+    wall_s: float,
+    chaos: dict,
+    extra: dict[str, Any] | None = None,
+) -> dict:
+    """Evaluate the final model, write ``out/summary.json`` and ``out/metrics.jsonl`` (every
+    process's rows in time order) and return the summary.
+
+    Times are seconds since the launch (``wall0``, Unix time): ``t_learners`` when the
+    learners were started, ``t_end`` when the last one ended, ``wall_s`` now. ``members``
+    maps learner ids to what the launcher saw of them; ``processes_ok`` says every learner
+    finished; ``extra`` adds the launcher's own fields."""
+    import torch
+
+    from ddiloco.recipe import eval_setup, evaluate, new_model
+
+    c = cfg
+    torch.set_num_threads(1)
+    data, lang, floor, evals = eval_setup(c)
+    model = new_model(c)
+    init_loss = evaluate(model, evals)
+    n_params = sum(p.numel() for p in model.parameters())
+    final_loss = None
+    if final_params is not None:
+        model.load_state_dict(final_params)
+        final_loss = evaluate(model, evals)
+    per_step = c.batch_size if data.kind in ("digits", "images") else c.batch_size * c.block_size
+    rows = collect_rows(out, wall0)
+    # the clock starts when the first learner is ready to step (process start-up of the
+    # first launch is reported apart; restarts after failures count against goodput)
+    starts = [r["t_s"] for r in rows["rows"] if r["kind"] == "learner_start"]
+    t_first = max(t_learners, min(starts)) if starts else t_learners
+    T = max(1e-9, t_end - t_first)
+    # goodput and the step ledger are the syncer's (``syncer.accounting``): every learner
+    # process's last report, restarts folded in; the same as `ddiloco status`
+    from ddiloco.runtime.launch.status import goodput_so_far
+    from ddiloco.runtime.syncer.accounting import learner_totals
+
+    per_learner = []
+    st = status or {}
+    run_s = st.get("run_s") or T
+    bytes_up = bytes_down = 0
+    reports = dict(reports)
+    ids = sorted(set(range(c.learners)) | set(members))
+    for m in ids:
+        member = members.get(m)
+        final_path = out / f"learner_{m}" / "final.json"
+        final = json.loads(final_path.read_text()) if final_path.is_file() else None
+        if final is not None:
+            reports[(m, final["incarnation"])] = final
+        for (mm, _), rep in reports.items():
+            if mm == m:
+                bytes_up += rep.get("bytes_sent", 0)
+                bytes_down += rep.get("bytes_received", 0)
+        info = st.get("learners", {}).get(str(m), {})
+        tot = learner_totals(info)
+        ledger, useful, compute = tot["ledger"], tot["useful_s"], tot["compute_s"]
+        bal = abs(ledger["computed"] - sum(ledger[k] for k in ledger if k != "computed"))
+        per_learner.append(
+            {
+                "learner": m,
+                "steps": (final or {}).get(
+                    "global_step", info.get("report", {}).get("global_step")
+                ),
+                "failures": member.failures if member else 0,
+                "starts": member.starts if member else 0,
+                "stops": member.stops if member else 0,
+                "ledger_steps": {k: round(v, 4) + 0.0 for k, v in ledger.items()},
+                "ledger_tokens": {
+                    k: round(v * per_step * c.runtime.island_size) for k, v in ledger.items()
+                },
+                "ledger_balance_error": bal,
+                "tokens_computed": tot["tokens"],
+                "syncer_tokens": info.get("syncer_ledger", {}),
+                "time": {
+                    "useful_s": round(useful, 3),
+                    "stepping_s": round(compute, 3),
+                    "other_s": round(run_s - compute, 3),
+                },
+            }
+        )
+    model_bytes = 4 * n_params
+    total_steps = sum(pl["ledger_steps"]["computed"] for pl in per_learner)
+    summary = {
+        "ok": not interrupted and final_loss is not None and processes_ok,
+        "method": "decoupled",
+        "engine": "processes",
+        "learners": len(ids),
+        "membership": {
+            k: (st.get("membership") or {}).get(k, 0) for k in ("join", "leave", "dead")
+        },
+        "island_size": c.runtime.island_size,
+        "steps": c.steps,
+        "shards": c.runtime.shards,
+        "tokens": c.learners * c.steps * per_step * c.runtime.island_size,
+        "final_eval_loss": final_loss,
+        "entropy_floor": floor,
+        "gap_to_floor": None if final_loss is None or floor is None else final_loss - floor,
+        "entropy_rate": lang.entropy_rate if lang is not None else None,
+        "initial_eval_loss": init_loss,
+        "data": c.data.source,
+        "model": c.model.name,
+        "goodput": goodput_so_far(st) or 0.0,
+        "run_s": run_s,
+        "uptime": rows["uptime"](T),
+        "bytes_up": bytes_up,
+        "bytes_down": bytes_down,
+        "dp_bytes_same_steps": int(total_steps * 2 * model_bytes),
+        "merges": st.get("merges"),
+        "wall_s": round(wall_s, 3),
+        "train_wall_s": round(T, 3),
+        "startup_s": round(t_first - t_learners, 3),
+        "versions": st.get("versions"),
+        "mean_quorum": st.get("mean_quorum"),
+        "learners_per_merge": st.get("mean_quorum"),
+        "rejections": st.get("rejections", {}),
+        "syncer_counters": st.get("counters", {}),
+        "chaos_events": rows["n_chaos"],
+        "interrupted": interrupted,
+        "per_learner": per_learner,
+        "n_params": n_params,
+        "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in c.to_dict().items()},
+        "chaos": chaos,
+        **(extra or {}),
+    }
+    # the run's metrics.jsonl: every process's rows in time order; the run-level rows
+    # (config, evaluations) also go to the other sinks, as writer "run"
+    head = [
+        {"kind": "config", **summary["config"]},
+        {
+            "kind": "eval",
+            "t_s": 0.0,
+            "step": 0,
+            "eval_loss": init_loss,
+            "gap": None if floor is None else init_loss - floor,
+        },
+    ]
+    tail = (
+        []
+        if final_loss is None
+        else [
+            {
+                "kind": "final",
+                "step": c.steps,
+                "eval_loss": final_loss,
+                "gap": None if floor is None else final_loss - floor,
+            }
+        ]
+    )
+    from ddiloco.metrics.sinks import JsonlSink, open_sinks, parse_sinks
+
+    with JsonlSink(out / "metrics.jsonl", mode="w") as jsonl:
+        for r in head + rows["rows"] + tail:
+            jsonl.write(r)
+    with open_sinks(
+        [s for s in parse_sinks(c.metrics_sinks) if s != "jsonl"], out, name="run"
+    ) as extra_sinks:
+        for r in head + tail:
+            extra_sinks.write(r)
+    tmp = out / "summary.json.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(summary, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, out / "summary.json")
+    if c.progress:
+        print(
+            f"ddiloco: {'done' if summary['ok'] else 'FAILED'} in {summary['wall_s']:.1f} s: "
+            f"eval loss {init_loss:.4f} -> {final_loss}, goodput {summary['goodput']:.3f}, "
+            f"merges {summary['merges']}, summary in {out / 'summary.json'}",
+            file=sys.stderr,
+        )
+    return summary
