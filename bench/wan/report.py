@@ -144,6 +144,14 @@ def calibrate(res: dict) -> dict | None:
     det = a1 * b2 - a2 * b1
     control = (o1 * b2 - o2 * b1) / det
     per_push = (a1 * o2 - a2 * o1) / det
+    if control < 0 or per_push < 0:  # noise beats the smaller term: fit the other alone
+        rows_ = [(a1, b1, o1), (a2, b2, o2)]
+        if control < 0:
+            control = 0.0
+            per_push = sum(b * o for _, b, o in rows_) / sum(b * b for _, b, _ in rows_)
+        else:
+            per_push = 0.0
+            control = sum(a * o for a, _, o in rows_) / sum(a * a for a, _, _ in rows_)
     return {
         "control_bytes_per_s": control,
         "bytes_per_push": per_push,
@@ -211,7 +219,7 @@ def plot(res: dict, target: float, path: Path) -> None:
         "dp": ("DP (Gloo all-reduce)", "C3", "-"),
         "diloco": ("DiLoCo (sync, H=24)", "C1", "-"),
         "decoupled": ("Decoupled (P=8, H=24, int4 up, int8 down)", "C0", "-"),
-        "decoupled_bw": ("Decoupled (P=4, H=48, int4 both ways)", "C2", "-"),
+        "decoupled_bw": ("Decoupled (P=4, H=48, int4 up, int8 down)", "C2", "-"),
         "dp_free": ("DP, unshaped links", "C3", ":"),
     }
     for name, (label, color, ls) in styles.items():
