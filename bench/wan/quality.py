@@ -37,6 +37,8 @@ RUNS: dict[str, list[str]] = {
                          "-P", "8", "-H", "24", *COMMON],
     "int4_int8_p4_h48": ["--method", "decoupled", "--codec", "int4", "--down-codec", "int8",
                          "-P", "4", "-H", "48", *COMMON],
+    "int4_bf16_p4_h48": ["--method", "decoupled", "--codec", "int4", "--down-codec", "bf16",
+                         "-P", "4", "-H", "48", *COMMON],
     "int4_int4_p4_h48": ["--method", "decoupled", "--codec", "int4", "--down-codec", "int4",
                          "-P", "4", "-H", "48", *COMMON],
 }  # fmt: skip

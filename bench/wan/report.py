@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from ddiloco.bandwidth import BandwidthConfig, period  # noqa: E402
 
-SYNCED = ("diloco", "decoupled", "decoupled_bw")
+SYNCED = ("diloco", "decoupled", "decoupled_bw", "decoupled_bw16")
 """The syncer's runs set against DP in the time-to-target tables."""
 
 TARGETS = (2.0, 1.5, 1.3, 1.2, 1.15, 1.12)
@@ -178,6 +178,16 @@ def goodput(r: dict) -> float | None:
     return sum(x["merged"] for x in led) / sum(x["computed"] for x in led)
 
 
+def ledger(r: dict) -> dict:
+    """The learners' ledgers summed: inner steps computed, merged, dropped (stale pushes),
+    lost and overwritten (progress a late install replaced)."""
+    out: dict[str, float] = {}
+    for reg in r["regions"].values():
+        for k, v in (reg.get("ledger") or {}).items():
+            out[k] = out.get(k, 0.0) + v
+    return out
+
+
 def final_loss(r: dict) -> float:
     return r["curve"][-1]["eval_loss"]
 
@@ -220,6 +230,7 @@ def plot(res: dict, target: float, path: Path) -> None:
         "diloco": ("DiLoCo (sync, H=24)", "C1", "-"),
         "decoupled": ("Decoupled (P=8, H=24, int4 up, int8 down)", "C0", "-"),
         "decoupled_bw": ("Decoupled (P=4, H=48, int4 up, int8 down)", "C2", "-"),
+        "decoupled_bw16": ("Decoupled (P=4, H=48, int4 up, bf16 down)", "C4", "-"),
         "dp_free": ("DP, unshaped links", "C3", ":"),
     }
     for name, (label, color, ls) in styles.items():
@@ -415,8 +426,11 @@ def main() -> None:
             print(f"| {name} | {row['ratio_vs_dp']:.0f}x | {cost} |")
     hetero = [n for n in ("hetero_kM", "hetero_k1", "hetero_k1g") if n in res]
     if hetero:
-        print("\n| run | quorum | steps per region | goodput | learners per merge | final eval |")
-        print("|---|---|---|---|---|---|")
+        print(
+            "\n| run | quorum | steps per region | goodput | merged / dropped / lost / "
+            "overwritten steps | learners per merge | final eval |"
+        )
+        print("|---|---|---|---|---|---|---|")
         for name in hetero:
             merges = [
                 json.loads(x)
@@ -429,13 +443,19 @@ def main() -> None:
             row["steps_per_region"] = [reg["steps"] for reg in res[name]["regions"].values()]
             k = res[name]["args"]
             label = f"K={k['quorum']}" + ("" if k["no_grace"] else "+grace")
+            row["ledger"] = ledger(res[name])
+            led = " / ".join(
+                f"{row['ledger'][f]:.0f}" for f in ("merged", "dropped", "lost", "overwritten")
+            )
             print(
                 f"| {name} | {label} | {row['steps_per_region']} | {row['goodput']:.3f} | "
-                f"{per:.2f} | {row['final_eval']:.4f} |"
+                f"{led} | {per:.2f} | {row['final_eval']:.4f} |"
             )
     for name, row in summary["runs"].items():
         if row["cut"]:
-            print(f"\ncut {name}: {row['cut']}")
+            if row["method"] != "dp":
+                row["ledger"] = ledger(res[name])
+            print(f"\ncut {name}: {row['cut']} ledger {row.get('ledger')}")
     docs = Path(a.docs)
     docs.mkdir(parents=True, exist_ok=True)
     (docs / "wan.json").write_text(json.dumps(summary, indent=1))
