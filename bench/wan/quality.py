@@ -27,20 +27,22 @@ N_PARAMS = 108_288
 STEP_S = 0.065
 """The scaled setting's inner-step time (``docs/results/wan.md``)."""
 BITS = {"fp32": 32.0, "bf16": 16.0, "int8": 8.5, "int4": 4.5}
-COMMON = ["--gamma", "0.8", "--schedule", "time", "--tau", "2"]
+COMMON = ["--gamma", "0.8", "--schedule", "time"]
 
 RUNS: dict[str, list[str]] = {
     "dp": ["--method", "dp"],
     "fp32_p8_h24": ["--method", "decoupled", "--codec", "fp32", "--down-codec", "fp32",
-                    "-P", "8", "-H", "24", *COMMON],
+                    "-P", "8", "-H", "24", "--tau", "2", *COMMON],
     "int4_int8_p8_h24": ["--method", "decoupled", "--codec", "int4", "--down-codec", "int8",
-                         "-P", "8", "-H", "24", *COMMON],
+                         "-P", "8", "-H", "24", "--tau", "2", *COMMON],
     "int4_int8_p4_h48": ["--method", "decoupled", "--codec", "int4", "--down-codec", "int8",
-                         "-P", "4", "-H", "48", *COMMON],
+                         "-P", "4", "-H", "48", "--tau", "2", *COMMON],
+    "int4_int8_p4_h48_tau6": ["--method", "decoupled", "--codec", "int4", "--down-codec",
+                              "int8", "-P", "4", "-H", "48", "--tau", "6", *COMMON],
     "int4_bf16_p4_h48": ["--method", "decoupled", "--codec", "int4", "--down-codec", "bf16",
-                         "-P", "4", "-H", "48", *COMMON],
+                         "-P", "4", "-H", "48", "--tau", "2", *COMMON],
     "int4_int4_p4_h48": ["--method", "decoupled", "--codec", "int4", "--down-codec", "int4",
-                         "-P", "4", "-H", "48", *COMMON],
+                         "-P", "4", "-H", "48", "--tau", "2", *COMMON],
 }  # fmt: skip
 
 

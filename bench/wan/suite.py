@@ -87,6 +87,8 @@ RUNS: dict[str, list[str]] = {
     "decoupled": [*PAPER, *COMMON, "--pcap"],
     # the bandwidth headline
     "decoupled_bw": [*HEADLINE, *COMMON, "--pcap"],
+    # tau = 6: time for the grace window to gather the learners' pushes on these links
+    "decoupled_bw_t6": [*HEADLINE, *COMMON, "--tau", "6", "--pcap"],
     # the same with a bf16 downlink: better quality, more bytes
     "decoupled_bw16": [*HEADLINE[:-1], "bf16", *COMMON],
 }
