@@ -6,7 +6,8 @@ does not matter), and the bytes per inner step the planner gives each setting.
 
 Each run is ``ddiloco train --engine inproc`` (printed before it starts); runs whose
 ``summary.json`` exists are kept. The planner's bytes use the protocol traffic calibrated on
-the WAN runs (``docs/results/wan.json``, ``planner_calibration``) when present.
+the WAN runs (``docs/results/wan.json``, ``planner_calibration``) when present, and one pull
+per push (each learner fetches only the merge that holds its push).
 """
 
 from __future__ import annotations
@@ -54,9 +55,8 @@ def planner_bytes(cfg: dict, cal: dict | None) -> float:
         )
         return 2 * bits / 8 / k
     extra = {}
-    if cal:
+    if cal:  # one pull per push: the grace window gathers the pushes (as with tau = 6 there)
         extra = dict(
-            pulls_per_push=cal["pulls_per_push_k1"],
             control_bps=8 * cal["control_bytes_per_s"],
             push_overhead_bits=8 * cal["bytes_per_push"],
         )
