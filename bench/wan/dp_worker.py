@@ -34,6 +34,12 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--max-wall-s", type=float, default=0.0, help="0: run all --steps")
     ap.add_argument("--snapshot-s", type=float, default=3.0)
+    ap.add_argument(
+        "--latency-s",
+        type=float,
+        default=0.0,
+        help="emulated one-way latency: each all-reduce waits 2(world-1) of them",
+    )
     a = ap.parse_args()
     torch.set_num_threads(1)
     cfg = TrainConfig(**json.loads(Path(a.config).read_text()))
@@ -64,7 +70,10 @@ def main() -> None:
     flat = torch.zeros(numel + 1)  # gradients, then the stop flag
     metrics = open(out / f"rank_{a.rank}.jsonl", "w")
     snaps = open(out / "snapshots.jsonl", "w") if a.rank == 0 else None
-    compute_s = comm_s = 0.0
+    compute_s = comm_s = latency_s = 0.0
+    # a ring all-reduce is 2(D-1) dependent hops (reduce-scatter, then all-gather), each
+    # one link latency: the propagation delay the namespaces' links do not have
+    hops_s = 2 * (a.world - 1) * a.latency_s
     t_first = time.time()
     next_snap = t_first
     step = 0
@@ -91,6 +100,9 @@ def main() -> None:
             * a.world
         )
         dist.all_reduce(flat)
+        if hops_s > 0:
+            time.sleep(hops_s)
+            latency_s += hops_s
         flat.div_(a.world)
         t2 = time.perf_counter()
         off = 0
@@ -111,6 +123,7 @@ def main() -> None:
                     "loss": round(loss.item(), 5),
                     "compute_s": round(compute_s, 4),
                     "comm_s": round(comm_s, 4),
+                    "latency_s": round(latency_s, 4),
                 }
             )
             + "\n"

@@ -16,7 +16,7 @@ Definitions:
 * planner: ``ddiloco.bandwidth.period`` for the run's N, D, codecs, P, H, measured seconds
   per step and the syncer in its own hub region; "idealised" counts payload only (one pull
   per push), "corrected" adds the protocol traffic calibrated on two runs (Decoupled H = 24
-  and DiLoCo) and the pulls per push measured in the first: the other runs check it.
+  and DiLoCo) and takes each run's measured pulls per push: the other runs check it.
 """
 
 from __future__ import annotations
@@ -30,6 +30,12 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 
 from ddiloco.bandwidth import BandwidthConfig, period  # noqa: E402
+
+SYNCED = ("diloco", "decoupled", "decoupled_bw", "decoupled_bw_t6", "decoupled_bw16")
+"""The syncer's runs set against DP in the time-to-target tables."""
+
+TARGETS = (2.0, 1.5, 1.3, 1.2, 1.15, 1.12)
+"""Eval-loss targets of the speed-up table, besides the default target."""
 
 CODEC_BITS = {"fp32": 32.0, "bf16": 16.0, "int8": 8.5, "int4": 4.5, "int2": 2.5}
 """Bits per parameter on the wire, per-block fp32 scales included (64-element blocks)."""
@@ -138,6 +144,14 @@ def calibrate(res: dict) -> dict | None:
     det = a1 * b2 - a2 * b1
     control = (o1 * b2 - o2 * b1) / det
     per_push = (a1 * o2 - a2 * o1) / det
+    if control < 0 or per_push < 0:  # noise beats the smaller term: fit the other alone
+        rows_ = [(a1, b1, o1), (a2, b2, o2)]
+        if control < 0:
+            control = 0.0
+            per_push = sum(b * o for _, b, o in rows_) / sum(b * b for _, b, _ in rows_)
+        else:
+            per_push = 0.0
+            control = sum(a * o for a, _, o in rows_) / sum(a * a for a, _, _ in rows_)
     return {
         "control_bytes_per_s": control,
         "bytes_per_push": per_push,
@@ -149,11 +163,29 @@ def utilisation(r: dict) -> list[float]:
     return [round(reg["utilisation"], 3) for reg in r["regions"].values()]
 
 
+def load_avg(r: dict) -> str | None:
+    """The 1-minute load average during the run: mean (min-max) of its samples."""
+    xs = r.get("load_avg", {}).get("during") or []
+    if not xs:
+        return None
+    return f"{sum(xs) / len(xs):.1f} ({min(xs):.1f}-{max(xs):.1f})"
+
+
 def goodput(r: dict) -> float | None:
     led = [reg.get("ledger") for reg in r["regions"].values()]
     if not all(led):
         return None
     return sum(x["merged"] for x in led) / sum(x["computed"] for x in led)
+
+
+def ledger(r: dict) -> dict:
+    """The learners' ledgers summed: inner steps computed, merged, dropped (stale pushes),
+    lost and overwritten (progress a late install replaced)."""
+    out: dict[str, float] = {}
+    for reg in r["regions"].values():
+        for k, v in (reg.get("ledger") or {}).items():
+            out[k] = out.get(k, 0.0) + v
+    return out
 
 
 def final_loss(r: dict) -> float:
@@ -196,10 +228,11 @@ def plot(res: dict, target: float, path: Path) -> None:
     styles = {
         "dp": ("DP (Gloo all-reduce)", "C3", "-"),
         "diloco": ("DiLoCo (sync, H=24)", "C1", "-"),
-        "decoupled": ("Decoupled (int4 up, int8 down)", "C0", "-"),
+        "decoupled": ("Decoupled (P=8, H=24, int4 up, int8 down)", "C0", "-"),
+        "decoupled_bw": ("Decoupled (P=4, H=48, int4 up, int8 down)", "C2", "-"),
+        "decoupled_bw_t6": ("Decoupled (P=4, H=48, tau=6, int4 up, int8 down)", "C5", "-"),
+        "decoupled_bw16": ("Decoupled (P=4, H=48, int4 up, bf16 down)", "C4", "-"),
         "dp_free": ("DP, unshaped links", "C3", ":"),
-        "decoupled_1m": ("Decoupled, 1 Mbit/s links", "C0", "--"),
-        "dp_1m": ("DP, 1 Mbit/s links", "C3", "--"),
     }
     for name, (label, color, ls) in styles.items():
         if name in res:
@@ -218,7 +251,7 @@ def plot(res: dict, target: float, path: Path) -> None:
     ax.set_xlim(left=0)
     ax.set_xlabel("wall-clock seconds from the first step")
     ax.set_ylabel("eval loss")
-    ax.set_title("4 regions, links shaped to 2.5 Mbit/s each way (dashed: 1 Mbit/s)")
+    ax.set_title("4 regions, links shaped to 2.5 Mbit/s each way, 1.2 ms one-way delay")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -250,9 +283,9 @@ def main() -> None:
     print(f"target eval loss {target}\n")
     print(
         "| run | train s | steps (all regions) | s per step | final eval | time to target s | "
-        "utilisation per region | goodput |"
+        "utilisation per region | goodput | load average |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, r in res.items():
         t = time_to(r["curve"], target)
         sps = r["train_s"] / (r["total_steps"] / len(r["regions"]))
@@ -269,12 +302,15 @@ def main() -> None:
             "bytes_per_step": bytes_per_step(r),
             "planner_bytes_per_step": planner_bytes_per_step(r),
             "cut": cut_progress(out, name, r),
+            "load_avg": load_avg(r),
+            "latency_ms": r["args"].get("latency_ms", 0.0),
         }
         summary["runs"][name] = row
         print(
             f"| {name} | {r['train_s']:.1f} | {r['total_steps']} | {sps:.3f} | "
             f"{final_loss(r):.4f} | {'not reached' if t is None else f'{t:.1f}'} | "
-            f"{row['utilisation']} | {'-' if g is None else f'{g:.3f}'} |"
+            f"{row['utilisation']} | {'-' if g is None else f'{g:.3f}'} | "
+            f"{row['load_avg'] or '-'} |"
         )
     if "dp" in res and "dp_free" in res:
         s = steps_to(res["dp_free"]["curve"], target)
@@ -286,7 +322,7 @@ def main() -> None:
             f"\nDP: {s} steps to target (unshaped run) x {dp['s_per_step']:.3f} s per shaped "
             f"step = {proj} s"
         )
-        for m in ("diloco", "decoupled"):
+        for m in SYNCED:
             tm = summary["runs"].get(m, {}).get("time_to_target_s")
             dp_t = dp["time_to_target_s"] or proj
             if tm and dp_t:
@@ -294,31 +330,32 @@ def main() -> None:
                 print(f"speed-up {m} vs DP: {dp_t / tm:.1f}x")
     if "dp" in res and "dp_free" in res:
         print(
-            "\n| target eval loss | DP s (measured or projected) | DiLoCo s | Decoupled s | "
-            "DiLoCo speed-up | Decoupled speed-up |"
+            "\n| target eval loss | DP s | DP steps (unshaped run) | "
+            + " | ".join(f"{m} s | speed-up" for m in SYNCED)
+            + " |"
         )
-        print("|---|---|---|---|---|---|")
+        print("|---|---|---|" + "---|---|" * len(SYNCED))
         summary["targets"] = []
-        for tgt in sorted({2.3, 2.1, 2.0, 1.9, 1.8, 1.7, target}, reverse=True):
+        fmt = lambda v, f="{:.1f}": "-" if v is None else f.format(v)  # noqa: E731
+        for tgt in sorted(set(TARGETS) | {target}, reverse=True):
+            steps = steps_to(res["dp_free"]["curve"], tgt)
             dp_t = time_to(res["dp"]["curve"], tgt)
             kind = "measured"
             if dp_t is None:
-                s = steps_to(res["dp_free"]["curve"], tgt)
-                dp_t = None if s is None else s * summary["runs"]["dp"]["s_per_step"]
+                dp_t = None if steps is None else steps * summary["runs"]["dp"]["s_per_step"]
                 kind = "projected"
-            row = {"target": tgt, "dp_s": dp_t, "dp_kind": kind}
+            row = {"target": tgt, "dp_s": dp_t, "dp_kind": kind, "dp_steps": steps}
             cells = []
-            for m in ("diloco", "decoupled"):
+            for m in SYNCED:
                 tm = time_to(res[m]["curve"], tgt) if m in res else None
                 row[f"{m}_s"] = tm
                 row[f"{m}_speedup"] = dp_t / tm if dp_t and tm else None
-                cells.append(tm)
+                cells.append(f"{fmt(tm)} | {fmt(row[f'{m}_speedup'], '{:.1f}x')}")
             summary["targets"].append(row)
-            fmt = lambda v, f="{:.1f}": "-" if v is None else f.format(v)  # noqa: E731
             print(
-                f"| {tgt:g} | {fmt(dp_t)} ({kind}) | {fmt(cells[0])} | {fmt(cells[1])} | "
-                f"{fmt(row['diloco_speedup'], '{:.1f}x')} | "
-                f"{fmt(row['decoupled_speedup'], '{:.1f}x')} |"
+                f"| {tgt:g} | {fmt(dp_t)} ({kind}) | {fmt(steps, '{:.0f}')} | "
+                + " | ".join(cells)
+                + " |"
             )
     if all(n in res for n in ("dp_1m", "decoupled_1m", "dp_free")):
         s = steps_to(res["dp_free"]["curve"], target)
@@ -355,10 +392,12 @@ def main() -> None:
         row["pulls_per_push"] = pulls_per_push(r)
         pc = p
         if cal and r["method"] != "dp":
-            k_lt_m = r["config"]["quorum"] < r["config"]["learners"] and r["method"] == "decoupled"
+            # the run's own pulls per push (the learners' payload counters): how often a
+            # learner fetches merges without its push depends on whether the grace window
+            # gathers the pushes, which the planner does not model
             pc = planner_bytes_per_step(
                 r,
-                pulls_per_push=cal["pulls_per_push_k1"] if k_lt_m else 1.0,
+                pulls_per_push=row["pulls_per_push"],
                 control_bps=8 * cal["control_bytes_per_s"],
                 push_overhead_bits=8 * cal["bytes_per_push"],
             )
@@ -370,9 +409,15 @@ def main() -> None:
             f"{p:.0f} | {100 * row['planner_error']:+.1f}% | {pc:.0f} | "
             f"{100 * row['planner_corrected_error']:+.1f}% |"
         )
-    if "dp" in summary["runs"]:
-        dpb = summary["runs"]["dp"]["bytes_per_step"]["total"]
-        print("\n| run | DP bytes / its bytes per inner step | eval vs DP unshaped final |")
+    ref_dp = next((n for n in ("dp_free", "dp") if n in summary["runs"]), None)
+    if ref_dp is not None:
+        # the unshaped DP run's bytes: the all-reduce alone, no retransmissions
+        dpb = summary["runs"][ref_dp]["bytes_per_step"]["total"]
+        summary["dp_bytes_per_step"] = {"run": ref_dp, "total": dpb}
+        print(
+            f"\n| run | DP ({ref_dp}: {dpb:.0f} B) / its bytes per inner step | "
+            "eval vs DP unshaped final |"
+        )
         print("|---|---|---|")
         for name, row in summary["runs"].items():
             if row["method"] == "dp":
@@ -384,8 +429,11 @@ def main() -> None:
             print(f"| {name} | {row['ratio_vs_dp']:.0f}x | {cost} |")
     hetero = [n for n in ("hetero_kM", "hetero_k1", "hetero_k1g") if n in res]
     if hetero:
-        print("\n| run | quorum | steps per region | goodput | learners per merge | final eval |")
-        print("|---|---|---|---|---|---|")
+        print(
+            "\n| run | quorum | steps per region | goodput | merged / dropped / lost / "
+            "overwritten steps | learners per merge | final eval |"
+        )
+        print("|---|---|---|---|---|---|---|")
         for name in hetero:
             merges = [
                 json.loads(x)
@@ -398,13 +446,19 @@ def main() -> None:
             row["steps_per_region"] = [reg["steps"] for reg in res[name]["regions"].values()]
             k = res[name]["args"]
             label = f"K={k['quorum']}" + ("" if k["no_grace"] else "+grace")
+            row["ledger"] = ledger(res[name])
+            led = " / ".join(
+                f"{row['ledger'][f]:.0f}" for f in ("merged", "dropped", "lost", "overwritten")
+            )
             print(
                 f"| {name} | {label} | {row['steps_per_region']} | {row['goodput']:.3f} | "
-                f"{per:.2f} | {row['final_eval']:.4f} |"
+                f"{led} | {per:.2f} | {row['final_eval']:.4f} |"
             )
     for name, row in summary["runs"].items():
         if row["cut"]:
-            print(f"\ncut {name}: {row['cut']}")
+            if row["method"] != "dp":
+                row["ledger"] = ledger(res[name])
+            print(f"\ncut {name}: {row['cut']} ledger {row.get('ledger')}")
     docs = Path(a.docs)
     docs.mkdir(parents=True, exist_ok=True)
     (docs / "wan.json").write_text(json.dumps(summary, indent=1))

@@ -54,6 +54,8 @@ def train_config(a: argparse.Namespace) -> TrainConfig:
         eval_batches=a.eval_batches,
         progress=False,
         engine="processes",
+        heartbeat_timeout_s=a.heartbeat_timeout_s,
+        heartbeat_interval_s=a.heartbeat_interval_s,
     )
     if a.method == "diloco":
         base.update(
@@ -63,7 +65,7 @@ def train_config(a: argparse.Namespace) -> TrainConfig:
             codec=a.codec,
             down_codec=a.down_codec,
             quorum=a.regions,
-            schedule="steps",
+            schedule="steps",  # synchronous: every learner waits for each merge
         )
     elif a.method == "decoupled":
         base.update(
@@ -73,7 +75,8 @@ def train_config(a: argparse.Namespace) -> TrainConfig:
             codec=a.codec,
             down_codec=a.down_codec,
             quorum=a.quorum,
-            schedule="steps",
+            gamma=a.gamma,
+            schedule=a.schedule,
         )
     return TrainConfig(**base)
 
@@ -85,11 +88,16 @@ class Sampler(threading.Thread):
         super().__init__(daemon=True)
         self.topo, self.every_s = topo, every_s
         self.rows: list[tuple[float, dict]] = []
+        self.loads: list[float] = []  # 1-minute load average every 20 samples
         self.stop = threading.Event()
 
     def run(self) -> None:
+        n = 0
         while not self.stop.is_set():
             self.rows.append((time.time(), self.topo.counters()))
+            if n % 20 == 0:
+                self.loads.append(os.getloadavg()[0])
+            n += 1
             self.stop.wait(self.every_s)
 
     def at(self, wall: float) -> dict:
@@ -186,6 +194,8 @@ def run_dp(a, cfg: TrainConfig, topo: Topology, out: Path, events: list) -> tupl
                 str(a.max_wall_s),
                 "--snapshot-s",
                 str(a.snapshot_s),
+                "--latency-s",
+                str(a.latency_ms / 1000),
             ],
             out / f"rank_{r}.log",
             _env(),
@@ -209,6 +219,7 @@ def run_dp(a, cfg: TrainConfig, topo: Topology, out: Path, events: list) -> tupl
             "last_wall": rs[-1]["wall"],
             "compute_s": rs[-1]["compute_s"],
             "comm_s": rs[-1]["comm_s"],
+            "latency_s": rs[-1].get("latency_s", 0.0),
         }
     snaps = [
         (s["wall"], s["step"], torch.load(out / s["path"], weights_only=True))
@@ -248,6 +259,10 @@ def run_syncer_method(
                 1.0 / a.slowdowns[m] if m < len(a.slowdowns) else 1.0 for m in range(cfg.learners)
             )
         )
+    if a.latency_ms > 0:  # every push and every fetch of a learner waits one latency
+        chaos_path = out / "chaos.json"
+        chaos_path.write_text(json.dumps({"link_latency_s": a.latency_ms / 1000}))
+        cfg = cfg.replace(chaos=str(chaos_path))
     dump_config(cfg, cfg_path)
     env = {**_env(), "DDILOCO_TOKEN": secrets.token_hex(16)}
     sync_args = [
@@ -400,6 +415,27 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--cut-at-s", type=float, default=20.0)
     ap.add_argument("--cut-for-s", type=float, default=0.0, help="cut one link this long")
     ap.add_argument("--heartbeat-timeout-s", type=float, default=10.0)
+    ap.add_argument(
+        "--heartbeat-interval-s", type=float, default=0.25, help="the learners' heartbeats"
+    )
+    ap.add_argument("--gamma", type=float, default=0.8, help="grace window safety factor")
+    ap.add_argument(
+        "--schedule",
+        choices=("time", "steps"),
+        default="time",
+        help="Decoupled: when a learner sends a fragment (the syncer's slot clock or its steps)",
+    )
+    ap.add_argument(
+        "--latency-ms",
+        type=float,
+        default=0.0,
+        help="one-way propagation delay between a region and any other, emulated alike for "
+        "every method: each learner push and fetch waits it once, each DP all-reduce "
+        "2(regions-1) times (a ring's dependent hops)",
+    )
+    ap.add_argument(
+        "--pcap", action="store_true", help="capture the hub's (DP: region 0's) link headers"
+    )
     ap.add_argument("--timeout-s", type=float, default=900.0)
     a = ap.parse_args(argv)
     if a.slowdowns is not None and len(a.slowdowns) != a.regions:
@@ -417,12 +453,34 @@ def main(argv: list[str] | None = None) -> dict:
         hub_link=LinkSpec(hub),
     )
     events: list[dict] = []
+    load_start = os.getloadavg()
     with topo:
         sampler = Sampler(topo)
         sampler.start()
+        pcap = None
+        if a.pcap:  # headers only: enough to attribute every byte to its connection
+            pcap = subprocess.Popen(
+                [
+                    *topo.exec_prefix(0 if a.method == "dp" else "s"),
+                    "tcpdump",
+                    "-i",
+                    "wan",
+                    "-s",
+                    "128",
+                    "-w",
+                    str(out / "link.pcap"),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         t_launch = time.time()
         run = run_dp if a.method == "dp" else run_syncer_method
-        snaps, regions = run(a, cfg, topo, out, events)
+        try:
+            snaps, regions = run(a, cfg, topo, out, events)
+        finally:
+            if pcap is not None:
+                _stop([pcap])
         sampler.stop.set()
         sampler.join()
         end_counters = topo.counters()
@@ -451,6 +509,11 @@ def main(argv: list[str] | None = None) -> dict:
         "args": vars(a),
         "config": cfg.to_dict(),
         "n_params": n_params,
+        "load_avg": {
+            "start": [round(x, 2) for x in load_start],
+            "during": [round(x, 2) for x in sampler.loads],
+            "end": [round(x, 2) for x in os.getloadavg()],
+        },
         "launch_to_first_step_s": round(t0 - t_launch, 2),
         "train_s": round(t1 - t0, 3),
         "total_steps": sum(r["steps"] for r in regions.values()),

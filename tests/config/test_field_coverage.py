@@ -242,6 +242,11 @@ ROWS: dict[str, tuple[list[str], Probe, Probe]] = {
     "tls_key": (["KEY", "--tls-cert", "CERT"], None, lambda p: p.server.tls_key),
     "tls_ca": (["CERT"], None, lambda p: p.learner["tls_ca"]),
     "heartbeat_timeout_s": (["9"], None, lambda p: p.server.heartbeat_timeout_s),
+    "heartbeat_interval_s": (
+        ["1"],
+        None,
+        lambda p: (p.learner["heartbeat_interval"], p.server.heartbeat_interval_s),
+    ),
     "checkpoint_every": (["5"], None, lambda p: p.server.checkpoint_every),
     "max_push_bytes": (["1000"], None, lambda p: p.server.max_push_bytes),
     "step_budget": (["0"], None, lambda p: p.server.step_budget),

@@ -114,6 +114,10 @@ def test_bandwidth_json(capsys):
     assert set(by) == {"dp", "diloco", "streaming", "decoupled"}
     assert by["decoupled"]["speedup_vs_dp"] > 20
     assert by["dp"]["min_bandwidth_gbps"] > by["decoupled"]["min_bandwidth_gbps"]
+    # bytes per inner step on one link, both ways: DP's ring sends and receives
+    # 2(D-1)/D x 16 bits x N each way; Decoupled sends and fetches N/P every H/P steps
+    assert by["dp"]["link_bytes_per_step"] == pytest.approx(2 * 1.5 * 2 * 12e9)
+    assert by["decoupled"]["link_bytes_per_step"] == pytest.approx(0.75 * 4 * 12e9 / 24)
 
 
 def test_bandwidth_bad_flags(capsys):

@@ -48,6 +48,7 @@ SHORT = {"learners": ("-M",), "H": ("-H",), "fragments": ("-P",), "quorum": ("-K
 EXTRA = {
     "down_codec": ("--downlink-codec",),
     "heartbeat_timeout_s": ("--heartbeat-timeout",),
+    "heartbeat_interval_s": ("--heartbeat-interval",),
     "handshake_timeout_s": ("--handshake-timeout",),
     "connect_timeout_s": ("--connect-timeout",),
     "metrics_sinks": ("--metrics-sink",),

@@ -159,7 +159,7 @@ class SyncConfig:
     """Codec of what learners send: fp32, bf16, int8, int4, int2, 1bit; quantised ones with
     another block size as e.g. int2/4096."""
     down_codec: str = "fp32"
-    """Codec of merged fragments sent back to learners (the real runtime: fp32, bf16, int8)."""
+    """Codec of merged fragments sent back to learners (the real runtime: fp32, bf16, int8, int4)."""
     fragmentation: Literal["balanced", "per-layer", "strided", "per-tensor"] = "balanced"
     """How parameters are grouped into the P fragments."""
     schedule: Literal["time", "steps"] = "time"
@@ -308,6 +308,10 @@ class RuntimeConfig:
     """CA certificate (PEM) learners use to talk TLS to the syncer."""
     heartbeat_timeout_s: float = 3.0
     """Seconds without a heartbeat before the syncer declares a learner dead."""
+    heartbeat_interval_s: float = 0.25
+    """Seconds between a learner's heartbeats (each carries its progress report; an idle
+    long poll for merged versions lasts two of them, at least 0.5 s). Keep it several times
+    under ``heartbeat_timeout_s``; a longer one saves control traffic on slow links."""
     checkpoint_every: int = 1
     """Syncer checkpoint cadence: 1 makes every merge durable before it is published; N
     checkpoints every N merges."""
@@ -366,6 +370,13 @@ class RuntimeConfig:
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("TLS needs both runtime.tls_cert and runtime.tls_key")
         positive("runtime.heartbeat_timeout_s", self.heartbeat_timeout_s)
+        positive("runtime.heartbeat_interval_s", self.heartbeat_interval_s)
+        if self.heartbeat_interval_s >= self.heartbeat_timeout_s:
+            raise ValueError(
+                f"runtime.heartbeat_interval_s ({self.heartbeat_interval_s:g}) must be under "
+                f"runtime.heartbeat_timeout_s ({self.heartbeat_timeout_s:g}), or every "
+                "learner is declared dead between two heartbeats"
+            )
         at_least("runtime.checkpoint_every", self.checkpoint_every, 1)
         at_least("runtime.max_push_bytes", self.max_push_bytes, 1)
         if self.step_budget is not None:

@@ -82,6 +82,7 @@ def syncer_server_config(
         downlink_codec=cfg.down_codec,
         max_push_bytes=rt.max_push_bytes,
         heartbeat_timeout_s=rt.heartbeat_timeout_s,
+        heartbeat_interval_s=rt.heartbeat_interval_s,
         checkpoint_dir=checkpoint_dir,
         checkpoint_every=rt.checkpoint_every,
         resume=resume,

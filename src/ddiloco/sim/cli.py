@@ -296,11 +296,17 @@ def add_bandwidth_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def _ring(method: str, syncer: str) -> bool:
+    """Whether the planner's bits for ``method`` are one direction of an all-reduce."""
+    return method in ("dp", "streaming") or (method == "diloco" and syncer != "hub")
+
+
 def _run_bandwidth(args) -> int:
     from ddiloco.bandwidth import (
         METHODS,
         BandwidthConfig,
         min_bandwidth,
+        period,
         time_to_train,
         utilisation,
     )
@@ -330,10 +336,13 @@ def _run_bandwidth(args) -> int:
             )
         except ValueError as e:
             parser.error(str(e))
+        k, bits, _ = period(cfg)
         row = {
             "method": method,
             "target_cu": args.target_cu,
             "min_bandwidth_gbps": min_bandwidth(cfg, args.target_cu) / 1e9,
+            # both ways on one datacenter's link (a ring all-reduce sends what it receives)
+            "link_bytes_per_step": (2 if _ring(method, args.syncer) else 1) * bits / 8 / k,
         }
         if args.bandwidth_gbps is not None:
             bw = args.bandwidth_gbps * 1e9
@@ -370,7 +379,8 @@ def _run_bandwidth(args) -> int:
     for r in rows:
         line = (
             f"  {r['method']:<10} min bandwidth for {100 * args.target_cu:g}% CU: "
-            f"{r['min_bandwidth_gbps']:.4g} Gbit/s"
+            f"{r['min_bandwidth_gbps']:.4g} Gbit/s | link bytes per step, both ways: "
+            f"{r['link_bytes_per_step']:.4g}"
         )
         if "utilisation" in r:
             line += f" | CU at {args.bandwidth_gbps:g} Gbit/s: {100 * r['utilisation']:.1f}%"

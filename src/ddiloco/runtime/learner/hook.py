@@ -115,6 +115,8 @@ class DecoupledLearner:
         self.link = link or LinkLimits()
         self.connect_timeout_s = connect_timeout.total_seconds()
         self.heartbeat_s = heartbeat_interval.total_seconds()
+        # an idle long poll for merged versions (a merge ends it earlier)
+        self.watch_s = max(0.5, 2 * self.heartbeat_s)
         self.flush_timeout_s = flush_timeout.total_seconds()
         self.load_global_on_exit = load_global_on_exit
         """At ``close``, after the last pushes are merged, copy the global model into
@@ -833,8 +835,13 @@ class DecoupledLearner:
                     ms = dict(self._merged_seq)
                 r = self.client.unary(
                     "Watch",
-                    {"learner": self.learner, "cursor": cursor, "merged_seq": ms, "timeout_s": 0.5},
-                    timeout_s=5.0,
+                    {
+                        "learner": self.learner,
+                        "cursor": cursor,
+                        "merged_seq": ms,
+                        "timeout_s": self.watch_s,
+                    },
+                    timeout_s=5.0 + self.watch_s,
                 )
                 versions = r["versions"]
                 with self._lock:

@@ -85,7 +85,11 @@ def _resume_point(run_dir: str | None, learner: int, rank: int):
 
 
 def learner_kwargs(
-    cfg: TrainConfig, learner: int | None, syncer: str, group=None, heartbeat_s: float = 0.25
+    cfg: TrainConfig,
+    learner: int | None,
+    syncer: str,
+    group=None,
+    heartbeat_s: float | None = None,
 ) -> dict:
     """What ``DecoupledLearner`` gets for learner ``learner`` of the run ``cfg``: the sync
     section, the runtime's transport settings, and the run's chaos link limits."""
@@ -109,7 +113,9 @@ def learner_kwargs(
         tls_ca=cfg.runtime.tls_ca,
         link=link,
         connect_timeout=timedelta(seconds=cfg.runtime.connect_timeout_s),
-        heartbeat_interval=timedelta(seconds=heartbeat_s),
+        heartbeat_interval=timedelta(
+            seconds=cfg.runtime.heartbeat_interval_s if heartbeat_s is None else heartbeat_s
+        ),
         process_group=group,
     )
 
@@ -128,7 +134,7 @@ def run_learner(
     learner: int | None = None,
     run_dir: str | None = None,
     metrics_dir: str | None = None,
-    heartbeat_s: float = 0.25,
+    heartbeat_s: float | None = None,
     resume_optimizer: bool = True,
     wait_for_merge: bool = False,
 ) -> dict:

@@ -330,8 +330,8 @@ class ControlHandlers:
 
     def _retime(self) -> None:
         """Start or re-time the slot clock from the live learners' measured step times
-        (caller holds the lock). A change applies ``CLOCK_LEAD_S`` ahead, so that every
-        learner hears it first."""
+        (caller holds the lock). A change applies ``CLOCK_LEAD_S`` (or four heartbeat
+        intervals, if longer) ahead, so that every learner hears it first."""
         if self.epoch_s is None or self.state is None:
             return
         steps = [
@@ -340,13 +340,14 @@ class ControlHandlers:
             if m in self.state.live and info.state == "live"
         ]
         slot = measured_slot_s([float(x) for x in steps if isinstance(x, (int, float))])
+        lead = max(CLOCK_LEAD_S, 4 * self.config.heartbeat_interval_s)
         nxt = next_clock(
             self.clock,
             epoch_s=self.epoch_s,
             slot_s=slot,
             now_s=time.time(),
-            lead_s=CLOCK_LEAD_S,
-            min_interval_s=CLOCK_MIN_INTERVAL_S,
+            lead_s=lead,
+            min_interval_s=max(CLOCK_MIN_INTERVAL_S, 2 * lead),
         )
         if nxt is not None:
             self.clock = nxt

@@ -65,8 +65,8 @@ log = logging.getLogger("ddiloco.syncer")
 DATA_PORT_FILE = "data_port"
 """In the checkpoint directory: the data port of the last run, bound again on restart."""
 
-DOWNLINK_CODECS = ("fp32", "bf16", "int8")
-"""Codecs of merged fragments sent to learners. int8 quantises the parameters themselves
+DOWNLINK_CODECS = ("fp32", "bf16", "int8", "int4")
+"""Codecs of merged fragments sent to learners. int8 and int4 quantise the parameters themselves
 (learners install the quantised values; with a quantised uplink their next delta is taken
 against what they installed, so the install error does not reach the global model)."""
 
@@ -82,11 +82,14 @@ class SyncerServerConfig:
     syncer: SyncerConfig = field(default_factory=SyncerConfig)
     """The algorithm's configuration (quorum K, grace, merge rule, outer optimizer...)."""
     downlink_codec: str = "fp32"
-    """Codec of merged fragments sent to learners: fp32, bf16 or int8."""
+    """Codec of merged fragments sent to learners: fp32, bf16, int8 or int4."""
     max_push_bytes: int = 1 << 30
     """Pushes declaring a larger payload are rejected before their payload is read."""
     heartbeat_timeout_s: float = 5.0
     """A learner silent for this long is declared dead (``SyncerState.leave``)."""
+    heartbeat_interval_s: float = 0.25
+    """The learners' heartbeat interval: a re-timing of the slot clock is announced
+    ``max(CLOCK_LEAD_S, 4 x interval)`` ahead, so that every learner hears it first."""
     checkpoint_dir: str | None = None
     """Where ``syncer.pt`` is written; None disables checkpoints."""
     checkpoint_every: int = 1
