@@ -311,7 +311,9 @@ def test_a_run_on_slurm_trains_and_merges(slurm, tmp_path, monkeypatch, capsys):
     assert s["merges"] > 0 and s["job_id"] == str(jid)
     assert s["final_eval_loss"] < s["initial_eval_loss"] - 0.5
     for pl in s["per_learner"]:
-        assert pl["exit_code"] == 0 and pl["starts"] == 1
+        m = pl["learner"]
+        island_log = (out / "logs" / f"learner_{m}.log").read_text(errors="replace")[-3000:]
+        assert pl["exit_code"] == 0 and pl["starts"] == 1, f"{log}\n--- learner_{m}:\n{island_log}"
         # each island trained and installed merges (one that starts late under the global
         # step budget begins from the merged model and does fewer steps)
         assert pl["steps"] > 0 and pl["last_loss"] < s["initial_eval_loss"] - 0.5, pl
