@@ -140,11 +140,12 @@ def test_a_dead_shard_stalls_only_its_own_fragments(tmp_path):
     run = tmp_path / "run"
     chaos = tmp_path / "chaos.json"
     # shard 1 is SIGKILLed once the learners are at step 40 and stays down 6 s; 1000 steps
-    # each keep them stepping through the outage and seconds after it
+    # of batch 48 each (about 15 ms a step on two idle cores, more when loaded) keep them
+    # stepping through the outage and seconds after it
     chaos.write_text(
         json.dumps({"syncer_kill_at_step": 40, "syncer_kill_shard": 1, "syncer_downtime_s": 6.0})
     )
-    cfg = tiny_config(run, learners=2, steps=1000, shards=2, chaos=str(chaos))
+    cfg = tiny_config(run, learners=2, steps=1000, batch_size=48, shards=2, chaos=str(chaos))
     with Launcher(cfg) as la:
         s = la.run()
     assert s["ok"], s

@@ -19,8 +19,14 @@ def test_three_learners_train_and_eval_loss_falls(tmp_path):
         s["final_eval_loss"],
     )
     assert s["merges"] > 0 and s["rejections"] == {}
-    # a global budget of 3 x 80 inner steps (a few more: learners hear it is spent by heartbeat)
-    assert 240 <= sum(pl["steps"] for pl in s["per_learner"]) <= 240 + 3 * 20
+    # a global budget of 3 x 80 inner steps, and a few more: learners hear that it is spent by
+    # heartbeat (every 0.25 s), so each may take what it steps in a heartbeat, its reply and
+    # a margin (0.6 s at its measured rate; on two idle cores 25-30 steps in all)
+    over = sum(pl["steps"] / pl["time"]["stepping_s"] * 0.6 + 5 for pl in s["per_learner"])
+    assert 240 <= sum(pl["steps"] for pl in s["per_learner"]) <= 240 + over, (
+        over,
+        s["per_learner"],
+    )
     for pl in s["per_learner"]:
         assert pl["steps"] > 40
         assert pl["ledger_balance_error"] < 1e-6
