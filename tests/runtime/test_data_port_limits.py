@@ -94,7 +94,7 @@ def test_pre_auth_limits_on_plain_tcp(syncer_factory):
     time.sleep(0.3)
     assert _threads(s.proc.pid) <= base_threads + 2
     refused_at_once = sum(_closed_within(c, 0.2) for c in silent)
-    assert refused_at_once >= 8, refused_at_once
+    assert refused_at_once >= 70 - 64, refused_at_once  # at least those over the peer's cap
     assert all(_closed_within(c, 3.0) for c in silent)
     for c in silent:
         c.close()
@@ -115,7 +115,7 @@ def test_pre_auth_limits_on_plain_tcp(syncer_factory):
 
     st = client.status()
     assert st["rejections"].get("E_HANDSHAKE", 0) >= 200, st["rejections"]
-    assert st["rejections"].get("E_BUSY", 0) >= 8, st["rejections"]
+    assert st["rejections"].get("E_BUSY", 0) >= 70 - 64, st["rejections"]
     assert client.fetch([0])[0][0] == 0  # the port still serves
     client.close()
 
