@@ -75,7 +75,7 @@ def test_a_cut_link_trains_on_is_declared_dead_and_rejoins(tmp_path):
     cfg = tiny_config(
         run,
         learners=2,
-        steps=64,
+        steps=400,  # long enough on idle cores to outlast the 3 s cut and rejoin
         batch_size=16,
         block_size=64,
         chaos=str(chaos),
