@@ -159,7 +159,9 @@ class SyncConfig:
     """Codec of what learners send: fp32, bf16, int8, int4, int2, 1bit; quantised ones with
     another block size as e.g. int2/4096."""
     down_codec: str = "fp32"
-    """Codec of merged fragments sent back to learners (the real runtime: fp32, bf16, int8, int4)."""
+    """Codec of merged fragments sent back to learners (the real runtime: fp32, bf16, int8, int4).
+    bf16 is the compressed downlink that keeps quality: measured int8 downlinks degrade late in
+    a run once the learning rate has decayed, and int4 can diverge (docs/results/wan.md)."""
     fragmentation: Literal["balanced", "per-layer", "strided", "per-tensor"] = "balanced"
     """How parameters are grouped into the P fragments."""
     schedule: Literal["time", "steps"] = "time"
