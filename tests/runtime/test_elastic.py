@@ -63,11 +63,12 @@ def test_two_learners_a_third_joins_one_leaves_ledger_balances(tmp_path):
     run = tmp_path / "run"
     chaos = tmp_path / "elastic.json"
     # 2 learners; a third (no id: the syncer assigns 2) joins once 60 steps are done; learner 0
-    # leaves gracefully at 150. Global budget 2 x 120.
+    # leaves gracefully at 400. Global budget 2 x 500: long enough on idle cores for the
+    # newcomer to start (a new process) and train before the budget is spent.
     chaos.write_text(
-        json.dumps({"add_learner_at_step": [60], "remove_learner_at_step": [[0, 150]]})
+        json.dumps({"add_learner_at_step": [60], "remove_learner_at_step": [[0, 400]]})
     )
-    cfg = tiny_config(run, learners=2, steps=120, chaos=str(chaos))
+    cfg = tiny_config(run, learners=2, steps=500, chaos=str(chaos))
     with Launcher(cfg) as la:
         s = la.run()
     assert s["ok"], s
