@@ -50,12 +50,9 @@ def _equal_to(sd: dict, model: torch.nn.Module) -> bool:
     return all(torch.equal(sd[n], t.detach()) for n, t in model.named_parameters())
 
 
-@pytest.mark.timeout(90)
-def test_the_global_model_comes_into_the_users_model(syncer_factory):
-    s = syncer_factory()
-    model = tiny_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    with DecoupledLearner(
+def _learner0(model, opt, s, **kw) -> DecoupledLearner:
+    """Learner 0 of syncer ``s`` with the small schedule these tests use (P = 2, H = 4)."""
+    return DecoupledLearner(
         model,
         opt,
         syncer=s.address,
@@ -65,8 +62,16 @@ def test_the_global_model_comes_into_the_users_model(syncer_factory):
         tau=1,
         tokens_per_step=64,
         token=s.token,
-        load_global_on_exit=True,
-    ) as dl:
+        **kw,
+    )
+
+
+@pytest.mark.timeout(90)
+def test_the_global_model_comes_into_the_users_model(syncer_factory):
+    s = syncer_factory()
+    model = tiny_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    with _learner0(model, opt, s, load_global_on_exit=True) as dl:
         for i, (x, y) in enumerate(_batches(40)):
             model(x, y)[1].backward()
             opt.step()
@@ -98,18 +103,7 @@ def test_the_slot_clock_is_the_step_time_not_the_start_up(syncer_factory):
     model = tiny_model()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     walls = []
-    with DecoupledLearner(
-        model,
-        opt,
-        syncer=s.address,
-        learner=0,
-        P=2,
-        H=4,
-        tau=1,
-        tokens_per_step=64,
-        token=s.token,
-        heartbeat_interval=timedelta(milliseconds=50),
-    ):
+    with _learner0(model, opt, s, heartbeat_interval=timedelta(milliseconds=50)):
         time.sleep(1.0)  # the caller's set-up: its data, its logging...
         end = time.monotonic() + 3.0
         for x, y in itertools.cycle(_batches(8)):
