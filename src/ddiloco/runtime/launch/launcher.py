@@ -52,6 +52,22 @@ def check_runnable(config):
     return config
 
 
+def cli_command(island_size: int) -> list[str]:
+    """The command that runs ``ddiloco.runtime.cli`` for a learner: the interpreter itself,
+    or a single-node torchrun of ``island_size`` ranks."""
+    if island_size <= 1:
+        return [sys.executable, "-m", "ddiloco.runtime.cli"]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={island_size}",
+        "-m",
+        "ddiloco.runtime.cli",
+    ]
+
+
 @dataclass(kw_only=True, slots=True)
 class LaunchOptions:
     """How the launcher supervises its processes. What runs (the chaos, islands, shards,
@@ -224,20 +240,7 @@ class Launcher:
 
     def _learner_cmd(self, m: int | None) -> list[str]:
         """Learner m's command; m None: a learner that joins without an id (elastic)."""
-        n = self.cfg.runtime.island_size
-        head = (
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                f"--nproc-per-node={n}",
-                "-m",
-                "ddiloco.runtime.cli",
-            ]
-            if n > 1
-            else [sys.executable, "-m", "ddiloco.runtime.cli"]
-        )
+        head = cli_command(self.cfg.runtime.island_size)
         ident = [] if m is None else ["--learner", str(m)]
         cmd = head + [
             "learner",

@@ -10,7 +10,6 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -151,14 +150,10 @@ class LearnerActor:
 
         n = self.cfg.runtime.island_size
         cfg_path = dump_config(self.cfg, self.run_dir / "island_config.toml")
+        from ddiloco.runtime.launch.launcher import cli_command
+
         cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={n}",
-            "-m",
-            "ddiloco.runtime.cli",
+            *cli_command(n),
             "learner",
             "--syncer",
             self.syncer,
