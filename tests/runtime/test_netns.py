@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -131,6 +132,16 @@ def test_shards_and_learners_in_their_own_namespaces(namespaces, tmp_path):
                     env,
                 )
             )
+        # both shards listen before the learners start: a learner whose Join reaches shard 0
+        # but not a shard still starting tries again and is given the next id
+        deadline = time.monotonic() + 60
+        while not all(
+            "listening" in (tmp_path / f"syncer_{k}.log").read_text(errors="replace")
+            for k in (0, 1)
+            if (tmp_path / f"syncer_{k}.log").exists()
+        ) or not all((tmp_path / f"syncer_{k}.log").exists() for k in (0, 1)):
+            assert time.monotonic() < deadline, "the syncer shards did not start listening"
+            time.sleep(0.1)
         from ddiloco.config import TrainConfig, dump_config
 
         cfg = tmp_path / "cfg.toml"

@@ -52,6 +52,7 @@ class ShardedClient:
         self._boots: list[str] = []
         self._versions: list[list[int] | None] = []
         self._merged: list[dict] = []
+        self._partial: dict[int, dict] = {}
         self._pool: cf.ThreadPoolExecutor | None = None
         if len(shards) > 1:
             self._use_map(
@@ -141,10 +142,15 @@ class ShardedClient:
 
     def _join(self, header: dict, timeout_s: float, first: tuple[int, dict] | None = None) -> dict:
         S = self.map.S  # noqa: N806
-        replies: dict[int, dict] = {}
+        # shards this process already joined when another asked for the initial model: they
+        # stay joined, so the id shard 0 gave is kept, not given up for a new one
+        replies: dict[int, dict] = dict(self._partial)
+        self._partial = {}
         if first is not None and not first[1].get("redirect"):
             replies[first[0]] = first[1]
         learner = header.get("learner")
+        if 0 in replies and "learner" in replies[0]:
+            learner = replies[0]["learner"]
         if first is not None and "learner" in first[1]:
             learner = first[1]["learner"]
         for k in [0] + [k for k in range(1, S)]:
@@ -164,6 +170,7 @@ class ShardedClient:
                     raise
                 continue  # a shard that is down: joined again when it is back (new boot id)
             if r.get("need_init"):
+                self._partial = replies
                 return r  # the learner uploads its model to every shard, then joins again
             if r.get("redirect"):
                 raise ValueError(
