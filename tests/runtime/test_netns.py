@@ -135,11 +135,8 @@ def test_shards_and_learners_in_their_own_namespaces(namespaces, tmp_path):
         # both shards listen before the learners start: a learner whose Join reaches shard 0
         # but not a shard still starting tries again and is given the next id
         deadline = time.monotonic() + 60
-        while not all(
-            "listening" in (tmp_path / f"syncer_{k}.log").read_text(errors="replace")
-            for k in (0, 1)
-            if (tmp_path / f"syncer_{k}.log").exists()
-        ) or not all((tmp_path / f"syncer_{k}.log").exists() for k in (0, 1)):
+        logs = [tmp_path / f"syncer_{k}.log" for k in (0, 1)]
+        while not all(f.exists() and "listening" in f.read_text(errors="replace") for f in logs):
             assert time.monotonic() < deadline, "the syncer shards did not start listening"
             time.sleep(0.1)
         from ddiloco.config import TrainConfig, dump_config
