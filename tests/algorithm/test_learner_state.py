@@ -82,6 +82,40 @@ def test_dropped_push_installs_latest_and_failure_loses_unpushed():
     assert ls.ledger.balance_error() < 1e-12
 
 
+def test_a_learner_slower_than_the_fragment_period_still_installs():
+    # every step of this learner takes more than a period (H = 4 slots), so each fragment is
+    # due again at every step while its previous push still awaits its install
+    ls, params, fr = make(tau=1)
+    ls.slot_s = 1.0
+    now = 0.0
+    pushes = []
+    for _ in range(2):
+        now += 5.0
+        pushes += ls.after_step(10, now_s=now)
+    first = {o.fragment: o for o in reversed(pushes)}  # the earliest push of each fragment
+    for o in pushes:  # verdicts arrive in order, each before its merge
+        ls.on_push_result(o.fragment, o.seq, accepted=True, target_version=o.seq)
+    for p, o in first.items():
+        ls.receive(p, o.seq, [torch.full((3,), 7.0)])
+    now += 5.0
+    pushes = ls.after_step(10, now_s=now)
+    assert sorted(o.fragment for o in pushes) == [0, 1]  # due again: sent again
+    assert sorted(ls.install_due()) == [0, 1]  # the first pushes' merges: installed
+    assert all(ls.frags[p].base_version == first[p].seq for p in (0, 1))
+    assert ls.ledger.balance_error() < 1e-12
+    # the awaited push is rejected: the next newer version installs, whatever the verdicts
+    # of the pushes sent after it
+    now += 5.0
+    (o,) = [o for o in ls.after_step(10, now_s=now) if o.fragment == 0]
+    ls.on_push_result(0, o.seq, accepted=False)
+    now += 5.0
+    (later,) = [o for o in ls.after_step(10, now_s=now) if o.fragment == 0]
+    ls.on_push_result(0, later.seq, accepted=True, target_version=99)
+    ls.receive(0, first[0].seq + 1, [torch.full((3,), 8.0)])
+    assert 0 in ls.install_due()
+    assert ls.frags[0].base_version == first[0].seq + 1
+
+
 def test_never_installed_learner_does_not_contribute():
     params = {"a": torch.zeros(3), "b": torch.zeros(3)}
     fr = fragment_parameters([("a", 3, 4), ("b", 3, 4)], 2, "balanced")

@@ -26,9 +26,9 @@ def test_mixed_chaos_loses_no_published_version_and_balances_the_ledger(tmp_path
                 "seed": 3,
                 "kill_at_step": [[1, 30]],
                 "kill_downtime_s": 1.0,
-                "stop_mean_interval_s": 8.0,
-                "stop_duration_s": 4.0,
-                "start_after_s": 3.0,
+                # early: the mean step reaches 60 (the syncer's kill) only well after the
+                # stopped learner has been declared dead (2 s)
+                "stop_at_step": [[2, 5, 4.0]],
                 "syncer_kill_at_step": 60,
                 "syncer_downtime_s": 1.0,
                 "slowdown": {"0": 3.0, "1": 3.0, "2": 3.0},
@@ -54,7 +54,15 @@ def test_mixed_chaos_loses_no_published_version_and_balances_the_ledger(tmp_path
     syncer_rows = read_jsonl(run / "syncer.metrics.jsonl")
     kill = next(r["wall"] for r in read_jsonl(run / "chaos.jsonl") if r["kind"] == "kill-syncer")
     resume = next(r for r in syncer_rows if r["kind"] == "resume")
-    assert any(r["kind"] == "dead" for r in syncer_rows), "the stopped learner was declared dead"
+    stop = next(r["wall"] for r in read_jsonl(run / "chaos.jsonl") if r["kind"] == "stop-learner")
+    assert any(
+        r["kind"] == "dead" and r["learner"] == 2 and r["wall"] > stop for r in syncer_rows
+    ), "the stopped learner was declared dead"
+    cont = next(r["wall"] for r in read_jsonl(run / "chaos.jsonl") if r["kind"] == "cont-learner")
+    assert any(
+        r["kind"] == "step" and r["wall"] > cont and r["installed"]
+        for r in read_jsonl(run / "learner_2" / "metrics.jsonl")
+    ), "the learner back from its freeze installs merged versions again"
     for m in range(3):
         for r in read_jsonl(run / f"learner_{m}" / "metrics.jsonl"):
             if r["kind"] == "step" and r["wall"] < kill:

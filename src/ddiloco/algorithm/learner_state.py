@@ -226,9 +226,14 @@ class LearnerSync:
         self.ledger.unpushed -= covered * self.share[p]
         self.ledger.pending += covered * self.share[p]
         snap, ready = self._snapshot(p)
-        fr.waiting = True
-        fr.due_step = self.schedule.install_step(self.step)
-        fr.target_version = None
+        if not fr.waiting:
+            fr.waiting = True
+            fr.due_step = self.schedule.install_step(self.step)
+            fr.target_version = None
+        # else a push sent while an earlier one still awaits its install (a learner slower
+        # than the fragment's period, or one back from a freeze): the earlier install
+        # obligation stands, else every send would restart the wait and the learner would
+        # never install again
         return Outgoing(
             fragment=p,
             params=snap,
@@ -263,7 +268,9 @@ class LearnerSync:
         if covered is None:
             return
         if accepted:
-            if fr.waiting:
+            if fr.waiting and fr.target_version is None:
+                # the first verdict of the awaited pushes sets the version to install (a
+                # later push's, a later version, would move the install out of reach)
                 fr.target_version = target_version
         else:
             del fr.in_flight[seq]

@@ -56,6 +56,9 @@ class ChaosConfig:
     kill_at_step: tuple[tuple[int, int], ...] = ()
     """Deterministic kills: ``(learner, step)`` pairs; the learner is SIGKILLed once it has
     reported ``step`` (downtime ``kill_downtime_s``)."""
+    stop_at_step: tuple[tuple[int, int, float], ...] = ()
+    """Deterministic stops: ``(learner, step, duration_s)`` triples; once the learner has
+    reported ``step`` it is SIGSTOPped for ``duration_s``, then SIGCONTed."""
     syncer_kill_at_step: int = 0
     """SIGKILL the syncer once the learners' mean reported step reaches this (0: never)."""
     syncer_kill_shard: int = 0
@@ -100,8 +103,10 @@ class ChaosConfig:
             (int(m), int(s)) for m, s in self.remove_learner_at_step
         )
         self.link_cut = tuple((int(m), int(s), float(d)) for m, s, d in self.link_cut)
-        if any(d <= 0 for _, _, d in self.link_cut):
-            raise ValueError(f"chaos link_cut durations must be > 0, got {self.link_cut}")
+        self.stop_at_step = tuple((int(m), int(s), float(d)) for m, s, d in self.stop_at_step)
+        for name in ("link_cut", "stop_at_step"):
+            if any(d <= 0 for _, _, d in getattr(self, name)):
+                raise ValueError(f"chaos {name} durations must be > 0, got {getattr(self, name)}")
 
     @property
     def active(self) -> bool:
@@ -111,6 +116,7 @@ class ChaosConfig:
             or self.slowdown
             or self.syncer_kill_at_s
             or self.kill_at_step
+            or self.stop_at_step
             or self.syncer_kill_at_step
             or self.add_learner_at_step
             or self.remove_learner_at_step
@@ -126,6 +132,7 @@ class ChaosConfig:
         d["add_learner_at_step"] = list(self.add_learner_at_step)
         d["remove_learner_at_step"] = [list(x) for x in self.remove_learner_at_step]
         d["link_cut"] = [list(x) for x in self.link_cut]
+        d["stop_at_step"] = [list(x) for x in self.stop_at_step]
         return d
 
 

@@ -516,7 +516,8 @@ class Launcher:
             time.sleep(0.05)
 
     def _step_triggers(self) -> None:
-        """Deterministic, progress-based faults (``kill_at_step``, ``syncer_kill_at_step``)."""
+        """Deterministic, progress-based faults (``kill_at_step``, ``stop_at_step``,
+        ``link_cut``, ``syncer_kill_at_step``)."""
         from ddiloco.runtime.launch.chaos import ChaosEvent
 
         st = self._status or {}
@@ -538,6 +539,17 @@ class Launcher:
                     ChaosEvent(0.0, "kill-learner", 0.0, self.chaos.kill_downtime_s),
                     lambda draw, pool: p,  # noqa: B023
                 )
+        for m, step, dur in self.chaos.stop_at_step:
+            key = ("stop", m, step)
+            p = self.procs.get(f"learner_{m}")
+            if (
+                key not in self._fired
+                and p is not None
+                and p.state == "running"
+                and steps.get(m, 0) >= step
+            ):
+                self._fired.add(key)
+                self._inject(ChaosEvent(0.0, "stop-learner", 0.0, dur), lambda draw, pool: p)  # noqa: B023
         for m, step, dur in self.chaos.link_cut:
             key = ("cut", m, step)
             p = self.procs.get(f"learner_{m}")

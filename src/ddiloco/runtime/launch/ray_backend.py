@@ -94,6 +94,7 @@ def check_ray_config(config) -> None:
         "stop_mean_interval_s": ch.stop_mean_interval_s > 0,
         "syncer_kill_at_s": bool(ch.syncer_kill_at_s),
         "kill_at_step": bool(ch.kill_at_step),
+        "stop_at_step": bool(ch.stop_at_step),
         "syncer_kill_at_step": ch.syncer_kill_at_step > 0,
         "add_learner_at_step": bool(ch.add_learner_at_step),
         "remove_learner_at_step": bool(ch.remove_learner_at_step),

@@ -135,6 +135,7 @@ FAULTS = (
     "stop_mean_interval_s",
     "syncer_kill_at_s",
     "kill_at_step",
+    "stop_at_step",
     "syncer_kill_at_step",
     "add_learner_at_step",
     "remove_learner_at_step",

@@ -264,9 +264,12 @@ def run_learner(
             opt.step()
             if slowdown > 1.0 and step - start_step >= 2:
                 # a slower device: its steps take `slowdown` x the typical compute time (an
-                # EMA, so that an OS hiccup in one step is not stretched by the same factor;
-                # the first two steps of a process, its warm-up, are left out)
+                # EMA, so that an OS hiccup in one step is not stretched by the same factor,
+                # and a step frozen by SIGSTOP counts at most 4x the typical one; the first
+                # two steps of a process, its warm-up, are left out)
                 dt = time.perf_counter() - t0
+                if compute_ema is not None:
+                    dt = min(dt, 4.0 * compute_ema)
                 compute_ema = dt if compute_ema is None else 0.9 * compute_ema + 0.1 * dt
                 time.sleep((slowdown - 1.0) * compute_ema)
             installed = dl.step(tokens)
