@@ -112,3 +112,20 @@ def test_inproc_is_deterministic(tmp_path):
     for k in ("final_eval_loss", "goodput", "uptime", "bytes_up", "merges", "failures"):
         assert a[k] == b[k], k
     assert a["failures"] > 0
+
+
+def test_quantised_pushes_are_deltas_against_the_copy_the_learner_received(tmp_path):
+    # with no inner progress (lr ~ 0) a learner's push carries no change, however coarse the
+    # downlink: the global model must stay where it started. A delta taken against the
+    # published version instead would carry the downlink's rounding error into the model.
+    cfg = TrainConfig(
+        **{**TINY, "codec": "int8", "merge_rule": "rda"},
+        method="decoupled",
+        fragments=2,
+        tau=1,
+        down_codec="int4",
+        inner_lr=1e-12,
+    )
+    start = {n: p.detach().clone() for n, p in new_model(cfg).named_parameters()}
+    end = final_params(cfg, run_decoupled, tmp_path)
+    assert_same(start, end, atol=1e-6)

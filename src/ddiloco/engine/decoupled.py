@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
 from tqdm import tqdm
 
 from ddiloco.algorithm.learner_state import LearnerSync, Outgoing
@@ -62,6 +63,9 @@ def run_decoupled(cfg: TrainConfig, ctx) -> dict:
     times = [TimeBreakdown() for _ in workers]
     model_bytes_down = world.down_codec.nbytes(sum(f.numel for f in frag.fragments))
     round_seq: dict[tuple[int, int], int] = {}
+    # what each learner received of each fragment, by version: a quantised push is a delta
+    # against the copy the learner installed (through the downlink codec), as in the runtime
+    held: list[dict[int, dict[int, list[torch.Tensor]]]] = [{} for _ in range(cfg.learners)]
     q = EventQueue()
     stats = {"bytes_up": 0, "bytes_down": 0, "pushes": 0, "rejected": {}, "staleness": []}
     M, N = cfg.learners, cfg.steps
@@ -101,8 +105,11 @@ def run_decoupled(cfg: TrainConfig, ctx) -> dict:
         base = syncer.published(out.fragment, out.base_version)
         if cfg.codec == "fp32" or base is None:
             params = out.params
-        else:  # delta against the version the learner installed, through the codec
-            params = [b + world.up_codec.roundtrip(x - b) for x, b in zip(out.params, base)]
+        else:  # delta against the copy the learner installed, added to the published version
+            mine = held[m].get(out.fragment, {}).get(out.base_version, base)
+            params = [
+                b + world.up_codec.roundtrip(x - h) for x, b, h in zip(out.params, base, mine)
+            ]
         nbytes = world.up_codec.nbytes(sum(x.numel() for x in out.params))
         stats["bytes_up"] += nbytes
         stats["pushes"] += 1
@@ -234,6 +241,11 @@ def run_decoupled(cfg: TrainConfig, ctx) -> dict:
             m, inc, p, version, params = payload
             if L[m].alive and inc == L[m].inc:
                 syncs[m].receive(p, version, params)
+                if cfg.down_codec != "fp32":
+                    d = held[m].setdefault(p, {})
+                    d[version] = params
+                    for v in sorted(d)[:-4]:
+                        del d[v]
         elif kind == "leave":
             m, inc = payload
             if inc == L[m].inc:
@@ -273,6 +285,7 @@ def run_decoupled(cfg: TrainConfig, ctx) -> dict:
             stats["bytes_down"] += model_bytes_down
             syncer.join(m)
             syncs[m].load_global(syncer.global_params(), syncer.versions(), t + fetch_s)
+            held[m].clear()  # it installed the published versions themselves
             L[m].alive = True
             times[m].down_s += t + fetch_s - L[m].down_since_s
             if n_up == 0:
