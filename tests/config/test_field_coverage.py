@@ -183,6 +183,7 @@ ROWS: dict[str, tuple[list[str], Probe, Probe]] = {
     "alpha": (["0.5"], lambda e: e.cfg.alpha, lambda p: p.learner["alpha"]),
     "codec": (["int4"], lambda e: e.world.up_codec.name, lambda p: p.learner["codec"]),
     "down_codec": (["int8"], lambda e: e.world.down_codec.name, lambda p: p.server.downlink_codec),
+    "down_delta": (["true"], lambda e: e.cfg.down_delta, lambda p: p.server.downlink_delta),
     "fragmentation": (
         ["per-tensor"],
         lambda e: [f.names for f in e.frag.fragments],
@@ -269,7 +270,11 @@ ROWS: dict[str, tuple[list[str], Probe, Probe]] = {
     "autocast": (["bf16"], None, lambda p: p.run.autocast),
 }
 # fields that need another to be valid when set
-COMPANIONS = {"mtbi_s": ["--downtime-s", "5"], "downtime_s": ["--mtbi-s", "50"]}
+COMPANIONS = {
+    "mtbi_s": ["--downtime-s", "5"],
+    "downtime_s": ["--mtbi-s", "50"],
+    "down_delta": ["--down-codec", "int8"],
+}
 
 
 def test_the_table_names_every_field():

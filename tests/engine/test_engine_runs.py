@@ -86,6 +86,8 @@ def test_config_validation_messages():
         TrainConfig(speeds=(1.0, 1.0))
     with pytest.raises(ValueError, match="downtime"):
         TrainConfig(mtbi_s=10.0)
+    with pytest.raises(ValueError, match="sync.down_delta .* with fp32 it changes nothing"):
+        TrainConfig(down_delta=True)
     with pytest.raises(ValueError, match="unknown preset"):
         preset("nope")
     assert preset("hetero", TrainConfig(learners=4)).speeds == (1.0, 1.0, 1 / 1.18, 1 / 1.18)
@@ -160,3 +162,19 @@ def test_one_ledger_counts_tokens_once_per_fragment_and_the_overlap_as_overwritt
     # the tau overlap steps are replaced at install: they do not count as merged
     assert 0.5 < s["goodput"] <= 1 - cfg.tau / cfg.H + 1e-9
     assert 1.0 <= s["learners_per_merge"] <= cfg.learners
+
+
+@pytest.mark.timeout(120)
+def test_a_delta_coded_downlink_keeps_the_quality_a_coarse_one_loses(tmp_path):
+    # int2 quantises the merged weights themselves too coarsely; as deltas against each
+    # learner's copy (the rounding error carried into the next fetch) it costs little
+    loss = {}
+    for name, kw in {
+        "fp32": dict(down_codec="fp32"),
+        "int2": dict(down_codec="int2"),
+        "int2-delta": dict(down_codec="int2", down_delta=True),
+    }.items():
+        cfg = TrainConfig(out=str(tmp_path / name), codec="int8", **{**SMALL, "eval_every": 1000})
+        loss[name] = run(cfg.replace(**kw))["final_eval_loss"]
+    assert loss["int2-delta"] < loss["int2"] - 0.03, loss
+    assert loss["int2-delta"] < loss["fp32"] * 1.01, loss

@@ -1,5 +1,6 @@
 """A chaos run in CI: learner SIGKILL, a SIGSTOP longer than the liveness timeout, syncer
-SIGKILL + resume and a slow, laggy link in one real run. It must end cleanly, lose no
+SIGKILL + resume and a slow, laggy link in one real run, with int4 pushes and a delta-coded
+int4 downlink. It must end cleanly, lose no
 published version and balance every learner's token ledger. A second run cuts one learner's
 link for longer than the liveness timeout: it trains on, is declared dead and rejoins. (A
 duplicate learner id and corrupt or NaN checkpoints are in test_sessions.py and
@@ -44,10 +45,16 @@ def test_mixed_chaos_loses_no_published_version_and_balances_the_ledger(tmp_path
         block_size=64,
         chaos=str(chaos),
         heartbeat_timeout_s=2.0,
+        # the delta-coded downlink through every fault: restarted learners and a restarted
+        # syncer hold no copy the other side knows, and must get whole fragments again
+        codec="int4",
+        down_codec="int4",
+        down_delta=True,
     )
     with Launcher(cfg) as la:
         s = la.run()
     assert s["ok"], s
+    assert s["final_eval_loss"] < s["initial_eval_loss"] - 0.3, s
     kinds = [r["kind"] for r in read_jsonl(run / "chaos.jsonl")]
     for k in ("kill-learner", "stop-learner", "kill-syncer", "restart-syncer"):
         assert k in kinds, (k, kinds)

@@ -159,9 +159,15 @@ class SyncConfig:
     """Codec of what learners send: fp32, bf16, int8, int4, int2, 1bit; quantised ones with
     another block size as e.g. int2/4096."""
     down_codec: str = "fp32"
-    """Codec of merged fragments sent back to learners (the real runtime: fp32, bf16, int8, int4).
-    bf16 is the compressed downlink that keeps quality: measured int8 downlinks degrade late in
-    a run once the learning rate has decayed, and int4 can diverge (docs/results/wan.md)."""
+    """Codec of merged fragments sent back to learners (the real runtime: fp32, bf16, int8,
+    int4, int2). Without ``down_delta`` the merged weights themselves are quantised: int8
+    costs little, int4 and int2 are too coarse for weights (docs/results/wan.md)."""
+    down_delta: bool = False
+    """Delta-coded downlink: the syncer sends each learner the merged fragment minus the copy
+    that learner already holds, through ``down_codec``, and keeps that copy in step (one per
+    learner and fragment, in the syncer's memory). The rounding error is carried into the
+    next fetch instead of being installed, so int4 and int2 downlinks keep quality. A learner
+    without a copy (a join, a restarted syncer, a lost reply) gets one fp32 fetch."""
     fragmentation: Literal["balanced", "per-layer", "strided", "per-tensor"] = "balanced"
     """How parameters are grouped into the P fragments."""
     schedule: Literal["time", "steps"] = "time"
@@ -198,6 +204,11 @@ class SyncConfig:
         except ValueError as e:
             raise ValueError(f"sync.codec: {e}") from None
         one_of("sync.down_codec", self.down_codec, tuple(CODECS))
+        if self.down_delta and self.down_codec == "fp32":
+            raise ValueError(
+                "sync.down_delta codes the downlink through a lossy down_codec; with fp32 it "
+                "changes nothing: set sync.down_codec (bf16, int8, int4, int2) or drop it"
+            )
         one_of("sync.fragmentation", self.fragmentation, STRATEGIES)
         one_of("sync.schedule", self.schedule, ("time", "steps"))
         one_of("sync.anchor", self.anchor, ("current", "base"))

@@ -61,11 +61,23 @@ def run_decoupled(cfg: TrainConfig, ctx) -> dict:
     syncs = [LearnerSync(w.params, frag, sched, alpha=cfg.alpha, slot_s=slot_s) for w in workers]
     L = [_Learner() for _ in workers]
     times = [TimeBreakdown() for _ in workers]
-    model_bytes_down = world.down_codec.nbytes(sum(f.numel for f in frag.fragments))
+    n_params = sum(f.numel for f in frag.fragments)
+    # a whole-model fetch (a rejoin); delta-coded downlinks send it in fp32
+    model_bytes_down = 4 * n_params if cfg.down_delta else world.down_codec.nbytes(n_params)
     round_seq: dict[tuple[int, int], int] = {}
     # what each learner received of each fragment, by version: a quantised push is a delta
     # against the copy the learner installed (through the downlink codec), as in the runtime
     held: list[dict[int, dict[int, list[torch.Tensor]]]] = [{} for _ in range(cfg.learners)]
+    # sync.down_delta: the copy of each fragment each learner holds, kept in step with it
+    mirror: list[dict[int, list[torch.Tensor]]] = [{} for _ in range(cfg.learners)]
+
+    def exact(m: int) -> None:
+        """Learner m loaded the published global model itself (a start or a rejoin)."""
+        held[m].clear()
+        if cfg.down_delta:
+            g = syncer.global_params()
+            mirror[m] = {p: [g[n].clone() for n in f.names] for p, f in enumerate(frag.fragments)}
+
     q = EventQueue()
     stats = {"bytes_up": 0, "bytes_down": 0, "pushes": 0, "rejected": {}, "staleness": []}
     M, N = cfg.learners, cfg.steps
@@ -73,6 +85,7 @@ def run_decoupled(cfg: TrainConfig, ctx) -> dict:
     for m in range(M):
         syncer.join(m)
         syncs[m].load_global(syncer.global_params(), syncer.versions())
+        exact(m)
         L[m].next_fail_s = world.next_failure_s(m, 0.0)
         q.push(0.0, 9, "start", (m, 0))
         if L[m].next_fail_s < math.inf:
@@ -146,12 +159,17 @@ def run_decoupled(cfg: TrainConfig, ctx) -> dict:
         syncer.observe_sync_s(cfg.merge_time_s + world.transfer_s(nbytes))
         for m in range(M):
             if L[m].alive and not L[m].finished:
+                mine = params
+                if cfg.down_delta:  # the delta against m's copy; the copy moves with it
+                    have = mirror[m][mg.fragment]
+                    mine = [h + world.down_codec.roundtrip(x - h) for h, x in zip(have, mg.params)]
+                    mirror[m][mg.fragment] = mine
                 stats["bytes_down"] += nbytes
                 q.push(
                     done + world.transfer_s(nbytes),
                     2,
                     "receive",
-                    (m, L[m].inc, mg.fragment, mg.version, params),
+                    (m, L[m].inc, mg.fragment, mg.version, mine),
                 )
         rec.row(
             "merge",
@@ -285,7 +303,7 @@ def run_decoupled(cfg: TrainConfig, ctx) -> dict:
             stats["bytes_down"] += model_bytes_down
             syncer.join(m)
             syncs[m].load_global(syncer.global_params(), syncer.versions(), t + fetch_s)
-            held[m].clear()  # it installed the published versions themselves
+            exact(m)
             L[m].alive = True
             times[m].down_s += t + fetch_s - L[m].down_since_s
             if n_up == 0:

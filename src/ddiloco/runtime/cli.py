@@ -80,6 +80,7 @@ def syncer_server_config(
         port=rt.port,
         syncer=cfg.sync.syncer_config(),
         downlink_codec=cfg.down_codec,
+        downlink_delta=cfg.down_delta,
         max_push_bytes=rt.max_push_bytes,
         heartbeat_timeout_s=rt.heartbeat_timeout_s,
         heartbeat_interval_s=rt.heartbeat_interval_s,

@@ -156,6 +156,10 @@ class SyncerClient:
         self.data_fetch: BulkClient | None = None
         """A second connection for fetches, so that a fetch never queues behind a push
         (the sender and receiver threads each have their own)."""
+        self._mirrors: dict[int, tuple[int, list[torch.Tensor]]] = {}
+        """Delta-coded downlinks: fragment -> (the syncer's token, the copy this learner
+        holds); each delta reply is added to it."""
+        self._fetch_lock = threading.Lock()
 
     def close(self) -> None:
         self.use_data_port(None)
@@ -254,22 +258,45 @@ class SyncerClient:
         return self.stream("Push", wire.chunks(header, data), timeout_s)
 
     def fetch(
-        self, fragments: list[int] | None, timeout_s: float = 60.0
+        self, fragments: list[int] | None, timeout_s: float = 60.0, learner: int | None = None
     ) -> dict[int, tuple[int, list[torch.Tensor], int]]:
-        """Published fragments: p -> (version, flat fp32 tensors, wire bytes)."""
+        """Published fragments: p -> (version, flat fp32 tensors, wire bytes). ``learner``:
+        who fetches, so that a syncer with a delta-coded downlink (``sync.down_delta``)
+        sends each fragment as a delta against the copy this client holds."""
+        with self._fetch_lock:  # a delta reply is coded against the copy the request named
+            return self._fetch(fragments, timeout_s, learner)
+
+    def _fetch(
+        self, fragments: list[int] | None, timeout_s: float, learner: int | None
+    ) -> dict[int, tuple[int, list[torch.Tensor], int]]:
         out: dict[int, tuple[int, list[torch.Tensor], int]] = {}
 
         def decode(h: dict, buf: memoryview) -> None:
             codec = get_codec(h["codec"])
+            p = h["fragment"]
             ts, off = [], 0
             for k in h["numels"]:
                 nb = codec.nbytes(k)
                 ts.append(codec.decode(buf[off : off + nb], k))
                 off += nb
-            out[h["fragment"]] = (h["version"], ts, len(buf))
+            if h.get("delta"):
+                mine = self._mirrors.get(p)
+                if mine is None or len(mine[1]) != len(ts):
+                    raise ValueError(
+                        f"syncer {self.address} sent fragment {p} as a delta against a copy "
+                        f"this client does not hold"
+                    )
+                ts = [h0 + d for h0, d in zip(mine[1], ts)]
+            if "token" in h:
+                self._mirrors[p] = (int(h["token"]), [t.clone() for t in ts])
+            out[p] = (h["version"], ts, len(buf))
 
         LINK_CUT.check(self.address)
-        r = self._data_request({"op": "fetch", "fragments": fragments}, [], timeout_s, fetch=True)
+        req: dict = {"fragments": fragments}
+        if learner is not None:
+            req["learner"] = learner
+            req["mirrors"] = [[p, tok] for p, (tok, _) in sorted(self._mirrors.items())]
+        r = self._data_request({"op": "fetch", **req}, [], timeout_s, fetch=True)
         if r is not None:
             h, buf = r
             mv, off = memoryview(buf), 0
@@ -278,7 +305,7 @@ class SyncerClient:
                 off += item["nbytes"]
             return out
         call = self.bulk.unary_stream(wire.method("Fetch"))(
-            wire.pack({"fragments": fragments}), timeout=timeout_s, metadata=self._md
+            wire.pack(req), timeout=timeout_s, metadata=self._md
         )
         cur: dict | None = None
         buf = bytearray()

@@ -371,7 +371,7 @@ class DecoupledLearner:
     def _fetch_all(self, timeout_s: float = 60.0) -> tuple[list[int], dict[str, torch.Tensor]]:
         """The published global model: (versions, name -> tensor in the model's shapes)."""
         with self._fetch_lock:
-            got = self.client.fetch(None, timeout_s=timeout_s)
+            got = self.client.fetch(None, timeout_s=timeout_s, learner=self.learner)
         versions, params = [got[p][0] for p in range(self.fragmentation.P)], {}
         for p, f in enumerate(self.fragmentation.fragments):
             shaped = [t.view(self.params[n].shape) for n, t in zip(f.names, got[p][1])]
@@ -852,7 +852,7 @@ class DecoupledLearner:
                 if need:
                     t0 = time.monotonic()
                     with self._fetch_lock:
-                        res = self.client.fetch(sorted(need))
+                        res = self.client.fetch(sorted(need), learner=self.learner)
                     nbytes = sum(v[2] for v in res.values())
                     d = self.link.delay_s(nbytes)
                     if d > 0:

@@ -306,6 +306,7 @@ class ControlHandlers:
                     self.run_ended_wall = time.time()
                 t0 = time.monotonic()
                 self._handle_merges(st.leave(m, t0), t0)
+                self._forget_copies(m)
                 self.members.note("leave", m, inc, len(st.live))
                 self._event("leave", learner=m, live=len(st.live))
                 log.info("[learner %d] left, %d live", m, len(st.live))

@@ -4,6 +4,7 @@ data port (``ddiloco.runtime.transport.bulk``), one validation and one apply pat
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -208,24 +209,81 @@ class DataHandlers:
             with self._lock:
                 self._pushing[pc.m] -= 1
 
-    def _fetch_items(self, raw: dict) -> list[tuple[int, int, list[memoryview], list[int]]]:
-        """(fragment, version, downlink byte pieces, numels) of the published fragments asked
-        for."""
-        want = self._validate(FetchRequest, raw, "fetch").fragments
+    def _fetch_items(self, raw: dict) -> list[tuple[int, int, list[memoryview], dict]]:
+        """(fragment, version, downlink byte pieces, the rest of its header) of the published
+        fragments asked for."""
+        req = self._validate(FetchRequest, raw, "fetch")
+        want = req.fragments
+        if self.config.downlink_delta and req.learner is not None:
+            return self._fetch_delta(want, req.learner, dict(req.mirrors or []))
         with self._lock:
-            st = self._require_ready()
-            P = st.fragmentation.P  # noqa: N806
-            if want is None:  # every fragment this shard owns
-                want = [p for p in range(P) if self._owns(p)]
-            if any(p >= P for p in want):
-                raise Reject(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    E.FRAGMENT,
-                    f"fragments must be a list of ints in [0, {P})",
+            frags = self._require_ready().fragmentation.fragments
+            items = [
+                (
+                    p,
+                    *self._pub[p],
+                    {"codec": self.config.downlink_codec, "numels": list(frags[p].numels)},
                 )
-            for p in want:
-                self._require_owned(p)
-            items = [(p, *self._pub[p], list(st.fragmentation.fragments[p].numels)) for p in want]
+                for p in self._wanted(want)
+            ]
+            self.counters["bytes_out"] += sum(len(b) for _, _, d, _ in items for b in d)
+        return items
+
+    def _wanted(self, want: list[int] | None) -> list[int]:
+        """The fragments a fetch asks for, checked (the caller holds the lock)."""
+        P = self._require_ready().fragmentation.P  # noqa: N806
+        if want is None:  # every fragment this shard owns
+            return [p for p in range(P) if self._owns(p)]
+        if any(p >= P for p in want):
+            raise Reject(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                E.FRAGMENT,
+                f"fragments must be a list of ints in [0, {P})",
+            )
+        for p in want:
+            self._require_owned(p)
+        return want
+
+    def _forget_copies(self, m: int) -> None:
+        """Learner m left or was declared dead: drop the copies kept for its delta-coded
+        fetches (a returning learner gets whole fragments again). Caller holds the lock."""
+        for k in [k for k in self._mirrors if k[0] == m]:
+            del self._mirrors[k]
+
+    def _fetch_delta(
+        self, want: list[int] | None, m: int, held: dict[int, int]
+    ) -> list[tuple[int, int, list[memoryview], dict]]:
+        """A delta-coded fetch: each fragment as the published version minus the copy learner
+        m holds (``held``: fragment -> the token of that copy), through the downlink codec;
+        a fragment whose copy the syncer does not know by that token goes whole, in fp32.
+        Each reply carries a new token for the copy it leaves the learner with."""
+        codec = get_codec(self.config.downlink_codec)
+        fp32 = get_codec("fp32")
+        with self._lock:
+            want = self._wanted(want)
+            pub = {p: self._pub_f32[p] for p in want}
+            have = {p: self._mirrors.get((m, p)) for p in want}
+        items, new = [], {}
+        for p in want:
+            version, theta = pub[p]
+            token = secrets.randbits(52)
+            mine = have[p]
+            if mine is not None and held.get(p) == mine[0]:
+                pieces = [memoryview(codec.encode(t - h)) for t, h in zip(theta, mine[1])]
+                copy = [
+                    h + codec.decode(b, h.numel()).view(h.shape) for h, b in zip(mine[1], pieces)
+                ]
+                head = {"codec": codec.name, "delta": True, "token": token}
+            else:
+                pieces = fp32.encode_many(theta)
+                copy = [t.clone() for t in theta]
+                head = {"codec": "fp32", "delta": False, "token": token}
+            head["numels"] = [t.numel() for t in theta]
+            new[p] = (token, copy)
+            items.append((p, version, pieces, head))
+        with self._lock:
+            for p, c in new.items():  # the copies the learner will hold once the reply lands
+                self._mirrors[(m, p)] = c
             self.counters["bytes_out"] += sum(len(b) for _, _, d, _ in items for b in d)
         return items
 
@@ -235,17 +293,10 @@ class DataHandlers:
         return self._fetch_frames(items)
 
     def _fetch_frames(self, items) -> Iterator[bytes]:
-        for p, version, pieces, numels in items:
+        for p, version, pieces, head in items:
             data = b"".join(pieces)
             yield from wire.chunks(
-                {
-                    "fragment": p,
-                    "version": version,
-                    "nbytes": len(data),
-                    "codec": self.config.downlink_codec,
-                    "numels": numels,
-                },
-                data,
+                {"fragment": p, "version": version, "nbytes": len(data), **head}, data
             )
 
     def _bulk(self, op: str, h: dict, plen: int, read_payload) -> tuple[dict, list[bytes]]:
@@ -279,10 +330,9 @@ class DataHandlers:
                                 "fragment": p,
                                 "version": v,
                                 "nbytes": sum(len(b) for b in d),
-                                "codec": self.config.downlink_codec,
-                                "numels": n,
+                                **head,
                             }
-                            for p, v, d, n in items
+                            for p, v, d, head in items
                         ]
                     },
                     [b for _, _, d, _ in items for b in d],

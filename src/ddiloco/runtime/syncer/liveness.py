@@ -51,5 +51,6 @@ class Liveness:
                         )
                         t0 = time.monotonic()
                         self._handle_merges(self.state.leave(m, now), t0)
+                        self._forget_copies(m)
                         self.members.note("dead", m, info.incarnation, len(self.state.live))
                         self._event("dead", learner=m, live=len(self.state.live))

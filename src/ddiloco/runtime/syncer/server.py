@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import grpc
+import torch
 from pydantic import BaseModel
 
 from ddiloco.algorithm.schedule import SlotClock
@@ -65,7 +66,7 @@ log = logging.getLogger("ddiloco.syncer")
 DATA_PORT_FILE = "data_port"
 """In the checkpoint directory: the data port of the last run, bound again on restart."""
 
-DOWNLINK_CODECS = ("fp32", "bf16", "int8", "int4")
+DOWNLINK_CODECS = ("fp32", "bf16", "int8", "int4", "int2")
 """Codecs of merged fragments sent to learners. int8 and int4 quantise the parameters themselves
 (learners install the quantised values; with a quantised uplink their next delta is taken
 against what they installed, so the install error does not reach the global model)."""
@@ -82,7 +83,10 @@ class SyncerServerConfig:
     syncer: SyncerConfig = field(default_factory=SyncerConfig)
     """The algorithm's configuration (quorum K, grace, merge rule, outer optimizer...)."""
     downlink_codec: str = "fp32"
-    """Codec of merged fragments sent to learners: fp32, bf16, int8 or int4."""
+    """Codec of merged fragments sent to learners: fp32, bf16, int8, int4 or int2."""
+    downlink_delta: bool = False
+    """Code each learner's fetch as the merged fragment minus the copy that learner holds
+    (``sync.down_delta``); the syncer keeps one copy per learner and fragment."""
     max_push_bytes: int = 1 << 30
     """Pushes declaring a larger payload are rejected before their payload is read."""
     heartbeat_timeout_s: float = 5.0
@@ -252,6 +256,9 @@ class SyncerServer(ControlHandlers, DataHandlers, Durability, Liveness):
             tuple[int, list[memoryview]]
         ] = []  # per fragment: (version, downlink bytes)
         self._shapes: list[list[tuple[int, ...]]] = []  # per fragment: its tensors' shapes
+        self._pub_f32: dict[int, tuple[int, list[torch.Tensor]]] = {}  # p -> (version, theta)
+        # (learner, p) -> (token, the copy of p that learner holds): delta-coded downlinks
+        self._mirrors: dict[tuple[int, int], tuple[int, list[torch.Tensor]]] = {}
         self._bulk_slots = threading.BoundedSemaphore(config.max_workers - config.control_reserve)
         self._pushing: Counter = Counter()  # learner -> gRPC pushes in progress
         self._unpublished: dict[int, Merged] = {}  # merged, waiting for durability

@@ -170,10 +170,26 @@ class FetchRequest(BaseModel):
         ]
         | None
     ) = None
+    learner: LearnerId | None = None
+    """Who fetches: with a delta-coded downlink, the syncer codes each fragment against the
+    copy this learner holds."""
+    mirrors: (
+        Annotated[
+            list[Annotated[list[Count], Field(min_length=2, max_length=2)]],
+            Field(max_length=MAX_FRAGMENTS),
+        ]
+        | None
+    ) = None
+    """``[fragment, token]`` pairs: the copies the learner holds, by the token the syncer
+    gave each."""
 
     @model_validator(mode="after")
     def _no_duplicates(self) -> FetchRequest:
         _unique(self.fragments, "fragments")
+        if self.mirrors is not None:
+            _unique([f for f, _ in self.mirrors], "mirrors' fragments")
+            if any(f >= MAX_FRAGMENTS for f, _ in self.mirrors):
+                raise ValueError(f"mirrors' fragments must be < {MAX_FRAGMENTS}")
         return self
 
 
