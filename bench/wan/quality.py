@@ -27,7 +27,7 @@ N_PARAMS = 108_288
 """gpt_tiny's parameters."""
 STEP_S = 0.065
 """The scaled setting's inner-step time (``docs/results/wan.md``)."""
-BITS = {"fp32": 32.0, "bf16": 16.0, "int8": 8.5, "int4": 4.5}
+BITS = {"fp32": 32.0, "bf16": 16.0, "int8": 8.5, "int4": 4.5, "int2": 2.5}
 COMMON = ["--gamma", "0.8", "--schedule", "time"]
 
 RUNS: dict[str, list[str]] = {
@@ -49,6 +49,23 @@ RUNS: dict[str, list[str]] = {
     "int4_int4_p4_h48": ["--method", "decoupled", "--codec", "int4", "--down-codec", "int4",
                          "-P", "4", "-H", "48", "--tau", "2", *COMMON],
 }  # fmt: skip
+DELTA = ["--method", "decoupled", "--codec", "int4", "--down-delta", "--tau", "2", *COMMON]
+"""int4 up, a delta-coded downlink (``sync.down_delta``)."""
+RUNS.update({
+    "int4_int4d_p4_h24": [*DELTA, "--down-codec", "int4", "-P", "4", "-H", "24"],
+    "int4_int4d_p4_h28": [*DELTA, "--down-codec", "int4", "-P", "4", "-H", "28"],
+    "int4_int4d_p3_h27": [*DELTA, "--down-codec", "int4", "-P", "3", "-H", "27"],
+    "int4_int4d_p3_h27_tau4": [*DELTA, "--down-codec", "int4", "-P", "3", "-H", "27",
+                               "--tau", "4"],
+    "int4_int4d_p4_h28_tau4": [*DELTA, "--down-codec", "int4", "-P", "4", "-H", "28",
+                               "--tau", "4"],
+    "int4_int4d_p2_h28": [*DELTA, "--down-codec", "int4", "-P", "2", "-H", "28"],
+    "int4_int4d_p4_h32": [*DELTA, "--down-codec", "int4", "-P", "4", "-H", "32"],
+    "int4_int4d_p6_h30": [*DELTA, "--down-codec", "int4", "-P", "6", "-H", "30"],
+    "int4_int4d_p8_h32": [*DELTA, "--down-codec", "int4", "-P", "8", "-H", "32"],
+    "int4_int4d_p4_h48": [*DELTA, "--down-codec", "int4", "-P", "4", "-H", "48"],
+    "int4_int2d_p4_h24": [*DELTA, "--down-codec", "int2", "-P", "4", "-H", "24"],
+})  # fmt: skip
 
 
 def planner_bytes(cfg: dict, cal: dict | None) -> float:

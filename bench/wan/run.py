@@ -74,6 +74,7 @@ def train_config(a: argparse.Namespace) -> TrainConfig:
             tau=a.tau,
             codec=a.codec,
             down_codec=a.down_codec,
+            down_delta=a.down_delta,
             quorum=a.quorum,
             gamma=a.gamma,
             schedule=a.schedule,
@@ -403,6 +404,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-grace", action="store_true")
     ap.add_argument("--codec", default="int4")
     ap.add_argument("--down-codec", default="int8")
+    ap.add_argument(
+        "--down-delta",
+        action="store_true",
+        help="delta-coded downlink: each fetch against the learner's copy (sync.down_delta)",
+    )
     ap.add_argument(
         "--slowdowns",
         type=lambda s: [float(x) for x in s.split(",")],

@@ -29,7 +29,7 @@ def main() -> None:
     while True:
         t = time.time()
         try:
-            got = client.fetch(None, timeout_s=30.0)
+            got = client.fetch(None, timeout_s=30.0, exact=True)
         except Exception:  # noqa: BLE001 - no model yet, or the syncer is stopping
             time.sleep(0.5)
             continue

@@ -45,6 +45,10 @@ PAPER = [*DEC, "-P", "8", "-H", "24", "--codec", "int4", "--down-codec", "int8"]
 HEADLINE = [*DEC, "-P", "4", "-H", "48", "--codec", "int4", "--down-codec", "int8"]
 """The fewest bytes per step within the quality bound (chosen with the in-process engine)."""
 
+DELTA = [*DEC, "-P", "3", "-H", "27", "--codec", "int4", "--down-codec", "int4", "--down-delta"]
+"""The bandwidth headline with a delta-coded int4 downlink (``sync.down_delta``), P and H
+chosen with the in-process engine (``bench/wan/quality.py``)."""
+
 HETERO = ["--steps", "600", "--slowdowns", "1,1,2,2"]
 
 RUNS: dict[str, list[str]] = {
@@ -91,6 +95,10 @@ RUNS: dict[str, list[str]] = {
     "decoupled_bw_t6": [*HEADLINE, *COMMON, "--tau", "6", "--pcap"],
     # the same with a bf16 downlink: better quality, more bytes
     "decoupled_bw16": [*HEADLINE[:-1], "bf16", *COMMON],
+    # int4 both ways, the downlink delta-coded against each learner's copy; tau = 6 gives
+    # the grace window time to gather the pushes on these links
+    "decoupled_dd": [*DELTA, *COMMON, "--pcap"],
+    "decoupled_dd_t6": [*DELTA, *COMMON, "--tau", "6"],
 }
 
 

@@ -1,7 +1,8 @@
 """The delta-coded downlink (``sync.down_delta``) against a real syncer process: a learner
 without a copy gets whole fp32 fragments, later fetches are deltas against its copy through
 the downlink codec with the rounding error carried forward, a copy the syncer does not know
-by its token is sent whole again, and malformed copy lists are refused."""
+by its token is sent whole again, malformed copy lists are refused, and an exact fetch gets
+the published fp32 values whatever the downlink."""
 
 from __future__ import annotations
 
@@ -61,9 +62,12 @@ def test_fetches_are_deltas_against_the_learners_copy(syncer_factory):
     # the original client's copy is gone with the token it was given: it gets the whole too
     assert client.fetch([0], learner=0)[0][2] == 4 * numel[0]
 
-    # a fetch that names no learner (an export, the launcher's summary) is not delta-coded
+    # a fetch that names no learner is not delta-coded; an exact one (an export, the
+    # launcher's summary, an evaluation) gets the published fp32 values
     plain = SyncerClient(s.address, s.token).fetch([0])
     assert plain[0][2] == sum(int4.nbytes(k) for k in frag.fragments[0].numels)
+    assert not torch.equal(_flat(plain, 0), exact)
+    assert torch.equal(_flat(SyncerClient(s.address, s.token).fetch([0], exact=True), 0), exact)
 
     # the same over the data port, where learners fetch once joined
     dp = SyncerClient(s.address, s.token)

@@ -137,7 +137,7 @@ def state_dict_from_syncer(
             raise ExportError(
                 f"the syncer at {address} holds no model yet (no learner has joined it)"
             )
-        got = client.fetch(None, timeout_s=timeout_s)
+        got = client.fetch(None, timeout_s=timeout_s, exact=True)
     except grpc.RpcError as e:
         code, msg = rpc_code(e), rpc_details(e)
         if code == grpc.StatusCode.UNAUTHENTICATED:

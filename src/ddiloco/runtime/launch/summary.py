@@ -52,7 +52,7 @@ def poll_status(client, reports: dict[tuple[int, int], dict]) -> dict | None:
 def fetch_global(client):
     """Every fragment of the global model from the syncer (None if it cannot be fetched)."""
     try:
-        return client.fetch(None, timeout_s=30.0)
+        return client.fetch(None, timeout_s=30.0, exact=True)
     except Exception as e:  # noqa: BLE001
         print(f"ddiloco: could not fetch the final global model: {e}", file=sys.stderr)
         return None

@@ -258,16 +258,22 @@ class SyncerClient:
         return self.stream("Push", wire.chunks(header, data), timeout_s)
 
     def fetch(
-        self, fragments: list[int] | None, timeout_s: float = 60.0, learner: int | None = None
+        self,
+        fragments: list[int] | None,
+        timeout_s: float = 60.0,
+        learner: int | None = None,
+        exact: bool = False,
     ) -> dict[int, tuple[int, list[torch.Tensor], int]]:
-        """Published fragments: p -> (version, flat fp32 tensors, wire bytes). ``learner``:
-        who fetches, so that a syncer with a delta-coded downlink (``sync.down_delta``)
-        sends each fragment as a delta against the copy this client holds."""
+        """Published fragments: p -> (version, flat fp32 tensors, wire bytes), through the
+        downlink codec. ``learner``: who fetches, so that a syncer with a delta-coded
+        downlink (``sync.down_delta``) sends each fragment as a delta against the copy this
+        client holds. ``exact``: the published fp32 values themselves (an export or an
+        evaluation of the global model, not a learner's install)."""
         with self._fetch_lock:  # a delta reply is coded against the copy the request named
-            return self._fetch(fragments, timeout_s, learner)
+            return self._fetch(fragments, timeout_s, learner, exact)
 
     def _fetch(
-        self, fragments: list[int] | None, timeout_s: float, learner: int | None
+        self, fragments: list[int] | None, timeout_s: float, learner: int | None, exact: bool
     ) -> dict[int, tuple[int, list[torch.Tensor], int]]:
         out: dict[int, tuple[int, list[torch.Tensor], int]] = {}
 
@@ -293,7 +299,9 @@ class SyncerClient:
 
         LINK_CUT.check(self.address)
         req: dict = {"fragments": fragments}
-        if learner is not None:
+        if exact:
+            req["exact"] = True
+        elif learner is not None:
             req["learner"] = learner
             req["mirrors"] = [[p, tok] for p, (tok, _) in sorted(self._mirrors.items())]
         r = self._data_request({"op": "fetch", **req}, [], timeout_s, fetch=True)

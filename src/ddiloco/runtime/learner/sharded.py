@@ -278,13 +278,17 @@ class ShardedClient:
         return self.clients[k].push(self._hdr(k, header), data, timeout_s)
 
     def fetch(
-        self, fragments: list[int] | None, timeout_s: float = 60.0, learner: int | None = None
+        self,
+        fragments: list[int] | None,
+        timeout_s: float = 60.0,
+        learner: int | None = None,
+        exact: bool = False,
     ) -> dict:
         """Published fragments, each from its owner. ``None``: every fragment (every shard
         must answer); a list: those the reachable shards hold (a dead shard's are left
         out, to be asked again)."""
         if self.map is None:
-            return self.primary.fetch(fragments, timeout_s, learner)
+            return self.primary.fetch(fragments, timeout_s, learner, exact)
         by_shard: dict[int, list[int] | None] = {}
         if fragments is None:
             by_shard = {k: None for k in range(self.map.S)}
@@ -292,7 +296,7 @@ class ShardedClient:
             for p in fragments:
                 by_shard.setdefault(self.shard_of(p), []).append(p)
         futs = {
-            k: self._pool.submit(self.clients[k].fetch, want, timeout_s, learner)
+            k: self._pool.submit(self.clients[k].fetch, want, timeout_s, learner, exact)
             for k, want in by_shard.items()
         }
         out, errors = {}, []

@@ -214,6 +214,17 @@ class DataHandlers:
         fragments asked for."""
         req = self._validate(FetchRequest, raw, "fetch")
         want = req.fragments
+        if req.exact:
+            fp32 = get_codec("fp32")
+            with self._lock:
+                pub = {p: self._pub_f32[p] for p in self._wanted(want)}
+            items = [
+                (p, v, fp32.encode_many(ts), {"codec": "fp32", "numels": [t.numel() for t in ts]})
+                for p, (v, ts) in pub.items()
+            ]
+            with self._lock:
+                self.counters["bytes_out"] += sum(len(b) for _, _, d, _ in items for b in d)
+            return items
         if self.config.downlink_delta and req.learner is not None:
             return self._fetch_delta(want, req.learner, dict(req.mirrors or []))
         with self._lock:
@@ -284,6 +295,9 @@ class DataHandlers:
         with self._lock:
             for p, c in new.items():  # the copies the learner will hold once the reply lands
                 self._mirrors[(m, p)] = c
+            n_delta = sum(1 for *_, head in items if head["delta"])
+            self.counters["fetch_delta"] += n_delta
+            self.counters["fetch_whole"] += len(items) - n_delta
             self.counters["bytes_out"] += sum(len(b) for _, _, d, _ in items for b in d)
         return items
 

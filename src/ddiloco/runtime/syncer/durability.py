@@ -36,8 +36,7 @@ class Durability:
 
     def _publish(self, p: int, version: int, params: list[torch.Tensor]) -> None:
         self._pub[p] = (version, self._encode_down(params))
-        if self.config.downlink_delta:
-            self._pub_f32[p] = (version, params)
+        self._pub_f32[p] = (version, params)  # the published tensors: never written again
 
     def _on_merged(self, mg: Merged, merge_s: float) -> None:
         """Called under the lock for every Merged the state machine returns."""

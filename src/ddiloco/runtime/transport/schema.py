@@ -173,6 +173,9 @@ class FetchRequest(BaseModel):
     learner: LearnerId | None = None
     """Who fetches: with a delta-coded downlink, the syncer codes each fragment against the
     copy this learner holds."""
+    exact: bool = False
+    """The published fp32 values themselves, whatever the downlink codec (an export, an
+    evaluation of the global model)."""
     mirrors: (
         Annotated[
             list[Annotated[list[Count], Field(min_length=2, max_length=2)]],
