@@ -525,42 +525,30 @@ class Launcher:
             int(m): (i.get("report") or {}).get("global_step") or 0
             for m, i in st.get("learners", {}).items()
         }
-        for m, step in self.chaos.kill_at_step:
-            key = ("kill", m, step)
+
+        def due(kind: str, m: int, step: int) -> _Proc | None:
+            """Learner m's process, once it is running and has reported ``step``, the first
+            time only (the event is then marked fired)."""
             p = self.procs.get(f"learner_{m}")
-            if (
-                key not in self._fired
-                and p is not None
-                and p.state == "running"
-                and steps.get(m, 0) >= step
-            ):
-                self._fired.add(key)
+            key = (kind, m, step)
+            if key in self._fired or p is None or p.state != "running":
+                return None
+            if steps.get(m, 0) < step or (kind == "cut" and p.link_cut is not None):
+                return None
+            self._fired.add(key)
+            return p
+
+        for m, step in self.chaos.kill_at_step:
+            if (p := due("kill", m, step)) is not None:
                 self._inject(
                     ChaosEvent(0.0, "kill-learner", 0.0, self.chaos.kill_downtime_s),
-                    lambda draw, pool: p,  # noqa: B023
+                    lambda draw, pool, p=p: p,
                 )
         for m, step, dur in self.chaos.stop_at_step:
-            key = ("stop", m, step)
-            p = self.procs.get(f"learner_{m}")
-            if (
-                key not in self._fired
-                and p is not None
-                and p.state == "running"
-                and steps.get(m, 0) >= step
-            ):
-                self._fired.add(key)
-                self._inject(ChaosEvent(0.0, "stop-learner", 0.0, dur), lambda draw, pool: p)  # noqa: B023
+            if (p := due("stop", m, step)) is not None:
+                self._inject(ChaosEvent(0.0, "stop-learner", 0.0, dur), lambda draw, pool, p=p: p)
         for m, step, dur in self.chaos.link_cut:
-            key = ("cut", m, step)
-            p = self.procs.get(f"learner_{m}")
-            if (
-                key not in self._fired
-                and p is not None
-                and p.state == "running"
-                and p.link_cut is None
-                and steps.get(m, 0) >= step
-            ):
-                self._fired.add(key)
+            if (p := due("cut", m, step)) is not None:
                 self._signal(p, signal.SIGUSR1)
                 p.link_cut = (p.popen.pid, self._now() + dur)
                 self.chaos_log.write(
