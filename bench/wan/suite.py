@@ -99,6 +99,10 @@ RUNS: dict[str, list[str]] = {
     # the grace window time to gather the pushes on these links
     "decoupled_dd": [*DELTA, *COMMON, "--pcap"],
     "decoupled_dd_t6": [*DELTA, *COMMON, "--tau", "6"],
+    # smaller fragments (10.2 kB: 33 ms each way), so that tau = 2-3 covers a push and its
+    # merge's return
+    "decoupled_dd_p6": [*DELTA, *COMMON, "-P", "6", "-H", "28"],
+    "decoupled_dd_p6_t3": [*DELTA, *COMMON, "-P", "6", "-H", "28", "--tau", "3"],
 }
 
 
