@@ -114,8 +114,12 @@ def test_pre_auth_limits_on_plain_tcp(syncer_factory):
         c.close()
 
     st = client.status()
-    assert st["rejections"].get("E_HANDSHAKE", 0) >= 200, st["rejections"]
-    assert st["rejections"].get("E_BUSY", 0) >= 70 - 64, st["rejections"]
+    rej = st["rejections"]
+    # each of the 200 prefixes, the slow hello and the 70 silent connections is refused
+    # once: for its handshake, or at once as busy when more than 64 of this peer's are
+    # open (the 200 prefixes too, on a machine slow to close them)
+    assert rej.get("E_HANDSHAKE", 0) + rej.get("E_BUSY", 0) >= 200 + 1 + 70, rej
+    assert rej.get("E_BUSY", 0) >= 70 - 64, rej
     assert client.fetch([0])[0][0] == 0  # the port still serves
     client.close()
 
