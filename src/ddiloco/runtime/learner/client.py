@@ -160,6 +160,7 @@ class SyncerClient:
         """Delta-coded downlinks: fragment -> (the syncer's token, the copy this learner
         holds); each delta reply is added to it."""
         self._fetch_lock = threading.Lock()
+        """One fetch at a time: on the fetch connection, and against the copies it names."""
 
     def close(self) -> None:
         self.use_data_port(None)
@@ -269,7 +270,7 @@ class SyncerClient:
         downlink (``sync.down_delta``) sends each fragment as a delta against the copy this
         client holds. ``exact``: the published fp32 values themselves (an export or an
         evaluation of the global model, not a learner's install)."""
-        with self._fetch_lock:  # a delta reply is coded against the copy the request named
+        with self._fetch_lock:
             return self._fetch(fragments, timeout_s, learner, exact)
 
     def _fetch(

@@ -173,7 +173,6 @@ class DecoupledLearner:
         self._closed = threading.Event()
         self._joined = threading.Event()
         self._lock = threading.Lock()
-        self._fetch_lock = threading.Lock()  # one fetch at a time on the fetch connection
         self._wanted: set[int] = set()
         self._base_versions: list[int] = [-1] * P
         self._latest_seq: dict[int, int] = {}
@@ -370,8 +369,7 @@ class DecoupledLearner:
 
     def _fetch_all(self, timeout_s: float = 60.0) -> tuple[list[int], dict[str, torch.Tensor]]:
         """The published global model: (versions, name -> tensor in the model's shapes)."""
-        with self._fetch_lock:
-            got = self.client.fetch(None, timeout_s=timeout_s, learner=self.learner)
+        got = self.client.fetch(None, timeout_s=timeout_s, learner=self.learner)
         versions, params = [got[p][0] for p in range(self.fragmentation.P)], {}
         for p, f in enumerate(self.fragmentation.fragments):
             shaped = [t.view(self.params[n].shape) for n, t in zip(f.names, got[p][1])]
@@ -851,8 +849,7 @@ class DecoupledLearner:
                     ]
                 if need:
                     t0 = time.monotonic()
-                    with self._fetch_lock:
-                        res = self.client.fetch(sorted(need), learner=self.learner)
+                    res = self.client.fetch(sorted(need), learner=self.learner)
                     nbytes = sum(v[2] for v in res.values())
                     d = self.link.delay_s(nbytes)
                     if d > 0:

@@ -213,32 +213,33 @@ class DataHandlers:
         """(fragment, version, downlink byte pieces, the rest of its header) of the published
         fragments asked for."""
         req = self._validate(FetchRequest, raw, "fetch")
-        want = req.fragments
         if req.exact:
             fp32 = get_codec("fp32")
-            with self._lock:
-                pub = {p: self._pub_f32[p] for p in self._wanted(want)}
             items = [
                 (p, v, fp32.encode_many(ts), {"codec": "fp32", "numels": [t.numel() for t in ts]})
-                for p, (v, ts) in pub.items()
+                for p, (v, ts) in self._published_f32(req.fragments).items()
             ]
+        elif self.config.downlink_delta and req.learner is not None:
+            items = self._fetch_delta(req.fragments, req.learner, dict(req.mirrors or []))
+        else:
             with self._lock:
-                self.counters["bytes_out"] += sum(len(b) for _, _, d, _ in items for b in d)
-            return items
-        if self.config.downlink_delta and req.learner is not None:
-            return self._fetch_delta(want, req.learner, dict(req.mirrors or []))
+                frags = self._require_ready().fragmentation.fragments
+                items = [
+                    (
+                        p,
+                        *self._pub[p],
+                        {"codec": self.config.downlink_codec, "numels": list(frags[p].numels)},
+                    )
+                    for p in self._wanted(req.fragments)
+                ]
         with self._lock:
-            frags = self._require_ready().fragmentation.fragments
-            items = [
-                (
-                    p,
-                    *self._pub[p],
-                    {"codec": self.config.downlink_codec, "numels": list(frags[p].numels)},
-                )
-                for p in self._wanted(want)
-            ]
             self.counters["bytes_out"] += sum(len(b) for _, _, d, _ in items for b in d)
         return items
+
+    def _published_f32(self, want: list[int] | None) -> dict[int, tuple[int, list]]:
+        """fragment -> (version, the published fp32 tensors) of the fragments asked for."""
+        with self._lock:
+            return {p: (self._pub[p][0], self._pub_theta[p]) for p in self._wanted(want)}
 
     def _wanted(self, want: list[int] | None) -> list[int]:
         """The fragments a fetch asks for, checked (the caller holds the lock)."""
@@ -270,13 +271,11 @@ class DataHandlers:
         Each reply carries a new token for the copy it leaves the learner with."""
         codec = get_codec(self.config.downlink_codec)
         fp32 = get_codec("fp32")
+        pub = self._published_f32(want)
         with self._lock:
-            want = self._wanted(want)
-            pub = {p: self._pub_f32[p] for p in want}
-            have = {p: self._mirrors.get((m, p)) for p in want}
+            have = {p: self._mirrors.get((m, p)) for p in pub}
         items, new = [], {}
-        for p in want:
-            version, theta = pub[p]
+        for p, (version, theta) in pub.items():
             token = secrets.randbits(52)
             mine = have[p]
             if mine is not None and held.get(p) == mine[0]:
@@ -298,7 +297,6 @@ class DataHandlers:
             n_delta = sum(1 for *_, head in items if head["delta"])
             self.counters["fetch_delta"] += n_delta
             self.counters["fetch_whole"] += len(items) - n_delta
-            self.counters["bytes_out"] += sum(len(b) for _, _, d, _ in items for b in d)
         return items
 
     @handler("fetch", bulk=True)

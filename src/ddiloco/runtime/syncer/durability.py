@@ -36,7 +36,7 @@ class Durability:
 
     def _publish(self, p: int, version: int, params: list[torch.Tensor]) -> None:
         self._pub[p] = (version, self._encode_down(params))
-        self._pub_f32[p] = (version, params)  # the published tensors: never written again
+        self._pub_theta[p] = params  # the published tensors: never written again
 
     def _on_merged(self, mg: Merged, merge_s: float) -> None:
         """Called under the lock for every Merged the state machine returns."""
@@ -252,6 +252,6 @@ class Durability:
         self._fp = spec_fingerprint(spec)
         self.epoch_s = time.time()
         self._pub = [(0, []) for _ in range(frag.P)]
-        self._pub_f32, self._mirrors = {}, {}
+        self._pub_theta, self._mirrors = {}, {}
         shape = dict(zip(spec["names"], (tuple(s) for s in spec["shapes"])))
         self._shapes = [[shape[n] for n in f.names] for f in frag.fragments]  # per fragment

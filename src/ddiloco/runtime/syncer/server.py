@@ -256,7 +256,7 @@ class SyncerServer(ControlHandlers, DataHandlers, Durability, Liveness):
             tuple[int, list[memoryview]]
         ] = []  # per fragment: (version, downlink bytes)
         self._shapes: list[list[tuple[int, ...]]] = []  # per fragment: its tensors' shapes
-        self._pub_f32: dict[int, tuple[int, list[torch.Tensor]]] = {}  # p -> (version, theta)
+        self._pub_theta: dict[int, list[torch.Tensor]] = {}  # p -> theta of version _pub[p][0]
         # (learner, p) -> (token, the copy of p that learner holds): delta-coded downlinks
         self._mirrors: dict[tuple[int, int], tuple[int, list[torch.Tensor]]] = {}
         self._bulk_slots = threading.BoundedSemaphore(config.max_workers - config.control_reserve)
