@@ -16,7 +16,7 @@ import pytest
 import torch
 from runtime_helpers import SyncerProcess, init_syncer, self_signed_cert, tiny_model
 
-from ddiloco.runtime.launch.chaos import ChaosConfig, chaos_preset, chaos_schedule
+from ddiloco.runtime.chaos import ChaosConfig, chaos_preset, chaos_schedule
 from ddiloco.runtime.learner.client import SyncerClient
 from ddiloco.runtime.syncer.checkpoint import load_checkpoint, save_atomic
 from ddiloco.runtime.transport import wire

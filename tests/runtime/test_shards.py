@@ -8,7 +8,7 @@ import pytest
 from runtime_helpers import read_jsonl, step_walls, tiny_config
 
 from ddiloco.runtime.launch.launcher import Launcher
-from ddiloco.runtime.syncer.shards import ShardMap, aggregate_status, parse_shards
+from ddiloco.runtime.transport.shards import ShardMap, aggregate_status, parse_shards
 
 
 def test_shard_map_and_parsing():

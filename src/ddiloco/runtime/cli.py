@@ -65,7 +65,7 @@ def syncer_server_config(
     """The syncer service's configuration from a run's ``TrainConfig``: its [sync] and
     [runtime] tables. An unset step budget is M x steps for a run file, none without."""
     from ddiloco.runtime.syncer.server import SyncerServerConfig
-    from ddiloco.runtime.syncer.shards import parse_shards
+    from ddiloco.runtime.transport.shards import parse_shards
     from ddiloco.runtime.transport.bulk import BulkLimits
 
     rt = cfg.runtime

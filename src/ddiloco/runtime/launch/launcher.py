@@ -139,7 +139,7 @@ class Launcher:
     """Runs one ``TrainConfig`` with real processes. ``run()`` returns the summary."""
 
     def __init__(self, config, options: LaunchOptions | None = None) -> None:
-        from ddiloco.runtime.launch.chaos import chaos_for_run
+        from ddiloco.runtime.chaos import chaos_for_run
 
         config = check_runnable(config)
         self.cfg = config
@@ -349,7 +349,7 @@ class Launcher:
 
     # -- the run --------------------------------------------------------------------------
     def run(self) -> dict:
-        from ddiloco.runtime.launch.chaos import ChaosLog, chaos_schedule
+        from ddiloco.runtime.chaos import ChaosLog, chaos_schedule
 
         c = self.cfg
         self.write_config()
@@ -518,7 +518,7 @@ class Launcher:
     def _step_triggers(self) -> None:
         """Deterministic, progress-based faults (``kill_at_step``, ``stop_at_step``,
         ``link_cut``, ``syncer_kill_at_step``)."""
-        from ddiloco.runtime.launch.chaos import ChaosEvent
+        from ddiloco.runtime.chaos import ChaosEvent
 
         st = self._status or {}
         steps = {

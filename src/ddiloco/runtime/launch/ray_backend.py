@@ -86,7 +86,7 @@ class RayOptions:
 # -- the driver -----------------------------------------------------------------------------
 def check_ray_config(config) -> None:
     """Settings the Ray backend cannot honour, with what to do instead."""
-    from ddiloco.runtime.launch.chaos import chaos_for_run
+    from ddiloco.runtime.chaos import chaos_for_run
 
     ch = chaos_for_run(config)
     driven = {

@@ -145,7 +145,7 @@ FAULTS = (
 
 
 def _check_config(cfg) -> None:
-    from ddiloco.runtime.launch.chaos import chaos_for_run
+    from ddiloco.runtime.chaos import chaos_for_run
     from ddiloco.runtime.syncer.server import DOWNLINK_CODECS
 
     if cfg.resolved_engine() != "processes":

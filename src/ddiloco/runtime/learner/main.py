@@ -93,7 +93,7 @@ def learner_kwargs(
 ) -> dict:
     """What ``DecoupledLearner`` gets for learner ``learner`` of the run ``cfg``: the sync
     section, the runtime's transport settings, and the run's chaos link limits."""
-    from ddiloco.runtime.launch.chaos import chaos_for_run
+    from ddiloco.runtime.chaos import chaos_for_run
 
     chaos = chaos_for_run(cfg)
     link = LinkLimits(
@@ -122,7 +122,7 @@ def learner_kwargs(
 
 def learner_slowdown(cfg: TrainConfig, learner: int) -> float:
     """Step-time factor (>= 1) of learner ``learner``: its world speed or the run's chaos."""
-    from ddiloco.runtime.launch.chaos import chaos_for_run
+    from ddiloco.runtime.chaos import chaos_for_run
 
     return chaos_for_run(cfg).slowdown.get(learner, 1.0)
 

@@ -2,7 +2,7 @@
 
 ``ShardedClient`` has the calls ``DecoupledLearner`` makes on a ``SyncerClient``. Against a
 single syncer it is that client. When a Join reply carries a shard map
-(``ddiloco.runtime.syncer.shards``), it opens a client per shard and from then on:
+(``ddiloco.runtime.transport.shards``), it opens a client per shard and from then on:
 
 - **Join** joins every shard, shard 0 first (it hands out learner ids; the others take the
   id it gave). The reply is one: shard 0's incarnation, each fragment's version and merged
@@ -27,7 +27,7 @@ import queue
 import grpc
 
 from ddiloco.runtime.learner.client import SyncerClient, rpc_code
-from ddiloco.runtime.syncer.shards import ShardMap, aggregate_status
+from ddiloco.runtime.transport.shards import ShardMap, aggregate_status
 
 __all__ = ["ShardedClient", "SendQueues"]
 

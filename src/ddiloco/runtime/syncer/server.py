@@ -141,7 +141,7 @@ class SyncerServerConfig:
     reach it, heartbeats tell every learner to finish. 0: no budget (each learner runs
     its own step count)."""
     shards: tuple[str, ...] = ()
-    """A sharded syncer (``ddiloco.runtime.syncer.shards``): every shard's HOST:PORT, as
+    """A sharded syncer (``ddiloco.runtime.transport.shards``): every shard's HOST:PORT, as
     learners reach them, in shard order. Empty: a single syncer owning every fragment."""
     shard: int = 0
     data_host: str | None = None

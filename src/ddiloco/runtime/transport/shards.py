@@ -1,4 +1,6 @@
-"""A sharded syncer: S syncer processes, each owning a disjoint set of fragments.
+"""The shard map of a sharded syncer: S syncer processes, each owning a disjoint set of
+fragments. Both sides speak it (the syncer shards and ``ddiloco.runtime.learner.sharded``),
+so it lives with the transport.
 
 The shard map comes from the run configuration: the shards' addresses in order
 (``--shards HOST:PORT,HOST:PORT,...``) and each process's own index (``--shard k``).
