@@ -27,16 +27,11 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
 
 
 def train_config_from_args(argv: Sequence[str]):
-    """The run configuration of ``ddiloco train`` arguments, with ``engine = auto``
-    resolved (processes for decoupled, inproc for the baselines)."""
-    from ddiloco.config.flags import parse_train
+    """The run configuration of ``ddiloco train`` arguments (``ddiloco.config.flags.
+    train_config``), with ``engine = auto`` resolved."""
+    from ddiloco.config.flags import train_config
 
-    args = parse_train(list(argv))
-    cfg = args.run
-    changes = {"engine": cfg.resolved_engine()}
-    if args.json:
-        changes["progress"] = False
-    return cfg.replace(**changes), args
+    return train_config(list(argv))
 
 
 def cmd_train(argv: Sequence[str]) -> int:

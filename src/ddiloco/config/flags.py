@@ -33,6 +33,7 @@ __all__ = [
     "SyncerArgs",
     "LearnerArgs",
     "parse_train",
+    "train_config",
     "parse_syncer",
     "parse_learner",
     "flag_names",
@@ -186,6 +187,18 @@ def parse_train(argv: list[str]) -> TrainArgs:
         "--config FILE reads a TOML file (every run directory holds its resolved "
         "config.toml, which replays the run); flags override it.",
     )
+
+
+def train_config(argv: list[str]) -> tuple[TrainConfig, TrainArgs]:
+    """The run configuration of ``ddiloco train`` arguments (and the parsed arguments), with
+    ``engine = auto`` resolved (processes for decoupled, inproc for the baselines) and the
+    progress display off under ``--json``. ``ddiloco launch`` describes its run the same way."""
+    args = parse_train(list(argv))
+    cfg = args.run
+    changes: dict[str, Any] = {"engine": cfg.resolved_engine()}
+    if args.json:
+        changes["progress"] = False
+    return cfg.replace(**changes), args
 
 
 # -- ddiloco syncer --------------------------------------------------------------------------

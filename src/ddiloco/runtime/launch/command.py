@@ -134,12 +134,11 @@ BACKENDS: dict[str, Callable[..., int]] = {"slurm": _launch_slurm}
 
 
 def cmd_launch(argv: list[str]) -> int:
-    from ddiloco.cli import train_config_from_args
-    from ddiloco.config.flags import ConfigError
+    from ddiloco.config.flags import ConfigError, train_config
 
     args, rest = _parser().parse_known_args(argv)
     try:
-        cfg, _ = train_config_from_args(rest)
+        cfg, _ = train_config(rest)
         return BACKENDS[args.backend](cfg, args)
     except (ConfigError, ValueError, RuntimeError) as e:
         print(f"ddiloco launch: error: {e}", file=sys.stderr)
