@@ -46,7 +46,7 @@ def cmd_train(argv: Sequence[str]) -> int:
         print(f"ddiloco train: error: {e}", file=sys.stderr)
         return 2
     if cfg.engine == "processes":
-        from ddiloco.runtime.cli import run_processes
+        from ddiloco.runtime.launch.run import run_processes
 
         try:
             return run_processes(cfg)

@@ -20,7 +20,7 @@ import pytest
 from ddiloco.cli import train_config_from_args
 from ddiloco.config import FLAT, TrainConfig
 from ddiloco.config.flags import flag_names, parse_learner, parse_syncer
-from ddiloco.runtime.cli import launcher_class
+from ddiloco.runtime.launch.run import launcher_class
 
 
 @dataclass

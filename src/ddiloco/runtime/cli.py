@@ -1,5 +1,4 @@
-"""Command-line entry points of the runtime: ``syncer``, ``learner``, ``status`` and the
-process launcher behind ``ddiloco train --engine processes``.
+"""Command-line entry points of the runtime: ``syncer``, ``learner`` and ``status``.
 
 ``syncer`` and ``learner`` read the run's configuration (``--config run.toml`` and flags
 generated from its declarations, ``ddiloco.config.flags``); the main CLI (``ddiloco.cli``)
@@ -22,9 +21,6 @@ __all__ = [
     "add_syncer_parser",
     "add_learner_parser",
     "add_status_parser",
-    "run_processes",
-    "launcher_class",
-    "syncer_server_config",
     "syncer_from_args",
     "cmd_syncer",
     "cmd_learner",
@@ -49,66 +45,9 @@ def add_syncer_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def syncer_server_config(
-    cfg,
-    *,
-    token: str,
-    checkpoint_dir: str | None = None,
-    resume: bool = False,
-    metrics_path: str | None = None,
-    metrics_dir: str | None = None,
-    from_file: bool = True,
-    shards: str | None = None,
-    shard: int = 0,
-    data_host: str | None = None,
-):
-    """The syncer service's configuration from a run's ``TrainConfig``: its [sync] and
-    [runtime] tables. An unset step budget is M x steps for a run file, none without."""
-    from ddiloco.runtime.syncer.server import SyncerServerConfig
-    from ddiloco.runtime.transport.shards import parse_shards
-    from ddiloco.runtime.transport.bulk import BulkLimits
-
-    rt = cfg.runtime
-    budget = (
-        rt.step_budget
-        if rt.step_budget is not None
-        else (cfg.learners * cfg.steps if from_file else 0)
-    )
-    return SyncerServerConfig(
-        token=token,
-        host=rt.host,
-        port=rt.port,
-        syncer=cfg.sync.syncer_config(),
-        downlink_codec=cfg.down_codec,
-        downlink_delta=cfg.down_delta,
-        max_push_bytes=rt.max_push_bytes,
-        heartbeat_timeout_s=rt.heartbeat_timeout_s,
-        heartbeat_interval_s=rt.heartbeat_interval_s,
-        checkpoint_dir=checkpoint_dir,
-        checkpoint_every=rt.checkpoint_every,
-        resume=resume,
-        tls_cert=rt.tls_cert,
-        tls_key=rt.tls_key,
-        metrics_path=metrics_path,
-        metrics_sinks=tuple(cfg.metrics_sinks.split(",")),
-        metrics_dir=metrics_dir,
-        step_budget=budget,
-        bulk_port=None if rt.bulk_port == -1 else rt.bulk_port,
-        http_port=rt.http_port,
-        data_limits=BulkLimits(
-            handshake_timeout_s=rt.handshake_timeout_s,
-            max_connections=rt.max_connections,
-            max_connections_per_peer=rt.max_connections_per_peer,
-            workers=rt.data_workers,
-        ),
-        shards=parse_shards(shards),
-        shard=shard,
-        data_host=data_host,
-    )
-
-
 def syncer_from_args(args):
     """``SyncerServerConfig`` of parsed ``ddiloco syncer`` arguments."""
+    from ddiloco.runtime.syncer.run_config import syncer_server_config
     from ddiloco.runtime.transport.auth import load_token
 
     return syncer_server_config(
@@ -247,26 +186,6 @@ def cmd_status(args) -> int:
         return 2
     print(json.dumps(st, indent=2) if args.json else format_status(st))
     return 0
-
-
-# -- train --engine processes ------------------------------------------------------------------
-def launcher_class(config) -> type:
-    """The launcher of ``runtime.launcher``: ``Launcher`` (local) or ``RayLauncher`` (ray)."""
-    if config.runtime.launcher == "ray":
-        from ddiloco.runtime.launch.ray_backend import RayLauncher
-
-        return RayLauncher
-    from ddiloco.runtime.launch.launcher import Launcher
-
-    return Launcher
-
-
-def run_processes(config) -> int:
-    """Run ``config`` (a TrainConfig) with a real syncer and learner processes: on this host
-    (``runtime.launcher = local``) or as Ray actors (``ray``)."""
-    with launcher_class(config)(config) as launcher:
-        summary = launcher.run()
-    return 0 if summary.get("ok") else 1
 
 
 RAW_COMMANDS = {"syncer": cmd_syncer, "learner": cmd_learner}

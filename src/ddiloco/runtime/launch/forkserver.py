@@ -11,9 +11,13 @@ The server is single-threaded (forking a multi-threaded process is unsafe) and n
 torch operation or imports gRPC itself: each child imports what it needs after the fork.
 Protocol: one JSON object per line on stdin (requests) and stdout (replies and exits):
 
-    -> {"op": "spawn", "id": 3, "argv": ["learner", ...], "log": "/path/learner_0.log"}
+    -> {"op": "spawn", "id": 3, "module": "ddiloco.runtime.cli", "argv": ["learner", ...],
+        "log": "/path/learner_0.log"}
     <- {"spawned": 3, "pid": 12345}
     <- {"exit": 12345, "rc": -9}        (whenever a child ends; rc as ``Popen.returncode``)
+
+A child runs ``MODULE.main(argv)``, the forked equivalent of ``python -m MODULE *argv``: the
+server knows its commands by name only (it imports no entry point).
 
 ``ForkServer`` is the launcher's client; ``ForkServer.spawn`` returns a ``ForkedProcess``
 with the ``Popen`` methods the launcher uses (``pid``, ``poll``, ``wait``, ``returncode``).
@@ -52,8 +56,9 @@ PRELOAD = (
 
 
 # -- the server process ------------------------------------------------------------------------
-def _child(argv: list[str], log_path: str) -> None:
-    """In the forked child: own session, output to the log, run the CLI, never return."""
+def _child(module: str, argv: list[str], log_path: str) -> None:
+    """In the forked child: own session, output to the log, run ``module.main(argv)``, never
+    return."""
     rc = 1
     try:
         os.setsid()
@@ -66,9 +71,9 @@ def _child(argv: list[str], log_path: str) -> None:
         os.close(null)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD):
             signal.signal(sig, signal.SIG_DFL)
-        from ddiloco.runtime.cli import main
+        import importlib
 
-        rc = main(argv) or 0
+        rc = importlib.import_module(module).main(argv) or 0
     except SystemExit as e:
         rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except BaseException:  # noqa: BLE001 - report anything, then exit
@@ -122,7 +127,7 @@ def serve() -> int:
                     continue
                 pid = os.fork()
                 if pid == 0:
-                    _child(list(req["argv"]), req["log"])
+                    _child(str(req["module"]), list(req["argv"]), req["log"])
                 children.add(pid)
                 _emit({"spawned": req["id"], "pid": pid})
         while children:
@@ -211,14 +216,25 @@ class ForkServer:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def spawn(self, argv: list[str], log_path: str, timeout_s: float = 30.0) -> ForkedProcess:
-        """Fork ``python -m ddiloco.runtime.cli *argv`` with output appended to ``log_path``."""
+    def spawn(
+        self, module: str, argv: list[str], log_path: str, timeout_s: float = 30.0
+    ) -> ForkedProcess:
+        """Fork ``python -m module *argv`` (``module.main(argv)``) with output appended to
+        ``log_path``."""
         with self._lock:
             rid = self._next_id
             self._next_id += 1
             self.proc.stdin.write(
                 (
-                    json.dumps({"op": "spawn", "id": rid, "argv": argv, "log": str(log_path)})
+                    json.dumps(
+                        {
+                            "op": "spawn",
+                            "id": rid,
+                            "module": module,
+                            "argv": argv,
+                            "log": str(log_path),
+                        }
+                    )
                     + "\n"
                 ).encode()
             )

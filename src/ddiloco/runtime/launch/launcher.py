@@ -270,7 +270,7 @@ class Launcher:
             )
             log.flush()
             if forked:  # p.cmd is [python, -m, ddiloco.runtime.cli, syncer|learner, ...]
-                p.popen = self._forkserver.spawn(p.cmd[3:], str(p.log_path))
+                p.popen = self._forkserver.spawn(p.cmd[2], p.cmd[3:], str(p.log_path))
             else:
                 p.popen = subprocess.Popen(
                     p.cmd,

@@ -33,8 +33,8 @@ class SyncerActor:
         import ray
         import torch
 
-        from ddiloco.runtime.cli import syncer_server_config
         from ddiloco.runtime.syncer.checkpoint import CHECKPOINT_NAME
+        from ddiloco.runtime.syncer.run_config import syncer_server_config
         from ddiloco.runtime.syncer.server import SyncerServer
         from ddiloco.runtime.transport.auth import load_token
 
