@@ -7,21 +7,38 @@ from a syncer reached over gRPC (``ddiloco.runtime.observe.cli``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from ddiloco.runtime.observe.history import RunDirReader, StatusHistory
 from ddiloco.runtime.observe.web import ObserveServer
 
-if TYPE_CHECKING:
-    from ddiloco.runtime.syncer.server import SyncerServer
+__all__ = [
+    "ObserveServer",
+    "StatusHistory",
+    "RunDirReader",
+    "ObservedSyncer",
+    "SyncerObserver",
+    "serve_syncer",
+]
 
-__all__ = ["ObserveServer", "StatusHistory", "RunDirReader", "SyncerObserver", "serve_syncer"]
+
+class ObservedSyncer(Protocol):
+    """What the HTTP port reads of a running syncer (``SyncerServer`` is one): the syncer
+    opens its port here, so this module knows it by this surface only."""
+
+    config: Any
+    """``SyncerServerConfig``: host, token, tls_cert, tls_key."""
+    port: int
+    state: Any
+    """The syncer state machine, None until the first learner's Init."""
+
+    def status(self) -> dict: ...
 
 
 class SyncerObserver:
     """The HTTP port of a running syncer: its history sampler and its server."""
 
-    def __init__(self, server: SyncerServer, port: int) -> None:
+    def __init__(self, server: ObservedSyncer, port: int) -> None:
         from ddiloco.runtime.transport.auth import server_ssl_context
 
         cfg = server.config
@@ -57,7 +74,7 @@ class SyncerObserver:
         self.history.close()
 
 
-def serve_syncer(server: SyncerServer, port: int) -> SyncerObserver:
+def serve_syncer(server: ObservedSyncer, port: int) -> SyncerObserver:
     """Start ``server``'s observability port on its host (0: a free port)."""
     obs = SyncerObserver(server, port)
     obs.start()
