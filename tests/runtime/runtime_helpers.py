@@ -142,6 +142,13 @@ def expect_rejection(code, tag: str, fn) -> None:
     assert ei.value.details().startswith(tag), ei.value.details()
 
 
+def assert_no_internal_error(status: dict, log_text: str) -> None:
+    """No fault a test injected was taken for a syncer bug: no ``E_INTERNAL`` counted in
+    ``status()["rejections"]`` and no traceback (or ``E_INTERNAL``) in the syncer's log."""
+    assert status["rejections"].get("E_INTERNAL", 0) == 0, status["rejections"]
+    assert "Traceback" not in log_text and "E_INTERNAL" not in log_text, log_text[-3000:]
+
+
 def self_signed_cert(tmp: Path) -> tuple[Path, Path]:
     """A self-signed certificate for 127.0.0.1 and its key (PEM) made by openssl in ``tmp``;
     skips the calling test, saying why, where openssl cannot make one."""

@@ -11,7 +11,13 @@ import struct
 import grpc
 import pytest
 import torch
-from runtime_helpers import expect_rejection, init_syncer, push_header, tiny_model
+from runtime_helpers import (
+    assert_no_internal_error,
+    expect_rejection,
+    init_syncer,
+    push_header,
+    tiny_model,
+)
 
 from ddiloco.algorithm.codecs import get_codec
 from ddiloco.runtime.learner.client import SyncerClient
@@ -138,6 +144,7 @@ def test_data_port_rejects_bad_requests_and_keeps_the_model(syncer_factory):
         "E_UNKNOWN_LEARNER",
     ):
         assert st["rejections"].get(code, 0) >= 1, (code, st["rejections"])
+    assert_no_internal_error(st, (s.tmp / "syncer.log").read_text())
     # after all that, a good push over the data port still merges
     assert client.push(push_header(frag, 0, data, inc, 9), data)["status"] == "accepted"
     assert client.status()["versions"][0] == 1

@@ -12,7 +12,13 @@ import time
 from pathlib import Path
 
 import pytest
-from runtime_helpers import SyncerProcess, init_syncer, self_signed_cert, tiny_model
+from runtime_helpers import (
+    SyncerProcess,
+    assert_no_internal_error,
+    init_syncer,
+    self_signed_cert,
+    tiny_model,
+)
 
 from ddiloco.runtime.learner.client import SyncerClient
 from ddiloco.runtime.transport.bulk import BulkClient
@@ -121,6 +127,7 @@ def test_pre_auth_limits_on_plain_tcp(syncer_factory):
     assert rej.get("E_HANDSHAKE", 0) + rej.get("E_BUSY", 0) >= 200 + 1 + 70, rej
     assert rej.get("E_BUSY", 0) >= 70 - 64, rej
     assert client.fetch([0])[0][0] == 0  # the port still serves
+    assert_no_internal_error(client.status(), (s.tmp / "syncer.log").read_text())
     client.close()
 
 
@@ -158,6 +165,7 @@ def test_pre_auth_limits_on_tls(tmp_path):
         assert client.fetch([0])[0][0] == 0
         st = client.status()
         assert st["rejections"].get("E_HANDSHAKE", 0) >= 21, st["rejections"]
+        assert_no_internal_error(st, (tmp_path / "syncer.log").read_text())
         client.close()
     finally:
         s.close()

@@ -9,7 +9,13 @@ from datetime import timedelta
 import grpc
 import pytest
 import torch
-from runtime_helpers import expect_rejection, init_syncer, push_header, tiny_model
+from runtime_helpers import (
+    assert_no_internal_error,
+    expect_rejection,
+    init_syncer,
+    push_header,
+    tiny_model,
+)
 
 from ddiloco.algorithm.codecs import get_codec
 from ddiloco.runtime.learner.client import SyncerClient, SyncerError
@@ -137,6 +143,7 @@ def test_bad_pushes_are_rejected_and_the_global_model_is_unchanged(syncer_factor
         "E_SPEC",
     ):
         assert st["rejections"].get(code, 0) >= 1, (code, st["rejections"])
+    assert_no_internal_error(st, (s.tmp / "syncer.log").read_text())
 
     # a valid push merges (one live learner: all-live); its retry is merged at most once
     moved = [t - 0.01 for t in good]

@@ -16,7 +16,7 @@ from ddiloco.algorithm.merge import all_finite
 from ddiloco.algorithm.syncer_state import Contribution, Status
 from ddiloco.runtime.syncer.common import Reject, handler
 from ddiloco.runtime.transport import wire
-from ddiloco.runtime.transport.bulk import BulkReject
+from ddiloco.runtime.transport.bulk import BulkAborted, BulkReject
 from ddiloco.runtime.transport.schema import FetchRequest, PushHeader
 from ddiloco.runtime.transport.wire import ErrorCode as E
 
@@ -194,20 +194,26 @@ class DataHandlers:
             raise Reject(grpc.StatusCode.INVALID_ARGUMENT, E.BAD_FRAME, "empty Push stream")
         h, payload = self._parse(first)
         pc = self._push_check(h)
-        limit = self.config.max_streams_per_learner
-        with self._lock:
-            if self._pushing[pc.m] >= limit:
-                raise Reject(
-                    grpc.StatusCode.UNAVAILABLE,
-                    E.BUSY,
-                    f"learner {pc.m} already has {limit} pushes in progress; retry",
-                )
-            self._pushing[pc.m] += 1
+        self._push_start(pc.m)
         try:
             return wire.pack(self._push_apply(pc, self._read_stream(payload, it, pc.nbytes)))
         finally:
             with self._lock:
                 self._pushing[pc.m] -= 1
+
+    def _push_start(self, m: int) -> None:
+        """One more push of learner m (its session) in progress, on either transport; over
+        ``max_streams_per_learner`` it is refused (``E_BUSY``, retried by learners), so one
+        session's stalled pushes hold a bounded number of threads."""
+        limit = self.config.max_streams_per_learner
+        with self._lock:
+            if self._pushing[m] >= limit:
+                raise Reject(
+                    grpc.StatusCode.UNAVAILABLE,
+                    E.BUSY,
+                    f"learner {m} already has {limit} pushes in progress; retry",
+                )
+            self._pushing[m] += 1
 
     def _fetch_items(self, raw: dict) -> list[tuple[int, int, list[memoryview], dict]]:
         """(fragment, version, downlink byte pieces, the rest of its header) of the published
@@ -324,9 +330,14 @@ class DataHandlers:
                         E.SIZE,
                         f"payload has {plen} bytes, header declared {pc.nbytes}",
                     )
-                buf = read_payload()
-                self.counters["bytes_in"] += len(buf)
-                return self._push_apply(pc, buf), []
+                self._push_start(pc.m)
+                try:
+                    buf = read_payload()
+                    self.counters["bytes_in"] += len(buf)
+                    return self._push_apply(pc, buf), []
+                finally:
+                    with self._lock:
+                        self._pushing[pc.m] -= 1
             if op == "fetch":
                 if plen:
                     raise Reject(
@@ -356,6 +367,8 @@ class DataHandlers:
             )
         except Reject as r:
             err = r
+        except BulkAborted as a:  # the client left or stalled mid-payload: no bug
+            err = Reject(a.status, a.code, a.message)
         except Exception as e:  # noqa: BLE001 - a handler bug must not escape untyped
             log.exception("%s failed", who)
             err = Reject(grpc.StatusCode.INTERNAL, E.INTERNAL, f"{type(e).__name__}: {e}")

@@ -123,7 +123,8 @@ class SyncerServerConfig:
     threads, so stalled transfers can never starve liveness; more are refused at once
     (``E_BUSY``, retried by learners)."""
     max_streams_per_learner: int = 4
-    """Concurrent gRPC pushes of one learner (more are refused with ``E_BUSY``)."""
+    """Concurrent pushes of one learner, gRPC and data port together (more are refused with
+    ``E_BUSY``)."""
     metrics_path: str | None = None
     """Append one JSON line per merge / rejection / membership event here."""
     http_port: int | None = None

@@ -20,10 +20,17 @@ minimal protocol:
 
 Limits are checked before anything is allocated: a hello over ``hello_max_bytes``, a header
 over ``MAX_HEADER_BYTES``, or a payload over the server's limit, closes the connection. No
-thread waits on a handshake or an idle connection (a selector does); connections are
-bounded in total and per peer address (``BulkLimits``). Client errors are ``BulkError``, a
-``grpc.RpcError`` with ``code()`` / ``details()``, so callers handle both transports alike
-(connection failures are ``UNAVAILABLE``: retryable).
+thread waits on a handshake, an idle connection or a request header (a selector reads them
+without blocking); a worker thread takes a request only once its whole header is in.
+Connections are bounded in total and per peer address, requests in service per peer
+(``BulkLimits``: the workers above one peer's share stay free for the others; a request
+over it is refused with ``E_BUSY``). Every message has a deadline that fits its size:
+``message_timeout_s + bytes / min_rate_bytes_s``. A client that closes mid-message ends its
+request as ``E_CANCELLED``, one that misses the deadline as ``E_TIMEOUT`` (counted through
+``on_refused``, or by the handler from ``read_payload``'s ``BulkAborted``); neither is an
+internal error. Client errors are ``BulkError``, a ``grpc.RpcError`` with ``code()`` /
+``details()``, so callers handle both transports alike (connection failures are
+``UNAVAILABLE``: retryable).
 """
 
 from __future__ import annotations
@@ -55,6 +62,7 @@ __all__ = [
     "BulkLimits",
     "BulkServer",
     "BulkReject",
+    "BulkAborted",
     "empty_buffer",
     "split_host",
 ]
@@ -90,6 +98,16 @@ class BulkReject(Exception):
     def __init__(self, status: grpc.StatusCode, message: str) -> None:
         super().__init__(message)
         self.status, self.message = status, message
+
+
+class BulkAborted(Exception):
+    """Raised by ``read_payload``: the client closed the connection before the whole
+    payload arrived (``code`` ``E_CANCELLED``) or missed its deadline (``E_TIMEOUT``). An
+    ordinary ending of the request, not a handler failure; the connection is closed."""
+
+    def __init__(self, code: str, status: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code, self.status, self.message = code, status, message
 
 
 def split_host(address: str) -> str:
@@ -198,17 +216,42 @@ class BulkLimits:
     max_connections_per_peer: int = 32
     """Open connections from one IP address; more are closed at once."""
     workers: int = 16
-    """Threads serving requests; idle connections hold none (they wait in a selector)."""
-    request_timeout_s: float = 120.0
-    """Time an authenticated client has to send one whole request (header and payload)."""
+    """Threads serving requests; idle connections and request headers hold none (a
+    selector reads them)."""
+    max_requests_per_peer: int = 8
+    """Requests of one IP address in service at once (reading a payload, handling,
+    sending a reply); more are refused at once with ``E_BUSY`` (retryable). At most
+    ``workers - 1``: the rest is the reserve that one peer's stalled requests cannot
+    take."""
+    message_timeout_s: float = 10.0
+    """Fixed part of every message's deadline (a request's header from its first byte, its
+    payload, the reply): ``message_timeout_s + bytes / min_rate_bytes_s``."""
+    min_rate_bytes_s: float = float(1 << 16)
+    """Slowest transfer rate a message may have (64 KiB/s: a 2 Mbit/s link shared by
+    four learners); a message slower than that misses its deadline (``E_TIMEOUT``)."""
 
     def __post_init__(self) -> None:
-        for name in ("hello_max_bytes", "max_connections", "max_connections_per_peer", "workers"):
+        for name in (
+            "hello_max_bytes",
+            "max_connections",
+            "max_connections_per_peer",
+            "workers",
+            "max_requests_per_peer",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-        for name in ("handshake_timeout_s", "request_timeout_s"):
+        for name in ("handshake_timeout_s", "message_timeout_s", "min_rate_bytes_s"):
             if not 0 < getattr(self, name) < float("inf"):
-                raise ValueError(f"{name} must be a positive number of seconds")
+                raise ValueError(f"{name} must be a positive number")
+
+    @property
+    def peer_requests(self) -> int:
+        """``max_requests_per_peer``, kept below ``workers`` (one worker: no reserve)."""
+        return max(1, min(self.max_requests_per_peer, self.workers - 1))
+
+    def deadline_s(self, nbytes: int) -> float:
+        """Time a message of ``nbytes`` bytes may take (sent or received)."""
+        return self.message_timeout_s + nbytes / self.min_rate_bytes_s
 
 
 class _Pending:
@@ -222,11 +265,26 @@ class _Pending:
         self.tls_done = not tls
 
 
+class _Incoming:
+    """An authenticated connection whose next request header is being read without
+    blocking (``buf``: the prefix, then the header), or which is being drained before it
+    is closed (``drain``: an error reply was sent and the request's payload is discarded)."""
+
+    __slots__ = ("sock", "peer", "started", "deadline", "buf", "drain")
+
+    def __init__(self, sock: socket.socket, peer: str, deadline: float, drain: bool) -> None:
+        self.sock, self.peer, self.deadline, self.drain = sock, peer, deadline, drain
+        self.started = time.monotonic()
+        self.buf = bytearray()
+
+
 class BulkServer:
     """Serves the data port. One selector thread accepts connections, runs every handshake
-    without blocking (under a deadline and a small hello limit) and watches idle
-    authenticated connections; a bounded pool of ``limits.workers`` threads serves the
-    requests. Connections are bounded in total and per peer address."""
+    without blocking (under a deadline and a small hello limit), watches idle
+    authenticated connections and reads each request's header, also without blocking; a
+    bounded pool of ``limits.workers`` threads serves the requests whose header is in
+    (payload, handler, reply), at most ``limits.peer_requests`` of one peer at a time.
+    Connections are bounded in total and per peer address."""
 
     def __init__(
         self,
@@ -245,9 +303,12 @@ class BulkServer:
         self.ssl_context = ssl_context
         self.on_auth_failure = on_auth_failure
         self.on_refused = on_refused
-        """Called with (peer, code, reason) when a connection is dropped before
-        authentication (``E_BUSY``: a connection limit; ``E_HANDSHAKE``: no valid hello in
-        time, or one too large)."""
+        """Called with (peer, code, reason) when a connection or a request is ended by the
+        port rather than served: before authentication ``E_BUSY`` (a connection limit) or
+        ``E_HANDSHAKE`` (no valid hello in time, or one too large); after it ``E_BUSY``
+        (the peer's requests in service), ``E_CANCELLED`` (closed mid-message),
+        ``E_TIMEOUT`` (a message past its deadline), ``E_FRAME`` / ``E_OVERSIZE`` (a header
+        that is not a JSON object, or too large)."""
         self.limits = limits or BulkLimits()
         self._sock = socket.create_server(
             (host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET, backlog=128
@@ -260,7 +321,9 @@ class BulkServer:
         self._pending: dict[socket.socket, _Pending] = {}
         self._peer_of: dict[socket.socket, str] = {}
         self._per_peer: Counter[str] = Counter()
-        self._ready: list[socket.socket] = []  # served: back to the selector
+        self._incoming: dict[socket.socket, _Incoming] = {}  # headers being read, drains
+        self._serving: Counter[str] = Counter()  # peer -> its requests held by workers
+        self._ready: list[tuple[socket.socket, bool]] = []  # served: (conn, drain) back
         self._lock = threading.Lock()
         self._closed = False
         self._pool = ThreadPoolExecutor(
@@ -309,8 +372,11 @@ class BulkServer:
                 if self._closed:
                     return
                 ready, self._ready = self._ready, []
-            for conn in ready:
-                self._watch_idle(conn)
+            for conn, drain in ready:
+                if drain:
+                    self._start_drain(conn)
+                else:
+                    self._watch_idle(conn)
             for key, _ev in self._sel.select(timeout=0.25):
                 if key.data == "accept":
                     self._accept()
@@ -318,13 +384,20 @@ class BulkServer:
                     with contextlib.suppress(OSError):
                         self._wake_r.recv(4096)
                 elif key.data == "idle":
-                    self._sel.unregister(key.fileobj)
-                    self._dispatch(key.fileobj)
+                    self._begin_request(key.fileobj)
+                elif isinstance(key.data, _Incoming):
+                    self._read_request(key.data)
                 else:
                     self._handshake(key.data)
             now = time.monotonic()
             for pend in [p for p in self._pending.values() if p.deadline <= now]:
                 self._refuse(pend, f"no valid hello within {self.limits.handshake_timeout_s} s")
+            for inc in [i for i in self._incoming.values() if i.deadline <= now]:
+                self._end_incoming(
+                    inc,
+                    None if inc.drain else wire.ErrorCode.TIMEOUT,
+                    f"request header not received within {inc.deadline - inc.started:.1f} s",
+                )
 
     def _accept(self) -> None:
         for _ in range(64):
@@ -434,7 +507,7 @@ class BulkServer:
         self._sel.unregister(conn)
         try:
             conn.setblocking(True)
-            _set_deadline(conn, self.limits.request_timeout_s)
+            conn.settimeout(self.limits.message_timeout_s)
             _send(conn, {"ok": True})
         except OSError:
             self._drop(conn)
@@ -465,25 +538,161 @@ class BulkServer:
         self._drop(conn)
 
     def _note_refused(self, peer: str, code: str, reason: str) -> None:
-        log.debug("data connection from %s dropped: %s: %s", peer, code, reason)
+        log.debug("data connection from %s: %s: %s", peer, code, reason)
         if self.on_refused:
             self.on_refused(peer, code, reason)
 
     def _watch_idle(self, conn: socket.socket) -> None:
         """An authenticated connection between requests: no thread, the selector waits."""
-        if isinstance(conn, ssl.SSLSocket) and conn.pending():
-            self._dispatch(conn)  # bytes already decrypted: the selector would not see them
-            return
         try:
+            conn.setblocking(False)
+            if isinstance(conn, ssl.SSLSocket) and conn.pending():
+                self._begin_request(conn)  # bytes already decrypted: the selector won't see them
+                return
             self._sel.register(conn, selectors.EVENT_READ, "idle")
         except (OSError, ValueError, KeyError):
             self._drop(conn)
 
-    def _dispatch(self, conn: socket.socket) -> None:
+    # -- request headers, read by the selector thread ---------------------------------------
+    def _begin_request(self, conn: socket.socket) -> None:
+        """The first bytes of a request arrived: its header is read without a thread, under
+        a deadline that grows with the header's announced size."""
+        with self._lock:
+            peer = self._peer_of.get(conn, "?")
+        inc = _Incoming(conn, peer, time.monotonic() + self.limits.deadline_s(_PREFIX.size), False)
+        self._incoming[conn] = inc
         try:
-            self._pool.submit(self._serve_one, conn)
+            self._sel.modify(conn, selectors.EVENT_READ, inc)
+        except KeyError:  # not registered (TLS bytes already decrypted)
+            self._sel.register(conn, selectors.EVENT_READ, inc)
+        self._read_request(inc)
+
+    def _read_request(self, inc: _Incoming) -> None:
+        if inc.drain:
+            self._drain(inc)
+            return
+        conn, lim = inc.sock, self.limits
+        try:
+            while True:
+                want = _PREFIX.size
+                if len(inc.buf) >= _PREFIX.size:
+                    want += _PREFIX.unpack_from(inc.buf)[0]
+                if len(inc.buf) >= want:
+                    break
+                try:
+                    chunk = conn.recv(want - len(inc.buf))
+                except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
+                    return  # more later (or the deadline)
+                if not chunk:  # between requests a close is the ordinary end
+                    code = wire.ErrorCode.CANCELLED if inc.buf else None
+                    self._end_incoming(inc, code, "connection closed mid-header")
+                    return
+                inc.buf += chunk
+                if len(inc.buf) == _PREFIX.size:
+                    hlen, _ = _PREFIX.unpack_from(inc.buf)
+                    if hlen > wire.MAX_HEADER_BYTES:
+                        self._end_incoming(
+                            inc,
+                            wire.ErrorCode.OVERSIZE,
+                            f"header of {hlen} bytes exceeds {wire.MAX_HEADER_BYTES}",
+                        )
+                        return
+                    inc.deadline = inc.started + lim.deadline_s(_PREFIX.size + hlen)
+        except (OSError, ValueError) as e:
+            self._end_incoming(inc, wire.ErrorCode.CANCELLED, f"{type(e).__name__}: {e}")
+            return
+        _, plen = _PREFIX.unpack_from(inc.buf)
+        try:
+            header = loads(inc.buf[_PREFIX.size :])
+            if not isinstance(header, dict):
+                raise ValueError("header must be a JSON object")
+        except ValueError as e:  # SchemaError too: closed without a reply
+            self._end_incoming(inc, wire.ErrorCode.BAD_FRAME, str(e))
+            return
+        del self._incoming[conn]
+        self._sel.unregister(conn)
+        peer = inc.peer
+        with self._lock:
+            busy = self._serving[peer] >= lim.peer_requests
+            if not busy:
+                self._serving[peer] += 1
+        if busy:
+            self._note_refused(
+                peer, wire.ErrorCode.BUSY, f"{lim.peer_requests} requests of this peer in service"
+            )
+            self._reply_now(
+                conn,
+                {
+                    "error": f"{wire.ErrorCode.BUSY}: {lim.peer_requests} requests from "
+                    f"{peer} are in service; retry",
+                    "grpc": "UNAVAILABLE",
+                },
+                drain=plen > 0,
+            )
+            return
+        try:
+            self._pool.submit(self._serve_one, conn, peer, header, plen)
         except RuntimeError:  # shut down
+            self._release(peer)
             self._drop(conn)
+
+    def _reply_now(self, conn: socket.socket, header: dict, drain: bool) -> None:
+        """An error reply from the selector thread, without blocking (if the client does not
+        take it at once it is closed); then the connection waits for its next request, or
+        with a request's payload unread is drained and closed."""
+        try:
+            _send(conn, header)
+        except (OSError, ValueError):
+            self._drop(conn)
+            return
+        if drain:
+            self._start_drain(conn)
+        else:
+            self._watch_idle(conn)
+
+    def _start_drain(self, conn: socket.socket) -> None:
+        """Close a connection whose request was not read: stop sending and discard what
+        arrives until the client closes or 2 s pass (closing with unread bytes would reset
+        the connection, and the client could lose the error reply sent just before). No
+        thread waits on it."""
+        with self._lock:
+            peer = self._peer_of.get(conn, "?")
+        try:
+            conn.setblocking(False)
+            conn.shutdown(socket.SHUT_WR)
+            inc = _Incoming(conn, peer, time.monotonic() + 2.0, True)
+            self._sel.register(conn, selectors.EVENT_READ, inc)
+        except (OSError, ValueError, KeyError):
+            self._drop(conn)
+            return
+        self._incoming[conn] = inc
+
+    def _drain(self, inc: _Incoming) -> None:
+        scratch = bytearray(1 << 16)
+        try:
+            while inc.sock.recv_into(scratch):
+                pass
+        except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
+            return
+        except (OSError, ValueError):
+            pass
+        self._end_incoming(inc, None, "drained")
+
+    def _end_incoming(self, inc: _Incoming, code: str | None, reason: str) -> None:
+        """Close a connection the selector was reading; ``code`` counts it (None: an
+        ordinary close)."""
+        self._incoming.pop(inc.sock, None)
+        with contextlib.suppress(KeyError, ValueError):
+            self._sel.unregister(inc.sock)
+        if code is not None:
+            self._note_refused(inc.peer, code, reason)
+        self._drop(inc.sock)
+
+    def _release(self, peer: str) -> None:
+        with self._lock:
+            self._serving[peer] -= 1
+            if self._serving[peer] <= 0:
+                del self._serving[peer]
 
     def _drop(self, conn: socket.socket) -> None:
         with self._lock:
@@ -496,34 +705,41 @@ class BulkServer:
             conn.close()
 
     # -- the workers ------------------------------------------------------------------------
-    def _serve_one(self, conn: socket.socket) -> None:
-        keep = False
+    def _serve_one(self, conn: socket.socket, peer: str, header: dict, plen: int) -> None:
+        after = "close"
         try:
-            keep = self._request(conn)
-        except (OSError, ValueError, ConnectionError) as e:
+            after = self._request(conn, peer, header, plen)
+        except BulkAborted as a:  # a handler that let it through: still an ordinary ending
+            self._note_refused(peer, a.code, a.message)
+        except (TimeoutError, BlockingIOError) as e:  # the reply was not taken in time
+            self._note_refused(peer, wire.ErrorCode.TIMEOUT, f"reply not taken in time: {e}")
+        except ConnectionError as e:  # the client left before its reply was sent
+            self._note_refused(peer, wire.ErrorCode.CANCELLED, f"reply not taken: {e}")
+        except (OSError, ValueError) as e:
             log.debug("bulk connection closed: %s", e)
         except Exception:  # noqa: BLE001 - a handler bug ends this connection, not the port
             log.exception("bulk request failed")
-        if keep:
+        finally:
+            self._release(peer)
+        if after != "close":
             with self._lock:
                 if not self._closed:
-                    self._ready.append(conn)
-                    keep = True
+                    self._ready.append((conn, after == "drain"))
                 else:
-                    keep = False
-        if keep:
+                    after = "close"
+        if after != "close":
             self._wake()
         else:
             self._drop(conn)
 
-    def _request(self, conn: socket.socket) -> bool:
-        """Serve one request; False ends the connection."""
-        deadline = time.monotonic() + self.limits.request_timeout_s
-        try:
-            h, plen = _recv_header(conn, deadline)
-        except ConnectionError:
-            return False
+    def _request(self, conn: socket.socket, peer: str, h: dict, plen: int) -> str:
+        """Serve one request whose header the selector read; returns what becomes of the
+        connection: ``idle`` (the next request), ``drain`` (the payload was not read) or
+        ``close``."""
+        lim = self.limits
+        conn.setblocking(True)
         if plen > self.max_payload:
+            conn.settimeout(lim.message_timeout_s)
             _send(
                 conn,
                 {
@@ -532,40 +748,48 @@ class BulkServer:
                     "grpc": "RESOURCE_EXHAUSTED",
                 },
             )
-            _linger(conn)
-            return False
+            return "drain"
         consumed = plen == 0
+        aborted: BulkAborted | None = None
 
         def read_payload() -> memoryview:
-            nonlocal consumed
+            nonlocal consumed, aborted
             buf = empty_buffer(plen)
-            _recv_exact(conn, buf, deadline)
+            timeout_s = lim.deadline_s(plen)
+            try:
+                _set_deadline(conn, timeout_s)
+                _recv_exact(conn, buf, time.monotonic() + timeout_s)
+            except (TimeoutError, BlockingIOError):
+                aborted = BulkAborted(
+                    wire.ErrorCode.TIMEOUT,
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"payload of {plen} bytes not received within its {timeout_s:.1f} s",
+                )
+            except (OSError, ConnectionError) as e:
+                aborted = BulkAborted(
+                    wire.ErrorCode.CANCELLED,
+                    grpc.StatusCode.CANCELLED,
+                    f"the client ended the request mid-payload ({type(e).__name__}: {e})",
+                )
+            if aborted is not None:
+                raise aborted
             consumed = True
             return buf
 
         try:
             reply, pieces = self.handler(str(h.get("op")), h, plen, read_payload)
         except BulkReject as r:
+            if aborted is not None:  # the client is gone or stalled: try, then close
+                with contextlib.suppress(OSError, ValueError):
+                    conn.settimeout(1.0)
+                    _send(conn, {"error": r.message, "grpc": r.status.name})
+                return "close"
+            conn.settimeout(lim.message_timeout_s)
             _send(conn, {"error": r.message, "grpc": r.status.name})
-            if not consumed:
-                _linger(conn)
-            return consumed
+            return "idle" if consumed else "drain"
+        _set_deadline(conn, lim.deadline_s(sum(len(b) for b in pieces)))
         _send(conn, reply, pieces)
-        return True
-
-
-def _linger(conn: socket.socket, timeout_s: float = 2.0) -> None:
-    """Before closing a connection whose request was not read: stop sending and discard
-    what arrives until the client closes (closing with unread bytes would reset the
-    connection, and the client could lose the error reply sent just before)."""
-    try:
-        conn.shutdown(socket.SHUT_WR)
-        conn.settimeout(timeout_s)
-        scratch = bytearray(1 << 16)
-        while conn.recv_into(scratch):
-            pass
-    except OSError:
-        pass
+        return "idle"
 
 
 class BulkClient:

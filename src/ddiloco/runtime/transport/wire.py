@@ -93,7 +93,9 @@ class ErrorCode:
     HANDSHAKE = "E_HANDSHAKE"
     """A data-port connection sent no valid hello in time, or one too large."""
     CANCELLED = "E_CANCELLED"
-    """The client ended a streamed call before sending all of it."""
+    """The client ended a streamed call (or a data-port message) before sending all of it."""
+    TIMEOUT = "E_TIMEOUT"
+    """A data-port message did not arrive (or its reply was not taken) within its deadline."""
     INTERNAL = "E_INTERNAL"
     """A handler failed on a bug; the call changed nothing it had not committed."""
 
