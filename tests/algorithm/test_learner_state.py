@@ -2,14 +2,14 @@ import pytest
 import torch
 
 from ddiloco.algorithm.fragments import fragment_parameters
-from ddiloco.algorithm.learner_state import LearnerSync
+from ddiloco.algorithm.learner_state import DEFAULT_INSTALL, LearnerSync
 from ddiloco.algorithm.schedule import FragmentSchedule
 
 
-def make(tau=1, alpha=0.0):
+def make(tau=1, alpha=0.0, install="overwrite"):
     params = {"a": torch.zeros(3), "b": torch.zeros(3)}
     fr = fragment_parameters([("a", 3, 4), ("b", 3, 4)], 2, "balanced")
-    ls = LearnerSync(params, fr, FragmentSchedule(P=2, H=4, tau=tau), alpha=alpha)
+    ls = LearnerSync(params, fr, FragmentSchedule(P=2, H=4, tau=tau), alpha=alpha, install=install)
     ls.load_global({"a": torch.zeros(3), "b": torch.zeros(3)}, [0, 0])
     return ls, params, fr
 
@@ -120,6 +120,9 @@ def test_never_installed_learner_does_not_contribute():
     params = {"a": torch.zeros(3), "b": torch.zeros(3)}
     fr = fragment_parameters([("a", 3, 4), ("b", 3, 4)], 2, "balanced")
     ls = LearnerSync(params, fr, FragmentSchedule(P=2, H=4, tau=1))
+    assert ls.install == DEFAULT_INSTALL
+    with pytest.raises(ValueError, match="install must be one of"):
+        LearnerSync(params, fr, FragmentSchedule(P=2, H=4, tau=1), install="replace")
     assert ls.after_step(1) == [] and ls.after_step(1) == []
     with pytest.raises(ValueError, match="schedule has P=1"):
         LearnerSync(params, fr, FragmentSchedule(P=1, H=4))
@@ -158,3 +161,150 @@ def test_snapshots_reuse_released_buffers_and_copy_the_current_values():
     assert o2.params[0].tolist() == [2.0, 2.0, 2.0]
     (o3,) = [o for o in sent[1]]  # step 4, fragment 1: never released, a buffer of its own
     assert o3.fragment == 1 and o3.params[0].data_ptr() != o2.params[0].data_ptr()
+
+
+# -- install = rebase ---------------------------------------------------------------------
+def _step(ls, params, name, delta):
+    """One inner step that moves tensor ``name`` by ``delta``."""
+    params[name].add_(delta)
+    return ls.after_step(10)
+
+
+def test_rebase_adds_the_progress_since_the_push_and_overwrites_nothing():
+    ls, params, fr = make(tau=1, install="rebase")
+    name = fr.fragments[0].names[0]
+    _step(ls, params, name, 1.0)
+    (out,) = _step(ls, params, name, 1.0)  # step 2: fragment 0 leaves at theta = 2
+    assert out.params[0].tolist() == [2.0] * 3
+    ls.release(0, out.params)  # the sender is done: the kept snapshot must survive it
+    ls.on_push_result(0, out.seq, accepted=True, target_version=1)
+    ls.receive(0, 1, [torch.full((3,), 5.0)])
+    _step(ls, params, name, 0.5)  # step 3, the overlap: theta = 2.5
+    assert ls.install_due() == [0]
+    assert params[name].tolist() == [5.5] * 3  # Theta + (2.5 - 2)
+    fr0 = ls.frags[0]
+    assert fr0.c_steps == 1 and fr0.c_tokens == 10  # the overlap step stays in the counters
+    assert fr0.unpushed_steps == 1 and fr0.base_version == 1
+    ls.mark_merged(0, out.seq)
+    assert ls.ledger.overwritten == 0 and ls.ledger.lost == 0
+    assert ls.ledger.unpushed == pytest.approx(1 * 0.5 + 3 * 0.5)  # fragment 1: 3 steps
+    assert ls.ledger.balance_error() < 1e-12
+    # the overlap step goes out with the next push of fragment 0, counted once
+    sent = [_step(ls, params, name, 0.0) for _ in range(3)]  # steps 4-6: 0 leaves at 6
+    (nxt,) = sent[-1]
+    assert nxt.fragment == 0 and nxt.c_steps == 4 and nxt.covered_steps == 4
+    assert nxt.params[0].tolist() == [5.5] * 3 and nxt.base_version == 1
+    # the snapshot buffer came back to the free list after the install: reused
+    assert nxt.params[0].data_ptr() == out.params[0].data_ptr()
+
+
+def test_rebase_of_a_late_install_loses_nothing():
+    ls, params, fr = make(tau=1, install="rebase")
+    name = fr.fragments[0].names[0]
+    _step(ls, params, name, 1.0)
+    (out,) = _step(ls, params, name, 1.0)
+    ls.on_push_result(0, out.seq, True, 1)
+    for _ in range(3):  # steps 3..5 (one in fragment 1's slot): the merged value is late
+        for o in _step(ls, params, name, 1.0):
+            ls.release(o.fragment, o.params)
+        assert ls.install_due() == []
+    ls.receive(0, 1, [torch.full((3,), 10.0)])
+    assert ls.install_due() == [0]
+    assert params[name].tolist() == [13.0] * 3  # 10 + (5 - 2)
+    assert ls.ledger.lost == 0 and ls.ledger.overwritten == 0
+    assert ls.frags[0].unpushed_steps == 3 and ls.frags[0].c_steps == 3
+    assert ls.ledger.balance_error() < 1e-12
+    assert ls.mean_install_delay_steps == 3  # pushed at step 2, installed at step 5
+
+
+def test_rebase_composes_with_alpha_mixing_and_tau_zero_is_exactly_the_overwrite():
+    ls, params, fr = make(tau=1, alpha=0.25, install="rebase")
+    name = fr.fragments[0].names[0]
+    _step(ls, params, name, 1.0)
+    (out,) = _step(ls, params, name, 1.0)  # theta(t) = 2
+    ls.on_push_result(0, out.seq, True, 1)
+    ls.receive(0, 1, [torch.full((3,), 6.0)])
+    _step(ls, params, name, 1.0)  # theta = 3
+    assert ls.install_due() == [0]
+    # alpha-mixed value with the snapshot, plus the progress since: 3 + 0.75 (6 - 2)
+    assert torch.allclose(params[name], torch.full((3,), 6.0))
+    # tau = 0: nothing happens between the push and the install; bit-identical to overwrite
+    a, pa, fa = make(tau=0, install="rebase")
+    b, pb, fb = make(tau=0, install="overwrite")
+    for ls_, p_ in ((a, pa), (b, pb)):
+        nm = fa.fragments[0].names[0]
+        p_[nm].fill_(0.1)
+        ls_.after_step(10)
+        (o,) = ls_.after_step(10)
+        ls_.on_push_result(0, o.seq, True, 1)
+        ls_.receive(0, 1, [torch.full((3,), 1.0 / 3.0)])
+        assert ls_.install_due() == [0]
+    assert torch.equal(pa[fa.fragments[0].names[0]], pb[fb.fragments[0].names[0]])
+
+
+def test_rebase_when_the_learner_pushed_again_before_the_merged_value_arrived():
+    """A learner slower than the fragment's period pushes p again (seq 2) while seq 1 awaits
+    its install. The merged value of seq 1 is rebased on seq 1's snapshot (steps since it
+    are kept; seq 2 stays in flight and is merged later); a version that merged seq 2 as
+    well is rebased on seq 2's snapshot, so no progress is counted twice."""
+    for version_merges_second, expect in ((False, 10.0 + (4 - 2)), (True, 10.0 + (4 - 3))):
+        ls, params, fr = make(tau=1, install="rebase")
+        ls.slot_s = 1.0
+        name = fr.fragments[0].names[0]
+        now, sends = 0.0, []
+        for delta in (2.0, 1.0):  # two slow steps; each sends both fragments
+            params[name].add_(delta)
+            now += 5.0
+            sends += [o for o in ls.after_step(10, now_s=now) if o.fragment == 0]
+        first, second = sends
+        assert first.params[0][0] == 2.0 and second.params[0][0] == 3.0
+        ls.on_push_result(0, first.seq, True, 1)
+        ls.on_push_result(0, second.seq, True, 2)
+        params[name].add_(1.0)  # one more (short) step: theta = 4 at the install
+        assert ls.after_step(10, now_s=now + 0.1) == []
+        version = 2 if version_merges_second else 1
+        ls.receive(0, version, [torch.full((3,), 10.0)])
+        assert 0 in ls.install_due()
+        assert params[name].tolist() == [expect] * 3, version_merges_second
+        assert ls.frags[0].base_version == version
+        assert ls.ledger.lost == 0 and ls.ledger.overwritten == 0
+        # the second push is still accounted for: pending until its merge, then merged
+        ls.mark_merged(0, second.seq)
+        assert ls.ledger.pending == pytest.approx(
+            sum(0.5 * c for p, f in enumerate(ls.frags) if p == 1 for c in f.in_flight.values())
+        )
+        assert ls.ledger.balance_error() < 1e-12
+        kept = set(ls.frags[0].anchors)
+        assert kept == (set() if version_merges_second else {second.seq})
+        if not version_merges_second:
+            # the counters of the kept later push are moved to the new origin (counts since
+            # the first push), so the next rebased install never makes them negative
+            assert ls.frags[0].anchors[second.seq].c_steps == second.c_steps - first.c_steps
+            params[name].add_(1.0)  # theta = 13
+            now += 5.0
+            (third,) = [o for o in ls.after_step(10, now_s=now) if o.fragment == 0]
+            assert third.c_steps == 3 and third.params[0][0] == 13.0
+            ls.on_push_result(0, third.seq, True, 3)
+            ls.receive(0, 3, [torch.full((3,), 20.0)])  # merged the second and third pushes
+            params[name].add_(1.0)  # theta = 14
+            assert ls.after_step(10, now_s=now + 0.1) == []
+            assert 0 in ls.install_due()
+            assert params[name].tolist() == [20.0 + (14 - 13)] * 3  # the third's snapshot
+            assert ls.frags[0].c_steps == 1 and ls.frags[0].c_tokens == 10
+            assert not ls.frags[0].anchors
+
+
+def test_rebase_of_a_refused_push_keeps_the_later_steps_and_counts_the_refused_dropped():
+    ls, params, fr = make(tau=1, install="rebase")
+    name = fr.fragments[0].names[0]
+    _step(ls, params, name, 1.0)
+    (out,) = _step(ls, params, name, 1.0)  # theta(t) = 2
+    ls.on_push_result(0, out.seq, accepted=False)
+    assert ls.ledger.dropped == pytest.approx(2 * 0.5)
+    ls.receive(0, 3, [torch.full((3,), 7.0)])  # someone else's merge
+    _step(ls, params, name, 1.0)
+    assert ls.install_due() == [0]
+    assert params[name].tolist() == [8.0] * 3  # 7 + (3 - 2): the step after the push is kept
+    assert ls.ledger.balance_error() < 1e-12
+    ls.load_global({"a": torch.zeros(3), "b": torch.zeros(3)}, [3, 3])  # a rejoin forgets all
+    assert all(not f.anchors and not f.targets for f in ls.frags)

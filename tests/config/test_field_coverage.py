@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import pytest
 
+from ddiloco.algorithm.learner_state import DEFAULT_INSTALL, INSTALL_RULES
 from ddiloco.cli import train_config_from_args
 from ddiloco.config import FLAT, TrainConfig
 from ddiloco.config.flags import flag_names, parse_learner, parse_syncer
@@ -181,6 +182,11 @@ ROWS: dict[str, tuple[list[str], Probe, Probe]] = {
         lambda p: p.server.syncer.merge_rule,
     ),
     "alpha": (["0.5"], lambda e: e.cfg.alpha, lambda p: p.learner["alpha"]),
+    "install": (
+        [next(r for r in INSTALL_RULES if r != DEFAULT_INSTALL)],
+        lambda e: e.cfg.install,
+        lambda p: p.learner["install"],
+    ),
     "codec": (["int4"], lambda e: e.world.up_codec.name, lambda p: p.learner["codec"]),
     "down_codec": (["int8"], lambda e: e.world.down_codec.name, lambda p: p.server.downlink_codec),
     "down_delta": (["true"], lambda e: e.cfg.down_delta, lambda p: p.server.downlink_delta),

@@ -20,7 +20,9 @@ def test_time_driven_schedule_gathers_learners_and_goodput_is_one_number(tmp_pat
     # every learner sleeps twice its compute time after a step, so four learners fit on two
     # cores and OS time-slicing does not dominate the step times; learner 3 is 18% slower
     chaos.write_text(json.dumps({"slowdown": {"0": 3.0, "1": 3.0, "2": 3.0, "3": 3.54}}))
-    cfg = tiny_config(run, learners=4, steps=60, quorum=1, schedule="time", chaos=str(chaos))
+    cfg = tiny_config(
+        run, learners=4, steps=60, quorum=1, schedule="time", install="overwrite", chaos=str(chaos)
+    )
     with Launcher(cfg) as la:
         s = la.run()
         st = la._status
@@ -34,8 +36,8 @@ def test_time_driven_schedule_gathers_learners_and_goodput_is_one_number(tmp_pat
     # one goodput: summary.json, `ddiloco status` and the live line read the same ledger
     assert s["goodput"] == goodput_so_far(st)
     assert f"goodput so far {s['goodput']:.3f}" in format_status(st)
-    # the tau overlap is overwritten, not merged (tau of each learner's steps between two
-    # slots of a fragment, about H of them)
+    # with install = overwrite the tau overlap is overwritten, not merged (tau of each
+    # learner's steps between two slots of a fragment, about H of them)
     assert 0.5 < s["goodput"] < 1.0
     useful = sum(pl["time"]["useful_s"] for pl in s["per_learner"])
     assert s["goodput"] == pytest.approx(useful / (cfg.learners * s["run_s"]), rel=1e-3)
@@ -54,3 +56,32 @@ def test_time_driven_schedule_gathers_learners_and_goodput_is_one_number(tmp_pat
             got,
             led,
         )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_rebased_installs_that_come_back_late_lose_no_step(tmp_path):
+    run = tmp_path / "run"
+    chaos = tmp_path / "chaos.json"
+    # every push and every merged fragment waits 0.15 s on the link, each way: a merged
+    # value comes back many steps after its install step (t + tau), often after the learner
+    # has pushed the fragment again
+    chaos.write_text(json.dumps({"link_latency_s": 0.15, "slowdown": {"0": 2.0, "1": 2.0}}))
+    cfg = tiny_config(run, learners=2, steps=150, install="rebase", chaos=str(chaos))
+    with Launcher(cfg) as la:
+        s = la.run()
+    assert s["ok"], s
+    assert s["install"] == "rebase"
+    for pl in s["per_learner"]:
+        led = pl["ledger_steps"]
+        assert pl["ledger_balance_error"] < 1e-6, pl
+        # installs really were late ...
+        assert pl["install_delay_steps"] > cfg.tau + 2, pl
+        # ... and no step was thrown away: everything computed reached the global model
+        assert led["lost"] == 0 and led["overwritten"] == 0, led
+        assert led["merged"] >= 0.99 * led["computed"], led
+    assert not s["rejections"], s["rejections"]  # every push valid (counters never negative)
+    assert s["goodput"] > 0.75, s["goodput"]
+    assert s["final_eval_loss"] < s["initial_eval_loss"] - 0.5
+    logs = "".join(p.read_text() for p in run.rglob("learner_*.log"))
+    assert "merged fragments come back" in logs and "A tau of" in logs

@@ -14,6 +14,7 @@ from typing import Literal
 
 from ddiloco.algorithm.codecs import CODECS, get_codec
 from ddiloco.algorithm.fragments import STRATEGIES
+from ddiloco.algorithm.learner_state import DEFAULT_INSTALL, INSTALL_RULES
 from ddiloco.algorithm.merge import MERGE_RULES
 from ddiloco.algorithm.policy import PolicyConfig
 from ddiloco.algorithm.syncer_state import SyncerConfig
@@ -155,6 +156,12 @@ class SyncConfig:
     """rda (radial-directional; embeddings averaged) or average (plain token-weighted)."""
     alpha: float = 0.0
     """Install mixing: theta <- alpha * theta_local + (1 - alpha) * Theta (0 = overwrite)."""
+    install: Literal["rebase", "overwrite"] = DEFAULT_INSTALL
+    """How a learner installs a merged fragment: ``rebase`` (the merged value plus the
+    learner's own progress since the push it merged: no step is thrown away, however late
+    the merged value) or ``overwrite`` (the paper's rule: the steps made since the push,
+    the tau overlap and any late-install steps, are replaced). Alpha mixing composes with
+    both. The decoupled method only; the synchronous baselines overwrite."""
     codec: str = "bf16"
     """Codec of what learners send: fp32, bf16, int8, int4, int2, 1bit; quantised ones with
     another block size as e.g. int2/4096."""
@@ -196,6 +203,7 @@ class SyncConfig:
             raise ValueError(f"sync.fragments P={self.fragments} must be <= H={self.H}")
         fraction("sync.gamma", self.gamma)
         fraction("sync.alpha", self.alpha)
+        one_of("sync.install", self.install, INSTALL_RULES)
         fraction("sync.outer_momentum", self.outer_momentum)
         positive("sync.outer_lr", self.outer_lr)
         one_of("sync.merge_rule", self.merge_rule, MERGE_RULES)

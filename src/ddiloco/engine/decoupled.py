@@ -58,7 +58,10 @@ def run_decoupled(cfg: TrainConfig, ctx) -> dict:
     syncer = SyncerState(frag, init, syncer_config(cfg))
     workers = build_workers(cfg, ctx.data, ctx.global_model.state_dict())
     slot_s = cfg.step_time_s if cfg.schedule == "time" else None
-    syncs = [LearnerSync(w.params, frag, sched, alpha=cfg.alpha, slot_s=slot_s) for w in workers]
+    syncs = [
+        LearnerSync(w.params, frag, sched, alpha=cfg.alpha, install=cfg.sync.install, slot_s=slot_s)
+        for w in workers
+    ]
     L = [_Learner() for _ in workers]
     times = [TimeBreakdown() for _ in workers]
     n_params = sum(f.numel for f in frag.fragments)
@@ -354,6 +357,7 @@ def run_decoupled(cfg: TrainConfig, ctx) -> dict:
                     )
                 },
                 "ledger_balance_error": led.balance_error(),
+                "install_delay_steps": round(syncs[m].mean_install_delay_steps, 3),
                 "syncer_tokens": {
                     k: round(getattr(syncer.ledger[m], k), 3)
                     for k in ("tokens_merged", "tokens_dropped", "tokens_pending")
@@ -380,6 +384,10 @@ def run_decoupled(cfg: TrainConfig, ctx) -> dict:
             sum(stats["staleness"]) / len(stats["staleness"]) if stats["staleness"] else 0.0
         ),
         "tokens_merged": tokens_merged,
+        "install": cfg.sync.install,
+        "install_delay_steps": round(
+            _ratio(sum(x.install_delay_steps for x in syncs), sum(x.installs for x in syncs)), 3
+        ),
         "failures": sum(x.failures for x in L),
         "fragments": frag.P,
         "per_learner": per_learner,

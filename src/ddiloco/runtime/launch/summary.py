@@ -225,6 +225,7 @@ def write_summary(
                     k: round(v * per_step * c.runtime.island_size) for k, v in ledger.items()
                 },
                 "ledger_balance_error": bal,
+                "install_delay_steps": (final or info.get("report", {})).get("install_delay_steps"),
                 "tokens_computed": tot["tokens"],
                 "syncer_tokens": info.get("syncer_ledger", {}),
                 "time": {
@@ -268,6 +269,7 @@ def write_summary(
         "versions": st.get("versions"),
         "mean_quorum": st.get("mean_quorum"),
         "learners_per_merge": st.get("mean_quorum"),
+        "install": c.sync.install,
         "rejections": st.get("rejections", {}),
         "syncer_counters": st.get("counters", {}),
         "chaos_events": rows["n_chaos"],

@@ -24,6 +24,7 @@ syncer and broadcasts the global model and every installed fragment to the other
 from __future__ import annotations
 
 import logging
+import math
 import os
 import queue
 import socket
@@ -37,7 +38,7 @@ import grpc
 import torch
 
 from ddiloco.algorithm.codecs import get_codec
-from ddiloco.algorithm.learner_state import LearnerSync, Outgoing
+from ddiloco.algorithm.learner_state import DEFAULT_INSTALL, LearnerSync, Outgoing
 from ddiloco.algorithm.schedule import ClockTrack, FragmentSchedule, SlotClock, StepTimer
 from ddiloco.runtime.learner.client import RETRYABLE, LinkLimits, SyncerError, rpc_code, rpc_details
 from ddiloco.runtime.learner.device import DeviceCopier
@@ -59,7 +60,9 @@ class DecoupledLearner:
     """One Decoupled DiLoCo learner bound to a user's model (and optionally optimizer).
 
     Parameters name the paper's symbols: P fragments, each synchronised every H inner
-    steps, merged value installed tau steps after sending, alpha mixing on install.
+    steps, merged value installed tau steps after sending, alpha mixing on install;
+    ``install="rebase"`` adds the learner's progress since the push to the merged value,
+    ``"overwrite"`` replaces it (``ddiloco.algorithm.learner_state``).
     ``codec`` compresses pushes (quantised codecs send the delta against the installed
     base version). ``schedule="time"`` sends fragment p in the slots of the syncer's clock
     (learners of different speeds send together, so the syncer's grace window merges them
@@ -87,6 +90,7 @@ class DecoupledLearner:
         strategy: str = "balanced",
         codec: str = "bf16",
         alpha: float = 0.0,
+        install: str = DEFAULT_INSTALL,
         schedule: str = "time",
         tokens_per_step: int | None = None,
         token: str | None = None,
@@ -154,6 +158,7 @@ class DecoupledLearner:
             self.fragmentation,
             self.schedule,
             alpha=alpha,
+            install=install,
             snapshot=self.copier.snapshot,
             slot_s=1.0 if self.time_driven else None,
         )
@@ -184,6 +189,8 @@ class DecoupledLearner:
         self._accepted_by_boot: dict[int, str] = {}
         self._merged_seq: dict[int, int] = {}
         self._merged_applied: dict[int, int] = {}
+        self._delay_mark = (0, 0)  # (installs, summed delay) at the last delay measurement
+        self._delay_warned = False
         self._threads: list[threading.Thread] = []
         self._last_step_t: float | None = None
         self.step_timer = StepTimer()
@@ -202,6 +209,7 @@ class DecoupledLearner:
             "pushes_accepted": 0,
             "pushes_rejected": 0,
             "installs": 0,
+            "install_delay_steps": 0.0,
             "reconnects": 0,
             "fetch_s": None,
             "push_errors": 0,
@@ -580,11 +588,43 @@ class DecoupledLearner:
                     self._base_versions[p] = self.sync.frags[p].base_version
                 self._wanted = set(self.sync.waiting_fragments)
             self.stats["installs"] += len(installed)
+            if installed:
+                self._watch_install_delay()
         stop = self._stop.is_set() if self._is_root else False
         if self.group is not None:
             installed, stop = self._broadcast_installs(installed, stop)
         self._stop_seen = self._stop_seen or stop
         return installed
+
+    def _watch_install_delay(self) -> None:
+        """Measure how many steps a merged fragment takes to come back (``install_delay_steps``
+        in the reports, over the last 4 P installs) and warn once when it is well past tau:
+        the grace window then cannot gather learners (and ``install = overwrite`` loses the
+        late steps)."""
+        installs, delay = self.sync.installs, self.sync.install_delay_steps
+        n = installs - self._delay_mark[0]
+        if n < 4 * self.fragmentation.P:
+            return
+        d = (delay - self._delay_mark[1]) / n
+        self._delay_mark = (installs, delay)
+        self.stats["install_delay_steps"] = round(d, 2)
+        tau = self.schedule.tau
+        if d > tau + 1 and not self._delay_warned:
+            self._delay_warned = True
+            log.warning(
+                "[learner %d step %d] merged fragments come back %.1f steps after their push "
+                "on average, later than tau = %d: the syncer's grace window cannot gather "
+                "learners%s. A tau of %d covers the link (--tau %d).",
+                self.learner,
+                self.sync.step,
+                d,
+                tau,
+                ", and the late steps are lost (install = overwrite)"
+                if self.sync.install == "overwrite"
+                else "",
+                math.ceil(d),
+                math.ceil(d),
+            )
 
     def wait_installs(self, timeout: timedelta = timedelta(minutes=5)) -> list[int]:
         """Block until every fragment whose install step has come is installed: call after

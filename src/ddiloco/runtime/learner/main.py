@@ -108,6 +108,7 @@ def learner_kwargs(
         strategy=cfg.fragmentation,
         codec=cfg.codec,
         alpha=cfg.alpha,
+        install=cfg.sync.install,
         schedule=cfg.schedule,
         token_file=cfg.runtime.token_file,
         tls_ca=cfg.runtime.tls_ca,
