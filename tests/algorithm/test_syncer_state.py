@@ -241,3 +241,79 @@ def test_final_pushes_gather_every_live_learner_and_average():
     assert r.merged is not None and r.merged.reason == "final" and r.merged.learners == (2,)
     assert torch.allclose(r.merged.params[0], torch.full_like(r.merged.params[0], 5.0))
     # a learner that joins again (a restart) is no longer finishing: it is waited for
+
+
+def _guarded(k: float, M: int = 1):
+    """Fragment w, K = 1, outer lr 1, no momentum: Theta' = Theta - Delta, exactly."""
+    return make(quorum=1, grace=False, M=M, norm_clip=k)
+
+
+def _walk(s, p, m, steps: list[float], seq0: int = 0) -> None:
+    """Learner m pushes Theta + d for each d (Delta = -d, norm 2|d| over 4 elements)."""
+    for i, d in enumerate(steps):
+        theta = float(s.frags[p].theta[0][0])
+        r = s.submit(push(m, p, theta + d, base=s.version(p), seq=seq0 + i), 0.0)
+        assert r.merged is not None
+
+
+def test_the_merge_guard_clips_an_outer_gradient_far_above_the_recent_ones():
+    from ddiloco.algorithm.merge import NORM_MIN_HISTORY
+
+    s, p = _guarded(3.0)
+    _walk(s, p, 0, [0.1, 0.12, 0.08, 0.1, 0.11, 0.09, 0.1, 0.1])  # median norm 0.2
+    assert len(s.frags[p].norms) == NORM_MIN_HISTORY and s.clipped_pushes == 0
+    theta = s.frags[p].theta[0].clone()
+    r = s.submit(push(0, p, float(theta[0]) + 50.0, base=s.version(p), seq=100), 0.0)
+    # the wild push (norm 100) moves the fragment by 3 x the median norm, not by 100
+    moved = s.frags[p].theta[0] - theta
+    assert float(torch.linalg.vector_norm(moved)) == pytest.approx(3 * 0.2, rel=1e-5)
+    assert r.merged.clipped == (0,) and s.clipped_pushes == 1
+    # its direction is kept, and it enters the statistic at the bound
+    assert torch.allclose(moved, torch.full((4,), 0.3), atol=1e-6)
+    assert s.frags[p].norms[-1] == pytest.approx(0.6, rel=1e-5)
+
+
+def test_the_merge_guard_leaves_ordinary_pushes_and_an_early_run_alone():
+    on, p = _guarded(3.0)
+    off, _ = _guarded(0.0)
+    steps = [1.0, 0.5, 2.0, 0.2, 0.1, 0.1, 0.3, 0.2, 0.25]  # a large first outer gradient
+    _walk(on, p, 0, steps)
+    _walk(off, p, 0, steps)
+    assert on.clipped_pushes == 0
+    assert torch.allclose(on.frags[p].theta[0], off.frags[p].theta[0], atol=1e-6)
+    assert len(off.frags[p].norms) == 0  # off: no statistic is kept
+
+
+def test_the_merge_guard_clips_each_push_of_a_multi_learner_round_and_final_rounds():
+    s, p = make(quorum=2, grace=False, M=2, norm_clip=2.0)
+    for i in range(8):  # rounds of two honest pushes (Delta = -0.1 each, norm 0.2)
+        theta = float(s.frags[p].theta[0][0])
+        s.submit(push(0, p, theta + 0.1, base=s.version(p), seq=i), 0.0)
+        r = s.submit(push(1, p, theta + 0.1, base=s.version(p), seq=i), 0.0)
+        assert r.merged is not None
+    theta = s.frags[p].theta[0].clone()
+    s.submit(push(0, p, float(theta[0]) + 0.1, base=s.version(p), seq=50), 0.0)
+    r = s.submit(push(1, p, float(theta[0]) + 10.0, base=s.version(p), seq=50), 0.0)
+    assert r.merged.clipped == (1,) and s.clipped_pushes == 1
+    # average of Delta = -0.1 and the wild one clipped to norm 0.4 (-0.2 per element)
+    assert torch.allclose(s.frags[p].theta[0] - theta, torch.full((4,), 0.15), atol=1e-6)
+    # a final round (the learners' average, no outer step) clips too
+    theta = s.frags[p].theta[0].clone()
+    fin = [
+        push(m, p, float(theta[0]) + d, base=s.version(p), seq=60) for m, d in ((0, 0.1), (1, 9.0))
+    ]
+    for c in fin:
+        c.final, c.final_fragments = True, (p,)
+        r = s.submit(c, 0.0)
+    assert r.merged is not None and r.merged.reason == "final" and r.merged.clipped == (1,)
+    assert float((s.frags[p].theta[0] - theta).max()) < 0.3  # not (0.1 + 9) / 2
+
+
+def test_norm_clip_is_validated():
+    with pytest.raises(ValueError, match="norm_clip"):
+        SyncerConfig(norm_clip=0.5)
+    from ddiloco.config.sections import SyncConfig
+
+    with pytest.raises(ValueError, match="sync.norm_clip"):
+        SyncConfig(norm_clip=-1.0)
+    assert SyncConfig(norm_clip=4.0).syncer_config().norm_clip == 4.0

@@ -206,6 +206,11 @@ ROWS: dict[str, tuple[list[str], Probe, Probe]] = {
         lambda e: e.syncer.max_staleness,
         lambda p: p.server.syncer.max_staleness,
     ),
+    "norm_clip": (
+        ["4"],
+        lambda e: e.syncer.norm_clip,
+        lambda p: p.server.syncer.norm_clip,
+    ),
     "staleness_discount": (
         ["0.5"],
         lambda e: e.syncer.staleness_discount,

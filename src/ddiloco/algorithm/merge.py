@@ -10,6 +10,7 @@ w_{m,p} = c_tokens * (c_tokens / c_steps) its weight ("quantity x quality").
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -27,6 +28,10 @@ __all__ = [
     "alpha_mix",
     "all_finite",
     "all_finite_list",
+    "NORM_WINDOW",
+    "NORM_MIN_HISTORY",
+    "fragment_norm",
+    "clip_bound",
 ]
 
 MERGE_RULES = ("rda", "average")
@@ -66,6 +71,29 @@ def all_finite_list(ts: Sequence[torch.Tensor]) -> bool:
         if all(math.isfinite(float(n)) for n in norms):
             return True
     return all(all_finite(t) for t in fl)
+
+
+NORM_WINDOW = 32
+"""Merged outer gradients per fragment whose norms the merge guard's median is taken over."""
+NORM_MIN_HISTORY = 8
+"""Merged outer gradients a fragment needs before the merge guard acts."""
+
+
+def fragment_norm(ts: Sequence[torch.Tensor]) -> float:
+    """``||Delta_{m,p}||``: the L2 norm of a fragment's tensors taken together."""
+    if not ts:
+        return 0.0
+    return math.sqrt(sum(float(n) ** 2 for n in torch._foreach_norm(list(ts))))
+
+
+def clip_bound(recent: Sequence[float], k: float) -> float | None:
+    """The merge guard's bound on an outer gradient's norm: ``k`` times the median of the
+    ``recent`` norms merged for its fragment (a robust statistic: a minority of outliers
+    among them barely moves it). None while there are fewer than ``NORM_MIN_HISTORY`` of
+    them or the guard is off (``k == 0``)."""
+    if k <= 0 or len(recent) < NORM_MIN_HISTORY:
+        return None
+    return k * statistics.median(recent)
 
 
 def _normalised(weights: Sequence[float]) -> list[float]:

@@ -35,8 +35,11 @@ import torch
 from ddiloco.algorithm.fragments import Fragmentation
 from ddiloco.algorithm.merge import (
     MERGE_RULES,
+    NORM_WINDOW,
     OuterNesterov,
     all_finite,
+    clip_bound,
+    fragment_norm,
     merge_outer_gradients,
     token_weight,
 )
@@ -87,6 +90,12 @@ class SyncerConfig:
     """Scale the outer gradient of a round that merges k of n live learners by k/n, so that
     asynchronous small merges add up to about one outer step per round (with K = M or all
     learners present the factor is 1)."""
+    norm_clip: float = 0.0
+    """Merge guard: an outer gradient Delta_{m,p} whose norm exceeds ``norm_clip`` times the
+    median norm of fragment p's last ``NORM_WINDOW`` merged ones is scaled down to that bound
+    before it is merged (a wild learner moves the model at most that far); 0 turns it off.
+    It acts once the fragment has merged ``NORM_MIN_HISTORY`` pushes; a clipped push enters
+    the median at its bound, so a lasting change of scale is followed."""
 
     def __post_init__(self) -> None:
         if self.merge_rule not in MERGE_RULES:
@@ -99,6 +108,8 @@ class SyncerConfig:
             raise ValueError(f"staleness_discount must be in (0, 1], got {self.staleness_discount}")
         if self.history < 0:
             raise ValueError(f"history must be >= 0, got {self.history}")
+        if self.norm_clip != 0 and not 1.0 <= self.norm_clip < float("inf"):
+            raise ValueError(f"norm_clip must be 0 (off) or >= 1, got {self.norm_clip}")
         if self.anchor == "base" and self.history < self.max_staleness:
             self.history = self.max_staleness
         OuterNesterov(lr=self.outer_lr, momentum=self.outer_momentum)  # validates
@@ -150,6 +161,8 @@ class Merged:
     at_s: float
     seqs: tuple[int, ...] = ()
     """The merged pushes' sequence numbers, in ``learners`` order."""
+    clipped: tuple[int, ...] = ()
+    """The learners whose outer gradient the merge guard scaled down (``norm_clip``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,6 +205,8 @@ class _FragmentState:
     history: deque = field(default_factory=deque)  # (version, [tensors]) of past versions
     round: _Round = field(default_factory=_Round)
     merging: bool = False  # its merge arithmetic is running (outside the caller's lock)
+    norms: deque = field(default_factory=lambda: deque(maxlen=NORM_WINDOW))
+    """Norms of the last merged outer gradients (the merge guard's statistic)."""
 
 
 class SyncerState:
@@ -221,6 +236,8 @@ class SyncerState:
         self._seen_seq: dict[tuple[int, int], int] = {}
         self.merges = 0
         self.nonfinite_merges = 0
+        self.clipped_pushes = 0
+        """Pushes whose outer gradient the merge guard scaled down (``norm_clip``)."""
         self.quorum_sizes: list[int] = []
         total = fragmentation.total_bytes
         self._share = [f.nbytes / total for f in fragmentation.fragments]
@@ -438,21 +455,41 @@ class SyncerState:
         theta0, momentum0 = s.theta, s.momentum
         s.round = _Round()  # pushes arriving during the arithmetic open the next round
         s.merging = True
+        k = self.config.norm_clip
+        factors = [1.0] * len(contribs)
+        norms: list[float] = []
         try:
             with self.unlocked():
-                # new tensors: the published theta is never written again, so Merged shares it
-                if all(c.final for c in contribs):
-                    theta, momentum = _average(contribs, weights), momentum0
-                    finite = all(bool(torch.isfinite(t).all()) for t in theta)
-                elif len(contribs) == 1:  # the merged outer gradient is the push's own
-                    theta, momentum, finite = self.outer.stepped_checked(
-                        theta0, momentum0, scale, anchors=anchors[0], pushes=contribs[0].params
-                    )
-                else:
+                deltas = None
+                if k > 0 or len(contribs) > 1:
                     deltas = [
                         torch._foreach_sub(list(a), [x.float() for x in c.params])
                         for a, c in zip(anchors, contribs)
                     ]
+                if k > 0:  # the merge guard: clip an outer gradient far above the recent ones
+                    norms = [fragment_norm(d) for d in deltas]
+                    bound = clip_bound(s.norms, k)
+                    for i, n in enumerate(norms):
+                        if bound is not None and n > bound:
+                            factors[i] = bound / n
+                            torch._foreach_mul_(deltas[i], factors[i])
+                # new tensors: the published theta is never written again, so Merged shares it
+                if all(c.final for c in contribs):
+                    pushed = [
+                        c.params if f == 1.0 else torch._foreach_sub(list(a), d)
+                        for c, a, d, f in zip(contribs, anchors, deltas or anchors, factors)
+                    ]
+                    theta, momentum = _average(pushed, weights), momentum0
+                    finite = all(bool(torch.isfinite(t).all()) for t in theta)
+                elif len(contribs) == 1 and deltas is None:  # the outer gradient is the push's
+                    theta, momentum, finite = self.outer.stepped_checked(
+                        theta0, momentum0, scale, anchors=anchors[0], pushes=contribs[0].params
+                    )
+                elif len(contribs) == 1:
+                    theta, momentum, finite = self.outer.stepped_checked(
+                        theta0, momentum0, scale, grads=deltas[0]
+                    )
+                else:
                     update = merge_outer_gradients(
                         deltas, weights, frag.embedding, self.config.merge_rule
                     )
@@ -476,6 +513,9 @@ class SyncerState:
             self._settle(contribs, merged=True)
             self.merges += 1
             self.quorum_sizes.append(len(contribs))
+            s.norms.extend(n * f for n, f in zip(norms, factors))
+            clipped = tuple(c.learner for c, f in zip(contribs, factors) if f < 1.0)
+            self.clipped_pushes += len(clipped)
             merged = Merged(
                 fragment=p,
                 version=s.version,
@@ -485,6 +525,7 @@ class SyncerState:
                 reason=reason,
                 at_s=now_s,
                 seqs=tuple(c.seq for c in contribs),
+                clipped=clipped,
             )
         if s.round.pending:  # arrived while the lock was released
             nxt = self._evaluate(p, now_s)
@@ -560,12 +601,12 @@ class SyncerState:
         self._seen_seq = {tuple(k): v for k, v in sd.get("seen_seq", {}).items()}
 
 
-def _average(contribs: list[Contribution], weights: list[float]) -> list[torch.Tensor]:
+def _average(pushed: Sequence[Sequence[torch.Tensor]], weights: list[float]) -> list[torch.Tensor]:
     """Token-weighted average of the pushed parameters, tensor by tensor (new tensors)."""
     total = sum(weights)
-    out = [torch.zeros_like(t, dtype=torch.float32) for t in contribs[0].params]
-    for c, w in zip(contribs, weights):
-        torch._foreach_add_(out, [x.float() for x in c.params], alpha=w / total)
+    out = [torch.zeros_like(t, dtype=torch.float32) for t in pushed[0]]
+    for ps, w in zip(pushed, weights):
+        torch._foreach_add_(out, [x.float() for x in ps], alpha=w / total)
     return out
 
 

@@ -183,6 +183,10 @@ class SyncConfig:
     (every H of its own inner steps)."""
     scale_partial: bool = True
     """Scale a round that merges k of n live learners to k/n of an outer step."""
+    norm_clip: float = 0.0
+    """Merge guard: an outer gradient whose norm is over norm_clip x the median of its
+    fragment's last 32 merged ones is scaled down to that bound (a wild learner moves the
+    model at most that far); 0 turns it off."""
     max_staleness: int = 16
     """Pushes more than this many versions behind are dropped."""
     staleness_discount: float = 1.0
@@ -221,6 +225,8 @@ class SyncConfig:
         one_of("sync.schedule", self.schedule, ("time", "steps"))
         one_of("sync.anchor", self.anchor, ("current", "base"))
         at_least("sync.max_staleness", self.max_staleness, 0)
+        if self.norm_clip != 0 and not 1 <= self.norm_clip < float("inf"):
+            raise ValueError(f"sync.norm_clip must be 0 (off) or >= 1, got {self.norm_clip}")
         if not 0.0 < self.staleness_discount <= 1.0:
             raise ValueError(
                 f"sync.staleness_discount must be in (0, 1], got {self.staleness_discount}"
@@ -248,6 +254,7 @@ class SyncConfig:
             anchor=self.anchor,
             history=self.resolved_history(),
             scale_partial=self.scale_partial,
+            norm_clip=self.norm_clip,
         )
 
 

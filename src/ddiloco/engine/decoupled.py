@@ -389,6 +389,7 @@ def run_decoupled(cfg: TrainConfig, ctx) -> dict:
             _ratio(sum(x.install_delay_steps for x in syncs), sum(x.installs for x in syncs)), 3
         ),
         "failures": sum(x.failures for x in L),
+        "clipped_pushes": syncer.clipped_pushes,
         "fragments": frag.P,
         "per_learner": per_learner,
     }

@@ -71,6 +71,9 @@ def format_status(st: dict) -> str:
         )
     if st.get("rejections"):
         lines.append(f"rejections {st['rejections']}")
+    clipped = (st.get("counters") or {}).get("clipped_pushes")
+    if clipped:
+        lines.append(f"merge guard: {clipped} outer gradients clipped (sync.norm_clip)")
     lines.append(
         f"{'learner':>7} {'state':>6} {'inc':>4} {'step':>7} {'loss':>8} {'step_s':>8} "
         f"{'merged':>8} {'hb_age':>7}"

@@ -404,6 +404,7 @@ class ControlHandlers:
                     **self.counters,
                     "merge_s": self.merge_s,
                     "merge_cpu_s": self.merge_cpu_s,
+                    "clipped_pushes": st.clipped_pushes if st else 0,
                 },
                 "rejections": dict(self.rejections),
                 "mean_quorum": (
