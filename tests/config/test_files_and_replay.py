@@ -64,6 +64,13 @@ def test_every_field_round_trips_through_toml():
         ("sync = 3\n", "sync must be a table ([sync])"),
         ("[world]\nspeeds = [1.0, 0.0, 1.0, 1.0]\n", "world.speeds must all be > 0"),
         ("[sync\n", "not valid TOML"),
+        # typed like the flags: no int from a float, no bool or number from a string
+        ("steps = 7.9\n", "run.toml: steps must be an integer, got 7.9"),
+        ('steps = "many"\n', "run.toml: steps must be an integer, got 'many'"),
+        ('[sync]\ngrace = "no"\n', "sync.grace must be true or false, got 'no'"),
+        ('[sync]\ngamma = "0.5"\n', "sync.gamma must be a number, got '0.5'"),
+        ('[sync]\nmerge_rule = "best"\n', "sync.merge_rule must be one of 'rda', 'average'"),
+        ('[world]\nspeeds = [1, "x"]\n', "world.speeds must be a list of numbers"),
     ],
 )
 def test_bad_files_say_which_field(text, msg):
@@ -72,6 +79,20 @@ def test_bad_files_say_which_field(text, msg):
         match=msg.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)").replace("]", r"\]"),
     ):
         loads_config(text, source="run.toml")
+
+
+def test_typed_values_pass_and_a_bad_one_is_one_line_on_train(tmp_path, capsys):
+    from ddiloco.cli import main
+
+    cfg = loads_config(
+        "steps = 7\n[sync]\nalpha = 0\ngrace = false\n[world]\nspeeds = [1, 2, 1, 1]\n"
+    )
+    assert cfg.steps == 7 and cfg.sync.grace is False and cfg.world.speeds == (1, 2, 1, 1)
+    bad = tmp_path / "run.toml"
+    bad.write_text("steps = 7.9\n")
+    assert main(["train", "--config", str(bad), "--engine", "inproc"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"ddiloco train: error: {bad}: steps must be an integer, got 7.9\n"
 
 
 def test_file_then_preset_then_flags(tmp_path):

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import os
 import sys
+import types
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from ddiloco.config.run import TrainConfig
 from ddiloco.config.sections import SECTIONS
@@ -72,9 +73,71 @@ def from_nested(data: dict[str, Any]) -> TrainConfig:
                 f"unknown field {k!r}; top-level fields are "
                 f"{', '.join(sorted(top))}, sections are {', '.join(SECTIONS)}"
             )
+    hints = get_type_hints(TrainConfig)
+    for k, v in data.items():
+        if k in SECTIONS:
+            sec_hints = get_type_hints(SECTIONS[k])
+            for f, fv in v.items():
+                if f in sec_hints:
+                    _check_type(f"{k}.{f}", fv, sec_hints[f])
+        else:
+            _check_type(k, v, hints[k])
     if isinstance(data.get("world", {}).get("speeds"), list):
         data = {**data, "world": {**data["world"], "speeds": tuple(data["world"]["speeds"])}}
     return TrainConfig.from_flat(data)
+
+
+def _check_type(name: str, value: Any, hint: Any) -> None:
+    """Raise ValueError naming the field unless ``value`` (as TOML gives it) has the type
+    the field declares, as its command-line flag would: ``steps = 7.9`` and
+    ``grace = "no"`` are errors, not an int and a string kept as they are."""
+    if not _is(value, hint):
+        raise ValueError(f"{name} must be {_describe(hint)}, got {value!r}")
+
+
+def _is(value: Any, hint: Any) -> bool:
+    origin, args = get_origin(hint), get_args(hint)
+    if hint is Any:
+        return True
+    if origin is Literal:
+        return any(value == a and type(value) is type(a) for a in args)
+    if origin in (Union, types.UnionType):
+        return any(_is(value, a) for a in args)
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            return False
+        if len(args) == 2 and args[1] is Ellipsis:
+            return all(_is(v, args[0]) for v in value)
+        return len(args) == len(value) and all(_is(v, a) for v, a in zip(value, args))
+    if origin is dict:
+        return isinstance(value, dict) and all(
+            _is(k, args[0]) and _is(v, args[1]) for k, v in value.items()
+        )
+    return True  # a type the file form does not describe: the section's checks decide
+
+
+def _describe(hint: Any) -> str:
+    origin, args = get_origin(hint), get_args(hint)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin in (Union, types.UnionType):
+        return " or ".join(_describe(a) for a in args if a is not type(None))
+    if origin is tuple:
+        if len(args) == 2 and args[1] is Ellipsis:
+            return f"a list of {_describe(args[0]).removeprefix('a ').removeprefix('an ')}s"
+        return f"a list of {len(args)} values"
+    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    return names.get(hint, getattr(hint, "__name__", str(hint)))
 
 
 def dumps_config(cfg: TrainConfig) -> str:
