@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from ddiloco.algorithm.codecs import CODECS, get_codec
+from ddiloco.algorithm.codecs import codec_names, downlink_codec_names, get_codec
 from ddiloco.algorithm.fragments import STRATEGIES
 from ddiloco.algorithm.learner_state import DEFAULT_INSTALL, INSTALL_RULES
 from ddiloco.algorithm.merge import MERGE_RULES
@@ -163,12 +163,14 @@ class SyncConfig:
     the tau overlap and any late-install steps, are replaced). Alpha mixing composes with
     both. The decoupled method only; the synchronous baselines overwrite."""
     codec: str = "bf16"
-    """Codec of what learners send: fp32, bf16, int8, int4, int2, 1bit; quantised ones with
+    """Codec of what learners send, by name in the codec registry (an unknown name lists
+    them; docs/configuration.md): fp32, bf16, int8, int4, ...; those with block scales take
     another block size as e.g. int2/4096."""
     down_codec: str = "fp32"
-    """Codec of merged fragments sent back to learners (the real runtime: fp32, bf16, int8,
-    int4, int2). Without ``down_delta`` the merged weights themselves are quantised: int8
-    costs little, int4 and int2 are too coarse for weights (docs/results/wan.md)."""
+    """Codec of merged fragments sent back to learners (the real runtime: those whose
+    ``downlink`` is set, all but 1bit). Without ``down_delta`` the merged weights themselves
+    are quantised: int8 costs little, int4 and int2 are too coarse for weights
+    (docs/results/wan.md)."""
     down_delta: bool = False
     """Delta-coded downlink: the syncer sends each learner the merged fragment minus the copy
     that learner already holds, through ``down_codec``, and keeps that copy in step (one per
@@ -196,7 +198,8 @@ class SyncConfig:
     history: int | None = None
     """Past versions the syncer keeps per fragment (delta-encoded pushes and
     ``anchor = base`` need them). Unset: ``max_staleness`` when pushes are delta-encoded
-    (any codec but fp32) or the anchor is ``base``, else none."""
+    (``Codec.delta``: the int codecs, not fp32 or bf16) or the anchor is ``base``, else
+    none."""
 
     def __post_init__(self) -> None:
         for name in ("fragments", "H", "quorum"):
@@ -215,11 +218,13 @@ class SyncConfig:
             get_codec(self.codec)
         except ValueError as e:
             raise ValueError(f"sync.codec: {e}") from None
-        one_of("sync.down_codec", self.down_codec, tuple(CODECS))
-        if self.down_delta and self.down_codec == "fp32":
+        one_of("sync.down_codec", self.down_codec, codec_names())
+        if self.down_delta and get_codec(self.down_codec).lossless:
+            lossy = [n for n in downlink_codec_names() if not get_codec(n).lossless]
             raise ValueError(
-                "sync.down_delta codes the downlink through a lossy down_codec; with fp32 it "
-                "changes nothing: set sync.down_codec (bf16, int8, int4, int2) or drop it"
+                f"sync.down_delta codes the downlink through a lossy down_codec; with "
+                f"{self.down_codec} it changes nothing: set sync.down_codec "
+                f"({', '.join(lossy)}) or drop it"
             )
         one_of("sync.fragmentation", self.fragmentation, STRATEGIES)
         one_of("sync.schedule", self.schedule, ("time", "steps"))
@@ -237,7 +242,8 @@ class SyncConfig:
     def resolved_history(self) -> int:
         if self.history is not None:
             return self.history
-        return self.max_staleness if (self.codec != "fp32" or self.anchor == "base") else 0
+        delta = get_codec(self.codec).delta
+        return self.max_staleness if (delta or self.anchor == "base") else 0
 
     def syncer_config(self) -> SyncerConfig:
         """The syncer state machine's configuration: the same for the in-process engine and

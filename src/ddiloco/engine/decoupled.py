@@ -52,6 +52,7 @@ def run_decoupled(cfg: TrainConfig, ctx) -> dict:
     """Run Decoupled DiLoCo; ``ctx`` carries the language, eval set, global model and recorder."""
     rec: Recorder = ctx.recorder
     world = World(cfg)
+    up = world.up_codec
     frag = fragmentation_for(cfg, ctx.global_model)
     sched = FragmentSchedule(P=frag.P, H=cfg.H, tau=cfg.tau)
     init = {n: p.detach().clone() for n, p in ctx.global_model.named_parameters()}
@@ -68,8 +69,9 @@ def run_decoupled(cfg: TrainConfig, ctx) -> dict:
     # a whole-model fetch (a rejoin); delta-coded downlinks send it in fp32
     model_bytes_down = 4 * n_params if cfg.down_delta else world.down_codec.nbytes(n_params)
     round_seq: dict[tuple[int, int], int] = {}
-    # what each learner received of each fragment, by version: a quantised push is a delta
-    # against the copy the learner installed (through the downlink codec), as in the runtime
+    # what each learner received of each fragment, by version: a push of a ``delta`` codec is
+    # a delta against the copy the learner installed (through the downlink codec), as in the
+    # runtime
     held: list[dict[int, dict[int, list[torch.Tensor]]]] = [{} for _ in range(cfg.learners)]
     # sync.down_delta: the copy of each fragment each learner holds, kept in step with it
     mirror: list[dict[int, list[torch.Tensor]]] = [{} for _ in range(cfg.learners)]
@@ -118,15 +120,13 @@ def run_decoupled(cfg: TrainConfig, ctx) -> dict:
 
     def send(m: int, out: Outgoing, now: float, finals: tuple[int, ...] | None = None) -> None:
         """``finals``: a finishing learner's last pushes (the fragments it sends)."""
-        base = syncer.published(out.fragment, out.base_version)
-        if cfg.codec == "fp32" or base is None:
-            params = out.params
+        base = syncer.published(out.fragment, out.base_version) if up.delta else None
+        if base is None:  # the parameters themselves, as the codec carries them
+            params = out.params if up.lossless else [up.roundtrip(x) for x in out.params]
         else:  # delta against the copy the learner installed, added to the published version
             mine = held[m].get(out.fragment, {}).get(out.base_version, base)
-            params = [
-                b + world.up_codec.roundtrip(x - h) for x, b, h in zip(out.params, base, mine)
-            ]
-        nbytes = world.up_codec.nbytes(sum(x.numel() for x in out.params))
+            params = [b + up.roundtrip(x - h) for x, b, h in zip(out.params, base, mine)]
+        nbytes = up.nbytes(sum(x.numel() for x in out.params))
         stats["bytes_up"] += nbytes
         stats["pushes"] += 1
         q.push(
@@ -154,7 +154,7 @@ def run_decoupled(cfg: TrainConfig, ctx) -> dict:
             syncs[mm].mark_merged(mg.fragment, round_seq.pop((mm, mg.fragment)))
         params = (
             mg.params
-            if cfg.down_codec == "fp32"
+            if world.down_codec.lossless
             else [world.down_codec.roundtrip(x) for x in mg.params]
         )
         nbytes = world.down_codec.nbytes(sum(x.numel() for x in params))
@@ -262,7 +262,7 @@ def run_decoupled(cfg: TrainConfig, ctx) -> dict:
             m, inc, p, version, params = payload
             if L[m].alive and inc == L[m].inc:
                 syncs[m].receive(p, version, params)
-                if cfg.down_codec != "fp32":
+                if up.delta and not world.down_codec.lossless:
                     d = held[m].setdefault(p, {})
                     d[version] = params
                     for v in sorted(d)[:-4]:

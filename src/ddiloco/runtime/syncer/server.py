@@ -41,6 +41,7 @@ import grpc
 import torch
 from pydantic import BaseModel
 
+from ddiloco.algorithm.codecs import downlink_codec_names
 from ddiloco.algorithm.schedule import SlotClock
 from ddiloco.algorithm.syncer_state import Merged, SyncerConfig, SyncerState
 from ddiloco.metrics.sinks import open_sinks, parse_sinks
@@ -66,10 +67,11 @@ log = logging.getLogger("ddiloco.syncer")
 DATA_PORT_FILE = "data_port"
 """In the checkpoint directory: the data port of the last run, bound again on restart."""
 
-DOWNLINK_CODECS = ("fp32", "bf16", "int8", "int4", "int2")
-"""Codecs of merged fragments sent to learners. int8 and int4 quantise the parameters themselves
-(learners install the quantised values; with a quantised uplink their next delta is taken
-against what they installed, so the install error does not reach the global model)."""
+DOWNLINK_CODECS = downlink_codec_names()
+"""Codecs of merged fragments sent to learners (the registered ones whose ``downlink`` is
+set). int8 and int4 quantise the parameters themselves (learners install the quantised
+values; with a quantised uplink their next delta is taken against what they installed, so
+the install error does not reach the global model)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -83,7 +85,7 @@ class SyncerServerConfig:
     syncer: SyncerConfig = field(default_factory=SyncerConfig)
     """The algorithm's configuration (quorum K, grace, merge rule, outer optimizer...)."""
     downlink_codec: str = "fp32"
-    """Codec of merged fragments sent to learners: fp32, bf16, int8, int4 or int2."""
+    """Codec of merged fragments sent to learners: one of ``DOWNLINK_CODECS``."""
     downlink_delta: bool = False
     """Code each learner's fetch as the merged fragment minus the copy that learner holds
     (``sync.down_delta``); the syncer keeps one copy per learner and fragment."""
@@ -160,8 +162,8 @@ class SyncerServerConfig:
             )
         if not self.token:
             raise ValueError("a shared-secret token is required")
-        if self.downlink_codec not in DOWNLINK_CODECS:
-            raise ValueError(f"downlink_codec must be one of {DOWNLINK_CODECS}")
+        if self.downlink_codec not in downlink_codec_names():
+            raise ValueError(f"downlink_codec must be one of {downlink_codec_names()}")
         if self.checkpoint_keep < 1:
             raise ValueError("checkpoint_keep must be >= 1")
         if self.checkpoint_every < 1:

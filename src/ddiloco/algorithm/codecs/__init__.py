@@ -1,0 +1,29 @@
+"""Codecs for what travels between learners and the syncer, by name.
+
+``registry`` defines the ``Codec`` protocol (``name``, ``delta``, ``lossless``,
+``downlink``, ``nbytes``, ``encode``, ``encode_many``, ``decode``, ``roundtrip``) and the
+registry; each other module defines codecs and registers them at import. Importing this
+package registers the built-in ones: ``cast`` (fp32, bf16), ``integer`` (int8, int4,
+int2, 1bit).
+"""
+
+from __future__ import annotations
+
+from ddiloco.algorithm.codecs import cast, integer  # noqa: F401  (they register themselves)
+from ddiloco.algorithm.codecs.registry import (
+    CODECS,
+    Codec,
+    codec_names,
+    downlink_codec_names,
+    get_codec,
+    register_codec,
+)
+
+__all__ = [
+    "CODECS",
+    "Codec",
+    "codec_names",
+    "downlink_codec_names",
+    "get_codec",
+    "register_codec",
+]
