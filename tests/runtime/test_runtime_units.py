@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -242,3 +244,41 @@ def test_a_sharded_heartbeat_takes_the_slot_clock_only_from_shard_0():
         assert c._each("Heartbeat", {}, 1.0, True)["clock"]["epoch_s"] == 1.0
     finally:
         c._pool.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_a_learner_waiting_for_an_absent_syncer_says_what_it_waits_for(caplog):
+    """``DecoupledLearner`` and ``ddiloco learner`` name the address and how long they have
+    waited, and give up after ``connect_timeout`` with one line."""
+    from datetime import timedelta
+
+    from ddiloco.runtime.learner.client import SyncerError
+    from ddiloco.runtime.learner.hook import DecoupledLearner
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        addr = f"127.0.0.1:{s.getsockname()[1]}"
+    dl = DecoupledLearner(
+        tiny_model(), syncer=addr, learner=0, token="tok", connect_timeout=timedelta(seconds=3)
+    )
+    with caplog.at_level(logging.WARNING, logger="ddiloco.learner"):
+        with pytest.raises(SyncerError, match=f"syncer {addr} unreachable for 3 s"):
+            dl.start()
+    dl.close()
+    waits = [r.getMessage() for r in caplog.records if "waiting for the syncer" in r.getMessage()]
+    assert waits and waits[0].startswith(f"[learner 0] waiting for the syncer at {addr}: ")
+    assert "(Connection refused); giving up after 3 s (connect_timeout)" in waits[0]
+    r = subprocess.run(
+        [sys.executable, "-m", "ddiloco.runtime.cli", "learner", "--syncer", addr]
+        + ["--learner", "0", "--model", "gpt_tiny", "--vocab-size", "64", "--block-size", "32"]
+        + ["--connect-timeout", "3"],
+        capture_output=True,
+        text=True,
+        timeout=50,
+        env={**os.environ, "DDILOCO_TOKEN": "tok"},
+    )
+    assert r.returncode == 2
+    assert f"WARNING [learner 0] waiting for the syncer at {addr}: unreachable for" in r.stderr
+    assert r.stderr.splitlines()[-1].startswith(
+        f"ddiloco learner: error: [learner 0] syncer {addr} unreachable for 3 s"
+    )

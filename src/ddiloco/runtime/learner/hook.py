@@ -63,13 +63,12 @@ class DecoupledLearner:
     steps, merged value installed tau steps after sending, alpha mixing on install;
     ``install="rebase"`` adds the learner's progress since the push to the merged value,
     ``"overwrite"`` replaces it (``ddiloco.algorithm.learner_state``).
-    ``codec`` compresses pushes (a codec whose ``delta`` is set sends the delta against the
-    installed base version). ``schedule="time"`` sends fragment p in the slots of the
-    syncer's clock (learners of different speeds send together, so the syncer's grace
-    window merges them together; until the syncer has measured a slot length, the
-    learner's own step count stands in); ``"steps"`` sends every H of the learner's own
-    steps. The clock is Unix time: the hosts' clocks must agree to well within one step
-    (NTP does).
+    ``codec`` compresses pushes (quantised codecs send the delta against the installed
+    base version). ``schedule="time"`` sends fragment p in the slots of the syncer's clock
+    (learners of different speeds send together, so the syncer's grace window merges them
+    together; until the syncer has measured a slot length, the learner's own step count
+    stands in); ``"steps"`` sends every H of the learner's own steps. The clock is Unix
+    time: the hosts' clocks must agree to well within one step (NTP does).
     Thread-safety: call ``step`` from the training thread only.
 
     The global model: ``global_state_dict()`` returns it at any time, ``load_global()``
@@ -309,9 +308,11 @@ class DecoupledLearner:
         return r
 
     def _join_and_fetch(self, initial: bool) -> tuple[list[int], dict[str, torch.Tensor]]:
-        deadline = time.monotonic() + self.connect_timeout_s
+        started = time.monotonic()
+        deadline = started + self.connect_timeout_s
         backoff = 0.1
         dup_deadline: float | None = None
+        note_at = started + 1.0  # say what we wait for, then every 10 s
         while True:
             try:
                 fresh = self.incarnation < 0
@@ -362,12 +363,24 @@ class DecoupledLearner:
                         f"[learner {self.learner}] syncer {self.client.address} "
                         f"refused: {rpc_code(e).name}: {rpc_details(e)}"
                     ) from None
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                if now > deadline:
                     raise SyncerError(
                         f"[learner {self.learner}] syncer {self.client.address} "
                         f"unreachable for {self.connect_timeout_s:.0f} s: "
                         f"{rpc_details(e)}"
                     ) from None
+                if now >= note_at:
+                    note_at = now + 10.0
+                    log.warning(
+                        "[learner %s] waiting for the syncer at %s: unreachable for %.0f s "
+                        "(%s); giving up after %.0f s (connect_timeout)",
+                        self.learner,
+                        self.client.address,
+                        now - started,
+                        rpc_details(e).rsplit(": ", 1)[-1],
+                        self.connect_timeout_s,
+                    )
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
 
@@ -758,9 +771,9 @@ class DecoupledLearner:
         return (self.incarnation << 32) + o.seq
 
     def _remember_base(self, p: int, version: int, tensors: list[torch.Tensor]) -> None:
-        """Keep the last few published versions of p: pushes of a ``delta`` codec are
-        deltas against the version the learner installed."""
-        if not self.codec.delta:
+        """Keep the last few published versions of p: quantised pushes are deltas against
+        the version the learner installed."""
+        if not self.codec.quantised:
             return
         with self._lock:
             d = self._base_params.setdefault(p, {})
@@ -769,7 +782,7 @@ class DecoupledLearner:
                 del d[v]
 
     def _encode(self, o: Outgoing) -> tuple[bytes, bool]:
-        if self.codec.delta:
+        if self.codec.quantised:
             with self._lock:
                 base = self._base_params.get(o.fragment, {}).get(o.base_version)
             if base is not None:
