@@ -63,12 +63,13 @@ class DecoupledLearner:
     steps, merged value installed tau steps after sending, alpha mixing on install;
     ``install="rebase"`` adds the learner's progress since the push to the merged value,
     ``"overwrite"`` replaces it (``ddiloco.algorithm.learner_state``).
-    ``codec`` compresses pushes (quantised codecs send the delta against the installed
-    base version). ``schedule="time"`` sends fragment p in the slots of the syncer's clock
-    (learners of different speeds send together, so the syncer's grace window merges them
-    together; until the syncer has measured a slot length, the learner's own step count
-    stands in); ``"steps"`` sends every H of the learner's own steps. The clock is Unix
-    time: the hosts' clocks must agree to well within one step (NTP does).
+    ``codec`` compresses pushes (a codec whose ``delta`` is set sends the delta against the
+    installed base version). ``schedule="time"`` sends fragment p in the slots of the
+    syncer's clock (learners of different speeds send together, so the syncer's grace
+    window merges them together; until the syncer has measured a slot length, the
+    learner's own step count stands in); ``"steps"`` sends every H of the learner's own
+    steps. The clock is Unix time: the hosts' clocks must agree to well within one step
+    (NTP does).
     Thread-safety: call ``step`` from the training thread only.
 
     The global model: ``global_state_dict()`` returns it at any time, ``load_global()``
@@ -771,9 +772,9 @@ class DecoupledLearner:
         return (self.incarnation << 32) + o.seq
 
     def _remember_base(self, p: int, version: int, tensors: list[torch.Tensor]) -> None:
-        """Keep the last few published versions of p: quantised pushes are deltas against
-        the version the learner installed."""
-        if not self.codec.quantised:
+        """Keep the last few published versions of p: pushes of a ``delta`` codec are
+        deltas against the version the learner installed."""
+        if not self.codec.delta:
             return
         with self._lock:
             d = self._base_params.setdefault(p, {})
@@ -782,7 +783,7 @@ class DecoupledLearner:
                 del d[v]
 
     def _encode(self, o: Outgoing) -> tuple[bytes, bool]:
-        if self.codec.quantised:
+        if self.codec.delta:
             with self._lock:
                 base = self._base_params.get(o.fragment, {}).get(o.base_version)
             if base is not None:
