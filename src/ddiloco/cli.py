@@ -8,20 +8,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
-__all__ = ["main", "build_parser", "train_config_from_args", "cmd_train"]
+__all__ = ["main", "build_parser", "train_config_from_args", "cmd_train", "COMMANDS"]
+
+TRAIN_HELP = "train a model with M learners (main job; --help for every flag)"
 
 
 def add_train_parser(sub) -> argparse.ArgumentParser:
     """``train`` in the command list; its flags are generated from the configuration
     (``ddiloco.config.flags.parse_train``), so ``main`` hands it the raw arguments."""
-    p = sub.add_parser(
-        "train",
-        add_help=False,
-        help="train a model with M learners (main job; --help for every flag)",
-    )
+    p = sub.add_parser("train", add_help=False, help=TRAIN_HELP)
     p.set_defaults(func=None)
     return p
 
@@ -45,23 +44,29 @@ def cmd_train(argv: Sequence[str]) -> int:
     except (ConfigError, ValueError, ImportError) as e:
         print(f"ddiloco train: error: {e}", file=sys.stderr)
         return 2
-    if cfg.engine == "processes":
-        from ddiloco.runtime.launch.run import run_processes
+    errors: tuple[type[Exception], ...] = (ValueError, OSError, ImportError)
+    try:
+        if cfg.engine == "processes":
+            from ddiloco.runtime.launch.launcher import LaunchError
+            from ddiloco.runtime.launch.run import run_processes
 
-        try:
-            return run_processes(cfg)
-        except (ValueError, ImportError, ConnectionError, TimeoutError) as e:
-            print(f"ddiloco train: error: {e}", file=sys.stderr)
-            return 2
-    from ddiloco.engine import run
+            errors += (LaunchError,)
+            summary = run_processes(cfg)
+        else:
+            from ddiloco.engine import run
 
-    summary = run(cfg)
+            summary = run(cfg)
+    except errors as e:
+        # the run cannot start as configured (a data path, P above the model's tensors, an
+        # address the syncer cannot bind, a learner that crashes at start-up): one line
+        print(f"ddiloco train: error: {e}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
         print(format_summary(summary))
         print(f"\nwrote {cfg.out}/summary.json, metrics.jsonl and config.toml")
-    return 0
+    return 0 if summary.get("ok", True) else 1
 
 
 def format_summary(s: dict) -> str:
@@ -71,11 +76,11 @@ def format_summary(s: dict) -> str:
         ("method", f"{s['method']} ({s['engine']}, M={s['learners']})"),
         ("inner steps / learner", f"{s['steps']}"),
         ("tokens", f"{s['tokens']:,}"),
-        ("final eval loss", f"{s['final_eval_loss']:.4f}"),
+        ("final eval loss", _num(s.get("final_eval_loss"))),
         (
             "entropy floor",
             "n/a"
-            if s.get("entropy_floor") is None
+            if s.get("entropy_floor") is None or s.get("final_eval_loss") is None
             else f"{s['entropy_floor']:.4f}  (gap {s['final_eval_loss'] - s['entropy_floor']:.4f})",
         ),
         ("eval accuracy", "n/a" if s.get("eval_accuracy") is None else f"{s['eval_accuracy']:.3f}"),
@@ -88,40 +93,106 @@ def format_summary(s: dict) -> str:
         ("bytes up / down", f"{s['bytes_up'] / gib:.1f} / {s['bytes_down'] / gib:.1f} MiB"),
         ("wall time", f"{s['wall_s']:.1f} s"),
     ]
+    if s.get("ok") is False:
+        rows.insert(0, ("status", "FAILED (see logs/ in the run directory)"))
     w = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _num(x: float | None) -> str:
+    return "n/a (no final model)" if x is None else f"{x:.4f}"
+
+
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "train": ("ddiloco.cli", "add_train_parser", TRAIN_HELP),
+    "simulate": (
+        "ddiloco.sim.cli",
+        "add_simulate_parser",
+        "goodput of dp / elastic-dp / decoupled under chip failures",
+    ),
+    "bandwidth": (
+        "ddiloco.sim.cli",
+        "add_bandwidth_parser",
+        "WAN bandwidth vs compute utilisation across datacenters",
+    ),
+    "syncer": ("ddiloco.runtime.cli", "add_syncer_parser", "run the syncer service (gRPC)"),
+    "learner": (
+        "ddiloco.runtime.cli",
+        "add_learner_parser",
+        "run one learner (or torchrun island) of a built-in model",
+    ),
+    "status": (
+        "ddiloco.runtime.cli",
+        "add_status_parser",
+        "show a syncer's learners, versions and goodput",
+    ),
+    "export": (
+        "ddiloco.runtime.export",
+        "add_export_parser",
+        "write the global model as a safetensors state_dict",
+    ),
+    "launch": (
+        "ddiloco.runtime.launch.command",
+        "add_launch_parser",
+        "write (and submit) a cluster job: --backend slurm",
+    ),
+    "dashboard": (
+        "ddiloco.runtime.observe.cli",
+        "add_dashboard_parser",
+        "live web dashboard of a run directory or a syncer",
+    ),
+    "prepare": (
+        "ddiloco.data.prepare",
+        "add_prepare_parser",
+        "tokenize text into token shards for --data bin:DIR",
+    ),
+    "report": (
+        "ddiloco.report",
+        "add_report_parser",
+        "plots and an HTML page for one or more run directories",
+    ),
+}
+"""Command -> (module, the function that adds its parser, its line in ``ddiloco --help``).
+A command's module is imported only when it runs (``ddiloco --help`` imports none of them:
+several import torch)."""
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The ``ddiloco`` parser: every command listed with its help line; ``command``'s own
+    flags added from its module (the others are imported only when they run)."""
+    import importlib
+
     from ddiloco import __version__
 
     parser = argparse.ArgumentParser(prog="ddiloco", description="Decoupled DiLoCo for PyTorch")
     parser.add_argument("--version", action="version", version=f"ddiloco {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    add_train_parser(sub)
-    for module, adders in (
-        ("ddiloco.sim.cli", ("add_simulate_parser", "add_bandwidth_parser")),
-        ("ddiloco.runtime.cli", ("add_syncer_parser", "add_learner_parser", "add_status_parser")),
-        ("ddiloco.runtime.export", ("add_export_parser",)),
-        ("ddiloco.runtime.launch.command", ("add_launch_parser",)),
-        ("ddiloco.runtime.observe.cli", ("add_dashboard_parser",)),
-        ("ddiloco.data.prepare", ("add_prepare_parser",)),
-        ("ddiloco.report", ("add_report_parser",)),
-    ):
-        try:
-            mod = __import__(module, fromlist=list(adders))
-        except ImportError:
+    for name, (module, adder, help_line) in COMMANDS.items():
+        if name != command:
+            sub.add_parser(name, help=help_line, add_help=False)
             continue
-        for name in adders:
-            adder = getattr(mod, name, None)
-            if adder is not None:
-                adder(sub)
+        try:
+            mod = importlib.import_module(module)
+        except ImportError as e:  # an optional dependency of that command is missing
+            raise SystemExit(f"ddiloco {name}: error: {e}") from None
+        getattr(mod, adder)(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        # the reader went away (`ddiloco train --help | head`): stop quietly, and keep the
+        # interpreter's final flush of stdout from failing too
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, as a shell reports a pipe writer that stopped
+
+
+def _main(argv: list[str]) -> int:
     # commands whose flags are generated from the run configuration parse their own argv
     if argv and argv[0] == "train":
         return cmd_train(argv[1:])
@@ -133,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ddiloco.runtime.launch.command import cmd_launch
 
         return cmd_launch(argv[1:])
-    parser = build_parser()
+    parser = build_parser(argv[0] if argv and argv[0] in COMMANDS else None)
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from runtime_helpers import max_gap_ratio, read_jsonl, step_walls, tiny_config
 
@@ -171,3 +173,75 @@ def test_a_two_rank_torchrun_island_is_one_learner(tmp_path):
     assert s["final_eval_loss"] < s["initial_eval_loss"] - 0.5
     st = [r for r in read_jsonl(run / "syncer.metrics.jsonl") if r["kind"] == "join"]
     assert len(st) == 1  # one learner: only rank 0 talks to the syncer
+
+
+TINY_FLAGS = ["--model", "gpt_tiny", "--vocab-size", "64", "--block-size", "32"]
+TINY_FLAGS += ["--batch-size", "8", "--eval-batches", "4", "--no-progress"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "flags,error",
+    [
+        (["--data", "text:/nonexistent"], "text path /nonexistent does not exist"),
+        (["-P", "35", "-H", "40"], "P=35 fragments but the model has only 29 tensors"),
+    ],
+)
+def test_a_learner_crashing_at_start_up_ends_the_run_with_its_error(tmp_path, capsys, flags, error):
+    import time
+
+    from ddiloco.cli import main
+
+    t0 = time.monotonic()
+    argv = ["train", *TINY_FLAGS, "-M", "2", "--steps", "50", "--out", str(tmp_path), *flags]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    head, *tail = err.splitlines()
+    assert head.startswith("ddiloco train: error: learner_") and (
+        "failed 3 times in a row at start-up (exit code 2), without a new step; not "
+        "restarting it. Its last lines (" in head
+    ), err
+    # the learner's log since its last start, ending with its one-line error
+    assert tail and tail[-1].startswith("    ddiloco learner: error: "), err
+    assert error in tail[-1] and "Traceback" not in err
+    crashed = [r for r in read_jsonl(tmp_path / "chaos.jsonl") if r["kind"] == "learner-crashed"]
+    assert 2 <= len(crashed) <= 2 * 3  # given up after 3 in a row, not restarted forever
+    assert time.monotonic() - t0 < 90
+
+
+@pytest.mark.timeout(60)
+def test_a_busy_or_foreign_syncer_address_is_one_line(tmp_path, capsys):
+    import socket
+
+    from ddiloco.cli import main
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert main(["train", "--port", str(port), "--out", str(tmp_path)]) == 2
+        assert capsys.readouterr().err == (
+            f"ddiloco train: error: runtime.port {port} on 127.0.0.1 is in use (another "
+            f"syncer?): choose another --port (0: a free one) or stop the process holding it\n"
+        )
+    assert main(["train", "--host", "192.0.2.1", "--out", str(tmp_path)]) == 2  # TEST-NET-1
+    assert capsys.readouterr().err.startswith(
+        "ddiloco train: error: runtime.host '192.0.2.1' is not an address of this host"
+    )
+
+
+@pytest.mark.timeout(120)
+def test_json_and_the_results_table_on_the_real_runtime(tmp_path, capsys):
+    from ddiloco.cli import main
+
+    argv = ["train", *TINY_FLAGS, "-P", "4", "-H", "8", "-M", "2", "--steps", "30"]
+    assert main([*argv, "--out", str(tmp_path / "a"), "--json"]) == 0
+    out = capsys.readouterr().out
+    s = json.loads(out)  # stdout is the summary alone
+    assert s["engine"] == "processes" and s["ok"] and s["merges"] > 0
+    assert s == json.loads((tmp_path / "a" / "summary.json").read_text())
+    assert main([*argv, "--out", str(tmp_path / "b")]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split() == ["method", "decoupled", "(processes,", "M=2)"]
+    assert any(r.startswith("final eval loss") for r in table)
+    assert table[-1] == f"wrote {tmp_path / 'b'}/summary.json, metrics.jsonl and config.toml"

@@ -202,6 +202,12 @@ def train_config(argv: list[str]) -> tuple[TrainConfig, TrainArgs]:
 
 
 # -- ddiloco syncer --------------------------------------------------------------------------
+LEARNER_SETTINGS = ("fragments", "H", "codec", "fragmentation")
+"""[sync] fields a syncer cannot set: the first learner's Init gives the model's
+fragmentation, and each learner's pushes carry their own schedule and codec. ``ddiloco
+syncer`` refuses them as flags (a --config file that the learners also read may hold them)."""
+
+
 @dataclass(kw_only=True, slots=True)
 class SyncerArgs:
     config: str | None = None
@@ -243,6 +249,19 @@ def parse_syncer(argv: list[str]) -> SyncerArgs:
         "from $DDILOCO_TOKEN or --token-file. Its settings are the [sync] and "
         "[runtime] tables of --config FILE, overridden by flags.",
     )
+    learners_own = [
+        f"{flag_names(f)[-1] if f in SHORT else flag_names(f)[0]} {getattr(args.sync, f)}"
+        for f in LEARNER_SETTINGS
+        if getattr(args.sync, f) != getattr(base.sync, f)
+    ]
+    if learners_own:
+        raise ConfigError(
+            f"{', '.join(learners_own)}: the learners' settings, which a syncer does not "
+            f"take: the first learner's Init fixes the model's fragments (P and their "
+            f"strategy), and every learner pushes with its own H and codec. Give them to "
+            f"`ddiloco learner` (or put them in the --config file that both read); the "
+            f"syncer's own codec is --downlink-codec"
+        )
     try:
         # a bare syncer does not know M: the quorum alone bounds it
         m = base.learners if pre.config else max(base.learners, args.sync.quorum)

@@ -16,6 +16,7 @@ from ddiloco.config import CONFIG_FILE, TrainConfig, dump_config
 from ddiloco.data import DataConfig
 from ddiloco.engine.common import Recorder
 from ddiloco.recipe import eval_setup, evaluate_metrics, new_model
+from ddiloco.rundir import FINAL_MODEL, fresh_run_dir
 
 __all__ = ["run", "RunContext"]
 
@@ -48,6 +49,7 @@ def run(cfg: TrainConfig) -> dict:
     cfg = cfg.replace(engine="inproc")
     torch.set_num_threads(1)
     data, lang, floor, evals = eval_setup(cfg)
+    fresh_run_dir(cfg.out)  # nothing of an earlier run in OUT
     recorder = Recorder(cfg)
     dump_config(cfg, Path(cfg.out) / CONFIG_FILE)  # `ddiloco train --config` replays the run
     ctx = RunContext(
@@ -95,7 +97,20 @@ def run(cfg: TrainConfig) -> dict:
         "config": _jsonable(cfg.to_dict()),
     }
     recorder.row("final", eval_loss=final, gap=_gap(final, floor), accuracy=accuracy)
+    save_final_model(cfg, ctx.global_model, summary["merges"])
     return recorder.finish(summary)
+
+
+def save_final_model(cfg: TrainConfig, model: torch.nn.Module, merges: int) -> Path:
+    """The run's global model as ``RUN_DIR/final_model.safetensors`` (what ``ddiloco export
+    RUN_DIR`` writes out; the real runtime keeps its syncer's checkpoint instead)."""
+    from ddiloco.runtime.export import save_state_dict
+    from ddiloco.runtime.transport.spec import model_spec
+
+    sd = {n: p.detach().to(torch.float32).contiguous() for n, p in model.named_parameters()}
+    spec = model_spec(model, cfg.fragments, cfg.fragmentation)
+    meta = {"source": f"{cfg.out} (in-process engine)", "versions": [], "merges": merges}
+    return save_state_dict(sd, Path(cfg.out) / FINAL_MODEL, {**meta, "spec": spec})
 
 
 def _gap(loss: float, floor: float | None) -> float | None:

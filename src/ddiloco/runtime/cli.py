@@ -141,7 +141,8 @@ def cmd_learner(argv: list[str]) -> int:
             resume_optimizer=not args.fresh_optimizer,
             wait_for_merge=args.wait_for_merge,
         )
-    except (ValueError, SyncerError, ImportError) as e:
+    except (ValueError, OSError, SyncerError, ImportError) as e:
+        # a missing data path, P above the model's tensors, a syncer that refused: one line
         print(f"ddiloco learner: error: {e}", file=sys.stderr)
         return 2
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -177,12 +178,28 @@ def add_status_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def cmd_status(args) -> int:
+    import grpc
+
     from ddiloco.runtime.launch.status import fetch_status, format_status
+    from ddiloco.runtime.learner.client import rpc_code, rpc_details
 
     try:
         st = fetch_status(args.address, token_file=args.token_file, tls_ca=args.tls_ca)
-    except Exception as e:  # noqa: BLE001 - report any connection problem plainly
-        print(f"ddiloco status: {e}", file=sys.stderr)
+    except grpc.RpcError as e:
+        code, why = rpc_code(e), rpc_details(e).rsplit(": ", 1)[-1]
+        if code == grpc.StatusCode.UNAUTHENTICATED:
+            msg = f"the syncer at {args.address} refused the token ({why})"
+        elif code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            msg = (
+                f"no syncer answers at {args.address} ({code.name}: {why}); check the "
+                f"address, that it runs, and --tls-ca for a TLS syncer"
+            )
+        else:
+            msg = f"the syncer at {args.address} answered {code.name}: {why}"
+        print(f"ddiloco status: error: {msg}", file=sys.stderr)
+        return 2
+    except (ValueError, OSError) as e:  # no token, an unreadable token or CA file
+        print(f"ddiloco status: error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(st, indent=2) if args.json else format_status(st))
     return 0

@@ -3,7 +3,8 @@
 Two sources:
 
 - a run directory, a checkpoint directory or a ``syncer.pt`` file: the syncer's durable
-  global model (fp32 master values, exactly what the run's final evaluation used);
+  global model (fp32 master values, exactly what the run's final evaluation used); a run of
+  the in-process engine keeps its final global model in ``final_model.safetensors``;
 - ``HOST:PORT`` of a live syncer: its published global model (what learners install; with a
   ``bf16`` or ``int8`` downlink the values carry that rounding).
 
@@ -84,9 +85,13 @@ def _checkpoint_path(source: str | Path) -> Path:
 
 def state_dict_from_checkpoint(source: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     """(state_dict, metadata) of the global model in a syncer checkpoint; ``source`` is a run
-    directory, a checkpoint directory or the ``syncer.pt`` file."""
+    directory (of either engine), a checkpoint directory or the ``syncer.pt`` file."""
+    from ddiloco.rundir import FINAL_MODEL
     from ddiloco.runtime.syncer.checkpoint import load_checkpoint
 
+    final = Path(source) / FINAL_MODEL
+    if final.is_file() and not (Path(source) / "checkpoint").is_dir():
+        return _state_dict_from_file(final)
     path = _checkpoint_path(source)
     try:
         ck = load_checkpoint(path)
@@ -109,6 +114,25 @@ def state_dict_from_checkpoint(source: str | Path) -> tuple[dict[str, torch.Tens
         "merges": int(state.get("merges", 0)),
         "spec": spec,
     }
+
+
+def _state_dict_from_file(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """(state_dict, metadata) of a model file this module wrote (an in-process run's
+    ``final_model.safetensors``)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            sd = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - not a dict
+        return sd, {
+            "source": str(path),
+            "versions": json.loads(meta.get("ddiloco_versions", "[]")),
+            "merges": int(meta.get("ddiloco_merges", 0)),
+            "spec": json.loads(meta["ddiloco_spec"]),
+        }
+    except Exception as e:  # noqa: BLE001 - any unreadable file is the same error to the user
+        raise ExportError(f"{path} is not a readable ddiloco model file ({e})") from None
 
 
 def state_dict_from_syncer(
@@ -173,7 +197,11 @@ def save_state_dict(sd: dict[str, torch.Tensor], out: str | Path, meta: dict) ->
     from safetensors.torch import save_file
 
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    if not out.parent.is_dir():
+        raise ExportError(
+            f"the folder of --out {out} does not exist ({out.parent}): create it first or "
+            f"choose another path"
+        )
     tmp = out.with_name(f".{out.name}.tmp")
     save_file(
         sd,
@@ -224,8 +252,9 @@ def cmd_export(args) -> int:
         print(f"ddiloco export: error: {e}", file=sys.stderr)
         return 2
     n = sum(t.numel() for t in sd.values())
+    versions = f", fragment versions {meta['versions']}" if meta["versions"] else ""
     print(
-        f"wrote {out}: {len(sd)} tensors, {n:,} parameters, fragment versions "
-        f"{meta['versions']} ({meta['merges']} merges) from {meta['source']}"
+        f"wrote {out}: {len(sd)} tensors, {n:,} parameters{versions} "
+        f"({meta['merges']} merges) from {meta['source']}"
     )
     return 0

@@ -120,7 +120,10 @@ def _run_simulate(args) -> int:
     if args.grid:
         return _run_grid(args, costs)
     if args.system is None or args.chips is None:
-        parser.error("--system and --chips are required (or use --grid)")
+        parser.error(
+            "give --system {dp,elastic-dp,decoupled} and --chips N, e.g. `ddiloco simulate "
+            "--system decoupled --chips 150000`, or --grid for the whole table"
+        )
     if args.system != "decoupled" and (args.learners is not None or args.quorum is not None):
         parser.error(f"--learners/--quorum apply to --system decoupled only, not {args.system}")
     m = args.learners if args.learners is not None else (8 if args.system == "decoupled" else 1)

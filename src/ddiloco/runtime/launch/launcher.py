@@ -13,9 +13,9 @@ engine, plus ``logs/*.log``, ``chaos.jsonl`` and per-learner directories.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -33,7 +33,24 @@ from ddiloco.runtime.launch.summary import (
     write_summary,
 )
 
-__all__ = ["LaunchOptions", "Launcher", "check_runnable"]
+__all__ = ["LaunchOptions", "Launcher", "LaunchError", "check_runnable"]
+
+
+class LaunchError(RuntimeError):
+    """The run cannot go on: the syncer did not start, or a learner crashes at start-up
+    every time. The message says which process, why (its log's last lines) and where its
+    log is."""
+
+
+def log_tail(path: Path, lines: int = 6) -> str:
+    """The last ``lines`` non-empty lines of a process's log since its last start, indented
+    (empty if there are none)."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    last = text.rsplit("\n=== start ", 1)[-1].splitlines()[1:]
+    return "\n".join("    " + ln for ln in [ln for ln in last if ln.strip()][-lines:])
 
 
 def check_runnable(config):
@@ -77,6 +94,11 @@ class LaunchOptions:
     """Restart a learner that exits with an error (after ``crash_downtime_s``)."""
     crash_downtime_s: float = 1.0
     max_restarts: int = 1000
+    max_startup_crashes: int = 3
+    """A learner that exits with an error this many times in a row without reporting a new
+    step (a deterministic error: a missing data path, P above the model's tensor count)
+    ends the run: every process is stopped and the launcher raises ``LaunchError`` with
+    the learner's last log lines."""
     startup_timeout_s: float = 120.0
     """How long the syncer may take to bind."""
     progress_interval_s: float = 2.0
@@ -101,6 +123,10 @@ class _Proc:
     state: str = "new"  # running, stopped, down, finished, failed
     restart_at: float | None = None
     starts: int = 0
+    startup_crashes: int = 0
+    """Exits with an error in a row, each before the learner reported a new step."""
+    step_at_start: int | None = None
+    """The learner's reported step when it was last started."""
     kills: int = 0
     stops: int = 0
     cont_at: float | None = None
@@ -129,6 +155,27 @@ def _free_ports(n: int) -> list[int]:
             s.close()
 
 
+def _check_bind(host: str, port: int) -> None:
+    """Raise ValueError, in one line, unless the syncer can bind ``host:port`` here (the local
+    launcher runs it on this host)."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.bind((host, port))
+    except socket.gaierror as e:
+        raise ValueError(f"runtime.host {host!r} does not resolve ({e.strerror})") from None
+    except OSError as e:
+        if port and e.errno == errno.EADDRINUSE:
+            raise ValueError(
+                f"runtime.port {port} on {host} is in use (another syncer?): choose another "
+                f"--port (0: a free one) or stop the process holding it"
+            ) from None
+        raise ValueError(
+            f"runtime.host {host!r} is not an address of this host ({e.strerror}): the local "
+            f"launcher runs the syncer here; use 127.0.0.1, 0.0.0.0 or one of this host's "
+            f"addresses (--launcher ray places it on a cluster node)"
+        ) from None
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -142,10 +189,12 @@ class Launcher:
         from ddiloco.runtime.chaos import chaos_for_run
 
         config = check_runnable(config)
+        _check_bind(config.runtime.host, config.runtime.port if config.runtime.shards == 1 else 0)
         self.cfg = config
         self.opts = options or LaunchOptions()
-        self.out = Path(config.out)
-        self.out.mkdir(parents=True, exist_ok=True)
+        from ddiloco.rundir import fresh_run_dir
+
+        self.out = fresh_run_dir(config.out)  # nothing of an earlier run in OUT
         (self.out / "logs").mkdir(exist_ok=True)
         self.chaos = chaos_for_run(config)
         if self.chaos.link_cut and config.runtime.island_size > 1:
@@ -280,6 +329,7 @@ class Launcher:
                     start_new_session=True,
                 )
         p.starts += 1
+        p.step_at_start = self._step_of(p.name) if p.name.startswith("learner") else None
         p.state = "running"
         if p.first_start_s is None:
             p.first_start_s = self._now()
@@ -304,12 +354,13 @@ class Launcher:
                     self.port = int(path.read_text())
                 return
             if syncer.popen.poll() is not None:
-                raise RuntimeError(
-                    f"syncer exited with {syncer.popen.returncode}; see {syncer.log_path}"
+                raise LaunchError(
+                    f"the syncer exited with code {syncer.popen.returncode} before it "
+                    f"listened. Its last lines ({syncer.log_path}):\n{log_tail(syncer.log_path)}"
                 )
             time.sleep(0.05)
-        raise RuntimeError(
-            f"syncer did not bind within {self.opts.startup_timeout_s} s; see {syncer.log_path}"
+        raise LaunchError(
+            f"the syncer did not bind within {self.opts.startup_timeout_s} s; see {syncer.log_path}"
         )
 
     def close(self) -> None:
@@ -353,16 +404,6 @@ class Launcher:
 
         c = self.cfg
         self.write_config()
-        # a new run starts fresh: no progress, checkpoint or metrics of an earlier run in OUT
-        for f in (
-            "chaos.jsonl",
-            "summary.json",
-            *self.out.glob("syncer*.port"),
-            *self.out.glob("syncer*.metrics.jsonl"),
-        ):
-            (self.out / f).unlink(missing_ok=True)
-        for d in [self.out / "checkpoint", *self.out.glob("learner_*")]:
-            shutil.rmtree(d, ignore_errors=True)
         self.chaos_log = ChaosLog(self.out / "chaos.jsonl", self.t0)
         events = chaos_schedule(self.chaos, horizon_s=24 * 3600.0)
         interrupted = False
@@ -470,6 +511,7 @@ class Launcher:
                         p.state = "finished"
                         self.chaos_log.write("learner-finished", target=p.name, rc=rc)
                     elif p.starts <= self.opts.max_restarts and self.opts.restart_crashed:
+                        self._count_crash(p, rc)  # raises LaunchError on a crash loop
                         p.state = "down"
                         p.restart_at = now + self.opts.crash_downtime_s
                         self.chaos_log.write("learner-crashed", target=p.name, rc=rc)
@@ -514,6 +556,23 @@ class Launcher:
                 self._step_triggers()
                 self._show_progress()
             time.sleep(0.05)
+
+    def _count_crash(self, p: _Proc, rc: int) -> None:
+        """Count a crash of learner ``p``; raise ``LaunchError`` once it has crashed
+        ``max_startup_crashes`` times in a row without a new step (restarting it cannot
+        help)."""
+        self._poll_status()  # its last report, if it made one
+        step = self._step_of(p.name)
+        p.startup_crashes = p.startup_crashes + 1 if step == p.step_at_start else 1
+        if p.startup_crashes < self.opts.max_startup_crashes:
+            return
+        self.chaos_log.write("learner-gave-up", target=p.name, rc=rc, crashes=p.startup_crashes)
+        where = "at start-up" if not step else f"at step {step}"
+        raise LaunchError(
+            f"{p.name} failed {p.startup_crashes} times in a row {where} (exit code {rc}), "
+            f"without a new step; not restarting it. Its last lines ({p.log_path}):\n"
+            f"{log_tail(p.log_path)}"
+        )
 
     def _step_triggers(self) -> None:
         """Deterministic, progress-based faults (``kill_at_step``, ``stop_at_step``,

@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import signal
 import sys
 import threading
@@ -241,15 +240,12 @@ class RayLauncher:
     # -- the run ---------------------------------------------------------------------------
     def run(self) -> dict:
         c = self.cfg
-        self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / "logs").mkdir(exist_ok=True)
         from ddiloco.config import CONFIG_FILE, dump_config
+        from ddiloco.rundir import fresh_run_dir
 
+        fresh_run_dir(self.out)  # nothing of an earlier run in OUT
+        (self.out / "logs").mkdir(exist_ok=True)
         dump_config(c, self.out / CONFIG_FILE)
-        for f in [self.out / "summary.json", *self.out.glob("syncer*.metrics.jsonl")]:
-            f.unlink(missing_ok=True)
-        for d in [self.out / "checkpoint", *self.out.glob("learner_*")]:
-            shutil.rmtree(d, ignore_errors=True)
         if threading.current_thread() is threading.main_thread():
 
             def _stop(*_):

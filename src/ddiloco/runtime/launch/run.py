@@ -20,9 +20,9 @@ def launcher_class(config) -> type:
     return Launcher
 
 
-def run_processes(config) -> int:
+def run_processes(config) -> dict:
     """Run ``config`` (a TrainConfig) with a real syncer and learner processes: on this host
-    (``runtime.launcher = local``) or as Ray actors (``ray``)."""
+    (``runtime.launcher = local``) or as Ray actors (``ray``). Returns the run's summary
+    (``summary.json``; ``ok`` says whether every process finished)."""
     with launcher_class(config)(config) as launcher:
-        summary = launcher.run()
-    return 0 if summary.get("ok") else 1
+        return launcher.run()
