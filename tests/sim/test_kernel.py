@@ -56,3 +56,22 @@ def test_kernel_handler_errors_surface():
     k.schedule(0.0, Event("x"))
     with pytest.raises(RuntimeError, match="broken invariant"):
         k.run(until_s=1.0)
+
+
+def test_push_and_pop_give_the_same_order_for_a_driver_with_its_own_loop():
+    k = EventKernel()
+    k.push(1.0, 9, "start", (0, 0))
+    k.push(1.0, 1, "arrive", "x")
+    k.push(0.5, 5, "end", None)
+    k.push(1.0, 1, "arrive", "y")  # same time and priority: scheduling order
+    assert bool(k) and len(k) == 4
+    got = [k.pop() for _ in range(4)]
+    assert got == [
+        (0.5, "end", None),
+        (1.0, "arrive", "x"),
+        (1.0, "arrive", "y"),
+        (1.0, "start", (0, 0)),
+    ]
+    assert k.now_s == 1.0 and not k
+    with pytest.raises(ValueError, match="cannot schedule"):
+        k.push(0.9, 0, "late")

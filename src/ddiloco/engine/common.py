@@ -4,8 +4,6 @@ and the run record."""
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import json
 import math
 import os
@@ -23,7 +21,7 @@ from ddiloco.data.synthetic import SyntheticStream
 from ddiloco.metrics.sinks import open_sinks, parse_sinks
 from ddiloco.recipe import new_model, new_optimizer, set_lr, tokens_per_step
 
-__all__ = ["World", "Worker", "EventQueue", "Recorder", "TimeBreakdown", "build_workers"]
+__all__ = ["World", "Worker", "Recorder", "TimeBreakdown", "build_workers"]
 
 _WORLD_DOMAIN = 7919  # keeps the world's random streams apart from the data's
 
@@ -113,25 +111,6 @@ class World:
     def transfer_s(self, nbytes: int) -> float:
         bw = self.cfg.bandwidth_Bps
         return self.cfg.latency_s + (nbytes / bw if bw > 0 else 0.0)
-
-
-class EventQueue:
-    """A heap of (time, priority, seq, kind, payload): ties broken by priority then
-    insertion order, so runs are deterministic."""
-
-    def __init__(self) -> None:
-        self._heap: list = []
-        self._seq = itertools.count()
-
-    def push(self, t: float, prio: int, kind: str, payload=None) -> None:
-        heapq.heappush(self._heap, (t, prio, next(self._seq), kind, payload))
-
-    def pop(self):
-        t, prio, _, kind, payload = heapq.heappop(self._heap)
-        return t, kind, payload
-
-    def __bool__(self) -> bool:
-        return bool(self._heap)
 
 
 class Recorder:

@@ -5,7 +5,8 @@ pushes, merges, broadcasts, failures and rejoins in virtual time. The syncer is 
 ``SyncerState`` the gRPC server drives; the learner side is ``LearnerSync``. Deterministic
 for a seed.
 
-Event priorities at equal times: arrivals at the syncer (1), broadcasts reaching learners
+The event heap is the package's one kernel (``ddiloco.sim.kernel``). Event priorities at
+equal times: arrivals at the syncer (1), broadcasts reaching learners
 and departures (2), grace timers (3), step ends (5), step starts (9). A step start therefore
 sees every merge that completed at the same instant (needed for tau = 0).
 """
@@ -23,8 +24,9 @@ from ddiloco.algorithm.policy import WaitUntil
 from ddiloco.algorithm.schedule import FragmentSchedule
 from ddiloco.algorithm.syncer_state import Contribution, Merged, Status, SyncerConfig, SyncerState
 from ddiloco.config import TrainConfig
-from ddiloco.engine.common import EventQueue, Recorder, TimeBreakdown, World, build_workers
+from ddiloco.engine.common import Recorder, TimeBreakdown, World, build_workers
 from ddiloco.recipe import evaluate, fragmentation_for
+from ddiloco.sim.kernel import EventKernel
 
 __all__ = ["run_decoupled"]
 
@@ -83,7 +85,7 @@ def run_decoupled(cfg: TrainConfig, ctx) -> dict:
             g = syncer.global_params()
             mirror[m] = {p: [g[n].clone() for n in f.names] for p, f in enumerate(frag.fragments)}
 
-    q = EventQueue()
+    q = EventKernel()
     stats = {"bytes_up": 0, "bytes_down": 0, "pushes": 0, "rejected": {}, "staleness": []}
     M, N = cfg.learners, cfg.steps
 

@@ -3,10 +3,13 @@
 Ties are broken first by ``priority`` (lower runs first) and then by ``seq``, the order in
 which events were scheduled, so a run is a pure function of its inputs and seed. Handlers
 are plain callables ``handler(kernel, event)``; they may schedule more events. Errors in a
-handler propagate to the caller of :meth:`EventKernel.run`.
+handler propagate to the caller of :meth:`EventKernel.run`. A driver that keeps its own
+dispatch loop uses :meth:`EventKernel.push` and :meth:`EventKernel.pop` instead of handlers.
 
-The kernel knows nothing about chips or learners; ``ddiloco.sim.systems`` builds the
-failure, repair and reconfiguration processes on top of it.
+The kernel knows nothing about chips or learners. It is the one event kernel of the
+package: ``ddiloco.sim.systems`` builds the failure, repair and reconfiguration processes on
+top of it, and the in-process engine (``ddiloco.engine.decoupled``) orders its learners'
+steps, pushes, merges and broadcasts with it.
 """
 
 from __future__ import annotations
@@ -69,6 +72,24 @@ class EventKernel:
     def after(self, delay_s: float, event: Event, priority: int = 0) -> None:
         """Schedule ``event`` ``delay_s`` seconds from now."""
         self.schedule(self.now_s + delay_s, event, priority)
+
+    def push(self, time_s: float, priority: int, kind: str, data: Any = None) -> None:
+        """``schedule(time_s, Event(kind, data=data), priority)``, for a driver with its own
+        dispatch loop (:meth:`pop`)."""
+        self.schedule(time_s, Event(kind, data=data), priority)
+
+    def pop(self) -> tuple[float, str, Any]:
+        """Take the next event without dispatching it: advances the clock to its time and
+        returns ``(time_s, kind, data)``; raises IndexError when the heap is empty."""
+        time_s, _, _, event = heapq.heappop(self._heap)
+        self.now_s = time_s
+        self.n_dispatched += 1
+        if self.log_events:
+            self.log.append(LogEntry(time_s, event.kind, event.target))
+        return time_s, event.kind, event.data
+
+    def __bool__(self) -> bool:
+        return bool(self._heap)
 
     def peek_time(self) -> float | None:
         return self._heap[0][0] if self._heap else None
