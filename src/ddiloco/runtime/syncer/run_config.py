@@ -7,6 +7,8 @@ and [runtime] tables.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ddiloco.runtime.syncer.server import SyncerServerConfig
 from ddiloco.runtime.transport.bulk import BulkLimits
 from ddiloco.runtime.transport.shards import parse_shards
@@ -28,8 +30,13 @@ def syncer_server_config(
     data_host: str | None = None,
 ) -> SyncerServerConfig:
     """The syncer service's configuration from a run's ``TrainConfig``: its [sync] and
-    [runtime] tables. An unset step budget is M x steps for a run file, none without."""
+    [runtime] tables. An unset step budget is M x steps for a run file, none without.
+    Without a run file the learners' codec is theirs (a syncer takes no ``--codec``), so an
+    unset history keeps ``max_staleness`` versions, as for a codec that sends deltas."""
     rt = cfg.runtime
+    sync = cfg.sync
+    if not from_file and sync.history is None:
+        sync = replace(sync, history=sync.max_staleness)
     budget = (
         rt.step_budget
         if rt.step_budget is not None
@@ -39,7 +46,7 @@ def syncer_server_config(
         token=token,
         host=rt.host,
         port=rt.port,
-        syncer=cfg.sync.syncer_config(),
+        syncer=sync.syncer_config(),
         downlink_codec=cfg.down_codec,
         downlink_delta=cfg.down_delta,
         max_push_bytes=rt.max_push_bytes,
