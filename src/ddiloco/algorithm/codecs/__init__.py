@@ -3,8 +3,9 @@
 ``registry`` defines the ``Codec`` protocol (``name``, ``delta``, ``lossless``,
 ``downlink``, ``nbytes``, ``encode``, ``encode_many``, ``decode``, ``roundtrip``) and the
 registry; each other module defines codecs and registers them at import. Importing this
-package registers the built-in ones: ``cast`` (fp32, bf16), ``integer`` (int8, int4,
-int2, 1bit).
+package registers the built-in ones, the modules imported below (``cast``: fp32 and bf16;
+``integer``: int8, int4, int2 and 1bit; and so on). A new codec is one such module and its
+name added to that import.
 """
 
 from __future__ import annotations
