@@ -10,7 +10,7 @@ name added to that import.
 
 from __future__ import annotations
 
-from ddiloco.algorithm.codecs import cast, integer  # noqa: F401  (they register themselves)
+from ddiloco.algorithm.codecs import cast, fp8, integer  # noqa: F401  (they register themselves)
 from ddiloco.algorithm.codecs.registry import (
     CODECS,
     Codec,
