@@ -37,6 +37,7 @@ from ddiloco.algorithm.schedule import FragmentSchedule
 
 __all__ = [
     "DEFAULT_INSTALL",
+    "DEFAULT_ALPHA",
     "INSTALL_RULES",
     "Outgoing",
     "LearnerSync",
@@ -50,6 +51,9 @@ INSTALL_RULES = ("overwrite", "rebase")
 DEFAULT_INSTALL: Final = "overwrite"
 """The install rule of the run configuration and of ``DecoupledLearner`` (declared here
 once: the configuration, the hook and ``LearnerSync`` read it)."""
+DEFAULT_ALPHA: Final = 0.0
+"""Install mixing alpha of the run configuration, ``DecoupledLearner`` and ``LearnerSync``
+(0: the merged value, with no share of the learner's own fragment)."""
 
 
 @dataclass(slots=True)
@@ -168,7 +172,7 @@ class LearnerSync:
         fragmentation: Fragmentation,
         schedule: FragmentSchedule,
         *,
-        alpha: float = 0.0,
+        alpha: float = DEFAULT_ALPHA,
         install: str = DEFAULT_INSTALL,
         slot_s: float | None = None,
         snapshot: Snapshot = host_snapshot,

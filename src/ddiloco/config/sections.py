@@ -10,11 +10,11 @@ file form (``ddiloco.config.files``) has one table per section.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
 from ddiloco.algorithm.codecs import codec_names, downlink_codec_names, get_codec
 from ddiloco.algorithm.fragments import STRATEGIES
-from ddiloco.algorithm.learner_state import DEFAULT_INSTALL, INSTALL_RULES
+from ddiloco.algorithm.learner_state import DEFAULT_ALPHA, DEFAULT_INSTALL, INSTALL_RULES
 from ddiloco.algorithm.merge import MERGE_RULES
 from ddiloco.algorithm.policy import PolicyConfig
 from ddiloco.algorithm.syncer_state import SyncerConfig
@@ -130,31 +130,40 @@ class OptimConfig:
         at_least("optim.eval_batches", self.eval_batches, 1)
 
 
+_POLICY = PolicyConfig()
+_SYNCER = SyncerConfig()
+# The algorithm layer's own defaults (the policy's K, grace, gamma and tau, the state
+# machine's outer step and staleness rules, the learners' alpha and install rule) are the
+# values declared there: the configuration reads them, so the two cannot drift. Every
+# other library default (SyncerServerConfig, DecoupledLearner, the simulator's policy)
+# reads this configuration; tests/config/test_defaults.py compares them all.
+
+
 @dataclass(kw_only=True, slots=True)
 class SyncConfig:
     fragments: int = 8
     """P: number of fragments the model is split into (1 = the whole model at once)."""
     H: int = 24  # noqa: N815 - paper symbol
     """Inner steps between two syncs of the same fragment."""
-    tau: int = 2
+    tau: int = _POLICY.tau
     """Overlap steps: a fragment sent at step t is installed at step t + tau."""
-    quorum: int = 1
+    quorum: int = _POLICY.quorum
     """K: minimum learners per merge."""
-    grace: bool = True
+    grace: bool = _POLICY.grace
     """Adaptive grace window after the quorum (wait for more learners while it costs
     nothing)."""
-    gamma: float = 0.8
+    gamma: float = _POLICY.gamma
     """Grace window safety factor, in [0, 1): the window is gamma x (tau x step time - time to
     quorum - merge and return). With the time-driven schedule learners push fragment p at
     their first step end after its slot, up to one step apart, so covering that spread at
     tau = 2 needs gamma above 1/2 plus a margin for the merge's return."""
-    outer_lr: float = 0.7
+    outer_lr: float = _SYNCER.outer_lr
     """Outer Nesterov SGD learning rate."""
-    outer_momentum: float = 0.9
+    outer_momentum: float = _SYNCER.outer_momentum
     """Outer Nesterov momentum, in [0, 1)."""
-    merge_rule: Literal["rda", "average"] = "rda"
+    merge_rule: Literal["rda", "average"] = cast(Literal["rda", "average"], _SYNCER.merge_rule)
     """rda (radial-directional; embeddings averaged) or average (plain token-weighted)."""
-    alpha: float = 0.0
+    alpha: float = DEFAULT_ALPHA
     """Install mixing: theta <- alpha * theta_local + (1 - alpha) * Theta (0 = overwrite)."""
     install: Literal["rebase", "overwrite"] = DEFAULT_INSTALL
     """How a learner installs a merged fragment: ``rebase`` (the merged value plus the
@@ -183,17 +192,17 @@ class SyncConfig:
     """When a learner sends fragment p: ``time`` (at its slot in elapsed time: learners of
     different speeds send together, so the grace window can gather them) or ``steps``
     (every H of its own inner steps)."""
-    scale_partial: bool = True
+    scale_partial: bool = _SYNCER.scale_partial
     """Scale a round that merges k of n live learners to k/n of an outer step."""
-    norm_clip: float = 0.0
+    norm_clip: float = _SYNCER.norm_clip
     """Merge guard: an outer gradient whose norm is over norm_clip x the median of its
     fragment's last 32 merged ones is scaled down to that bound (a wild learner moves the
     model at most that far); 0 turns it off."""
-    max_staleness: int = 16
+    max_staleness: int = _SYNCER.max_staleness
     """Pushes more than this many versions behind are dropped."""
-    staleness_discount: float = 1.0
+    staleness_discount: float = _SYNCER.staleness_discount
     """Merge weight factor per version a push is behind (1: none)."""
-    anchor: Literal["current", "base"] = "current"
+    anchor: Literal["current", "base"] = cast(Literal["current", "base"], _SYNCER.anchor)
     """Outer-gradient anchor: the current global fragment, or the learner's base version."""
     history: int | None = None
     """Past versions the syncer keeps per fragment (delta-encoded pushes and

@@ -44,6 +44,9 @@ from ddiloco.algorithm.policy import MergeNow, PolicyConfig, QuorumGracePolicy, 
 from ddiloco.sim.failures import FailureConfig, generate_failures
 from ddiloco.sim.kernel import Event, EventKernel, LogEntry
 
+_POLICY = PolicyConfig()
+"""The policy's declared defaults (K, grace, gamma, tau): the run configuration's too."""
+
 __all__ = ["SYSTEMS", "CostModel", "SimConfig", "RunResult", "run_once", "straggler_efficiency"]
 
 SYSTEMS = ("dp", "elastic-dp", "decoupled")
@@ -127,13 +130,14 @@ class SimConfig:
     """N: chips in the cluster (all systems use all of them)."""
     learners: int = 1
     """M: learners (decoupled only; the chips are split evenly by slice)."""
-    quorum: int = 1
+    quorum: int = _POLICY.quorum
     """K: minimum learners per merge (decoupled only); 1 <= K <= M."""
-    grace: bool = True
+    grace: bool = _POLICY.grace
     """Decoupled: adaptive grace window after the quorum."""
-    gamma: float = 0.5
-    """Decoupled: safety factor of the grace window."""
-    tau: int = 2
+    gamma: float = _POLICY.gamma
+    """Decoupled: safety factor of the grace window (the run configuration's
+    ``sync.gamma``)."""
+    tau: int = _POLICY.tau
     """Decoupled: overlap in inner steps; a push is needed back tau steps later."""
     fragments: int = 24
     """Decoupled: P fragments, pushed round-robin one per step."""

@@ -38,8 +38,9 @@ import grpc
 import torch
 
 from ddiloco.algorithm.codecs import get_codec
-from ddiloco.algorithm.learner_state import DEFAULT_INSTALL, LearnerSync, Outgoing
+from ddiloco.algorithm.learner_state import LearnerSync, Outgoing
 from ddiloco.algorithm.schedule import ClockTrack, FragmentSchedule, SlotClock, StepTimer
+from ddiloco.config.sections import RuntimeConfig, SyncConfig
 from ddiloco.runtime.learner.client import RETRYABLE, LinkLimits, SyncerError, rpc_code, rpc_details
 from ddiloco.runtime.learner.device import DeviceCopier
 from ddiloco.runtime.learner.sharded import SendQueues, ShardedClient
@@ -50,6 +51,11 @@ from ddiloco.runtime.transport.spec import fragmentation_from_spec, model_spec, 
 __all__ = ["DecoupledLearner"]
 
 log = logging.getLogger("ddiloco.learner")
+
+_SYNC = SyncConfig()
+_RUNTIME = RuntimeConfig()
+"""The run configuration's defaults, which ``DecoupledLearner``'s keyword arguments take
+(compared in tests/config/test_defaults.py)."""
 
 DUPLICATE_WAIT_S = 15.0
 """How long a learner whose id is live in another process keeps asking before it gives up
@@ -86,20 +92,20 @@ class DecoupledLearner:
         syncer: str,
         learner: int | None = None,
         P: int | None = None,  # noqa: N803
-        H: int = 24,  # noqa: N803
-        tau: int = 2,
-        strategy: str = "balanced",
-        codec: str = "bf16",
-        alpha: float = 0.0,
-        install: str = DEFAULT_INSTALL,
-        schedule: str = "time",
+        H: int = _SYNC.H,  # noqa: N803
+        tau: int = _SYNC.tau,
+        strategy: str = _SYNC.fragmentation,
+        codec: str = _SYNC.codec,
+        alpha: float = _SYNC.alpha,
+        install: str = _SYNC.install,
+        schedule: str = _SYNC.schedule,
         tokens_per_step: int | None = None,
         token: str | None = None,
-        token_file: str | None = None,
-        tls_ca: str | None = None,
+        token_file: str | None = _RUNTIME.token_file,
+        tls_ca: str | None = _RUNTIME.tls_ca,
         tls: bool = False,
-        connect_timeout: timedelta = timedelta(minutes=5),
-        heartbeat_interval: timedelta = timedelta(milliseconds=500),
+        connect_timeout: timedelta = timedelta(seconds=_RUNTIME.connect_timeout_s),
+        heartbeat_interval: timedelta = timedelta(seconds=_RUNTIME.heartbeat_interval_s),
         flush_timeout: timedelta = timedelta(seconds=10),
         link: LinkLimits | None = None,
         process_group=None,

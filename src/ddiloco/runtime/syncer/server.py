@@ -44,6 +44,7 @@ from pydantic import BaseModel
 from ddiloco.algorithm.codecs import downlink_codec_names
 from ddiloco.algorithm.schedule import SlotClock
 from ddiloco.algorithm.syncer_state import Merged, SyncerConfig, SyncerState
+from ddiloco.config.sections import RuntimeConfig, SyncConfig
 from ddiloco.metrics.sinks import open_sinks, parse_sinks
 from ddiloco.runtime.syncer.checkpoint import CHECKPOINT_NAME, DEFAULT_KEEP, remove_stale_temps
 from ddiloco.runtime.syncer.common import LearnerInfo, Reject
@@ -73,32 +74,37 @@ set). int8 and int4 quantise the parameters themselves (learners install the qua
 values; with a quantised uplink their next delta is taken against what they installed, so
 the install error does not reach the global model)."""
 
+_RUNTIME = RuntimeConfig()
+_SYNC = SyncConfig()
+"""The run configuration's defaults, which ``SyncerServerConfig``'s fields take (compared
+in tests/config/test_defaults.py)."""
+
 
 @dataclass(kw_only=True, slots=True)
 class SyncerServerConfig:
     token: str
     """Shared secret every call must carry."""
-    host: str = "127.0.0.1"
+    host: str = _RUNTIME.host
     """Address to bind. Loopback unless told otherwise."""
-    port: int = 0
+    port: int = _RUNTIME.port
     """Port to bind; 0 picks a free one (read it from ``SyncerServer.port``)."""
-    syncer: SyncerConfig = field(default_factory=SyncerConfig)
+    syncer: SyncerConfig = field(default_factory=_SYNC.syncer_config)
     """The algorithm's configuration (quorum K, grace, merge rule, outer optimizer...)."""
-    downlink_codec: str = "fp32"
+    downlink_codec: str = _SYNC.down_codec
     """Codec of merged fragments sent to learners: one of ``DOWNLINK_CODECS``."""
-    downlink_delta: bool = False
+    downlink_delta: bool = _SYNC.down_delta
     """Code each learner's fetch as the merged fragment minus the copy that learner holds
     (``sync.down_delta``); the syncer keeps one copy per learner and fragment."""
-    max_push_bytes: int = 1 << 30
+    max_push_bytes: int = _RUNTIME.max_push_bytes
     """Pushes declaring a larger payload are rejected before their payload is read."""
-    heartbeat_timeout_s: float = 5.0
+    heartbeat_timeout_s: float = _RUNTIME.heartbeat_timeout_s
     """A learner silent for this long is declared dead (``SyncerState.leave``)."""
-    heartbeat_interval_s: float = 0.25
+    heartbeat_interval_s: float = _RUNTIME.heartbeat_interval_s
     """The learners' heartbeat interval: a re-timing of the slot clock is announced
     ``max(CLOCK_LEAD_S, 4 x interval)`` ahead, so that every learner hears it first."""
     checkpoint_dir: str | None = None
     """Where ``syncer.pt`` is written; None disables checkpoints."""
-    checkpoint_every: int = 1
+    checkpoint_every: int = _RUNTIME.checkpoint_every
     """1: every merge is durable before it is published. N > 1: a checkpoint every N merges,
     published at once (a SIGKILL may lose up to N - 1 merges)."""
     resume: bool = False
@@ -109,7 +115,7 @@ class SyncerServerConfig:
     newest is damaged."""
     tls_cert: str | None = None
     tls_key: str | None = None
-    bulk_port: int | None = 0
+    bulk_port: int | None = _RUNTIME.bulk_port
     """Data port for fragment pushes and fetches (``ddiloco.runtime.transport.bulk``: framed TCP, TLS
     when the syncer has a certificate), advertised to learners in the Join reply. 0 picks
     a free one; None disables it (learners then send fragments over gRPC, a few times
@@ -129,7 +135,7 @@ class SyncerServerConfig:
     ``E_BUSY``)."""
     metrics_path: str | None = None
     """Append one JSON line per merge / rejection / membership event here."""
-    http_port: int | None = None
+    http_port: int | None = _RUNTIME.http_port
     """Observability HTTP port on ``host`` (Prometheus ``/metrics``, ``/healthz``,
     ``/readyz``, the live dashboard; ``ddiloco.runtime.observe``). 0 picks a free one;
     None (the default) keeps it closed."""
