@@ -175,6 +175,10 @@ def test_codec_roundtrip_bounds_and_bytes(name, numel):
         assert torch.equal(x, y)
     elif name == "bf16":
         assert bool((err <= x.abs() * 2**-8 + 1e-30).all())
+    elif name == "fp8":  # e4m3 of x / (absmax / 448): 2^-4 relative, 2^-10 of the scale
+        blocks = torch.nn.functional.pad(x, (0, (-numel) % 64)).view(-1, 64).abs().amax(1)
+        scale = (blocks / 448).repeat_interleave(64)[:numel]
+        assert bool((err <= (x.abs() * 2**-4 + scale * 2**-10) * (1 + 1e-5)).all())
     elif name != "1bit":
         blocks = torch.nn.functional.pad(x, (0, (-numel) % 64)).view(-1, 64).abs().amax(1)
         bound = (blocks / ((1 << c.bits) - 1)).repeat_interleave(64)[:numel]
@@ -200,6 +204,7 @@ def test_codec_quality_ordering():
     errs = {n: float((CODECS[n].roundtrip(x) - x).norm() / x.norm()) for n in CODECS}
     assert errs["fp32"] == 0 < errs["bf16"] < errs["int8"] < errs["int4"] < errs["int2"]
     assert errs["int4"] < 0.15 and errs["int2"] > 0.3
+    assert errs["int8"] < errs["fp8"] < 0.03 < errs["int4"]  # 3 mantissa bits: ~2.5%
 
 
 def test_a_quantised_codec_with_another_block_size():
@@ -216,9 +221,51 @@ def test_a_quantised_codec_with_another_block_size():
     # coarser blocks than the default lose more
     fine = get_codec("int2").roundtrip(x)
     assert float((fine - x).norm()) < float((y - x).norm())
-    for bad in ("int2/100", "int2/4", "bf16/64", "int9", "int2/x"):
+    for bad in ("int2/100", "int2/4", "bf16/64", "int9", "int2/x", "fp8/100"):
         with pytest.raises(ValueError):
             get_codec(bad)
+    f = get_codec("fp8/4096")
+    assert f.block == 4096 and f.name == "fp8/4096" and f.delta
+    assert f.nbytes(x.numel()) == len(f.encode(x)) == 3 * 4 + 10_000
+    assert float((f.roundtrip(x) - x).abs().max()) <= float(x.abs().max()) * 2**-4
+
+
+def test_fp8_is_e4m3_with_a_scale_per_block():
+    c = get_codec("fp8")
+    assert c.delta and not c.lossless and c.downlink and c.block == 64
+    assert c.nbytes(64) == 4 + 64 and c.nbytes(65) == 8 + 65
+    # absmax 1.75 = 448 x 2^-8: the scale 2^-8 is exact, the codes are x * 2^8 in e4m3
+    # (nearest, ties to even at 3 mantissa bits; below 2^-9 of the scale: zero)
+    x = torch.tensor([1.75, 1 + 1 / 16, 1 + 3 / 16, -(1 + 1 / 32), 2.0**-20, 0.0, 0.3, -0.3])
+    x = x.repeat(8)  # one whole block of 64
+    buf = c.encode(x)
+    assert torch.frombuffer(bytearray(buf[:4]), dtype=torch.float32).item() == 1.75 / 448
+    codes = torch.frombuffer(bytearray(buf[4:]), dtype=torch.uint8).view(torch.float8_e4m3fn)
+    assert codes[:8].float().tolist() == [448.0, 256.0, 320.0, -256.0, 0.0, 0.0, 80.0, -80.0]
+    y = c.decode(buf, x.numel())
+    assert y[:8].tolist() == [1.75, 1.0, 1.25, -1.0, 0.0, 0.0, 0.3125, -0.3125]
+    # a non-finite value spoils its whole block (the syncer refuses the push)
+    for bad in (float("nan"), float("inf")):
+        z = torch.ones(128)
+        z[5] = bad
+        r = c.roundtrip(z)
+        assert not bool(r[:64].isfinite().any()) and torch.equal(r[64:], z[64:])
+
+
+@pytest.mark.parametrize("name", list(CODECS))
+def test_every_codec_says_whether_pushes_are_deltas_and_the_history_follows(name):
+    """``Codec.delta`` is the one decision the learner, the in-process engine and the
+    syncer's history read: parameters for fp32 and bf16, deltas for the coarser codecs."""
+    from ddiloco.config.sections import SyncConfig
+
+    c = get_codec(name)
+    assert c.delta == (name not in ("fp32", "bf16"))
+    assert c.lossless == (name == "fp32")
+    assert c.downlink == (name != "1bit")
+    sync = SyncConfig(codec=name, max_staleness=7)
+    assert sync.resolved_history() == (7 if c.delta else 0)
+    assert SyncConfig(codec=name, max_staleness=7, anchor="base").resolved_history() == 7
+    assert SyncConfig(codec=name, history=3).resolved_history() == 3
 
 
 def test_default_grace_window_covers_one_step_of_arrival_spread():

@@ -114,12 +114,13 @@ def test_inproc_is_deterministic(tmp_path):
     assert a["failures"] > 0
 
 
-def test_quantised_pushes_are_deltas_against_the_copy_the_learner_received(tmp_path):
+@pytest.mark.parametrize("codec", ["int8", "fp8"])
+def test_quantised_pushes_are_deltas_against_the_copy_the_learner_received(tmp_path, codec):
     # with no inner progress (lr ~ 0) a learner's push carries no change, however coarse the
     # downlink: the global model must stay where it started. A delta taken against the
     # published version instead would carry the downlink's rounding error into the model.
     cfg = TrainConfig(
-        **{**TINY, "codec": "int8", "merge_rule": "rda"},
+        **{**TINY, "codec": codec, "merge_rule": "rda"},
         method="decoupled",
         fragments=2,
         tau=1,
