@@ -8,7 +8,7 @@ import json
 import pytest
 
 from ddiloco.cli import main
-from ddiloco.config import TrainConfig, dumps_config, load_config, loads_config
+from ddiloco.config import ChaosConfig, TrainConfig, dumps_config, load_config, loads_config
 from ddiloco.config.flags import ConfigError, parse_syncer, parse_train
 
 
@@ -53,6 +53,24 @@ def test_every_field_round_trips_through_toml():
     )
     assert loads_config(dumps_config(cfg)) == cfg
     assert loads_config(dumps_config(TrainConfig())) == TrainConfig()
+    chaos = ChaosConfig(
+        seed=9,
+        slowdown={1: 1.5},
+        kill_at_step=((0, 10), (1, 20)),
+        stop_at_step=((1, 5, 0.5),),
+        syncer_kill_at_s=(15.0,),
+        add_learner_at_step=(40,),
+        link_cut=((0, 7, 1.5),),
+    )
+    assert loads_config(dumps_config(cfg.replace(chaos=chaos))).chaos == chaos
+
+
+def test_a_file_of_the_older_form_names_the_chaos_in_world(tmp_path):
+    old = loads_config('[world]\nchaos = "kill30"\n')
+    assert old.chaos == TrainConfig(chaos="kill30").chaos
+    assert old.chaos.kill_mean_interval_s == 30.0 and old.chaos.seed is None
+    with pytest.raises(ValueError, match="not also as world.chaos"):
+        loads_config('[world]\nchaos = "kill30"\n[chaos]\nseed = 1\n')
 
 
 @pytest.mark.parametrize(
@@ -155,6 +173,10 @@ def test_a_run_replays_from_its_config_toml(tmp_path, capsys):
         "2",
         "--seed",
         "3",
+        "--chaos",
+        "kill30",
+        "--chaos.kill-downtime-s",
+        "4",
         "--no-progress",
         "--out",
         str(first),
@@ -162,6 +184,8 @@ def test_a_run_replays_from_its_config_toml(tmp_path, capsys):
     assert main(argv) == 0
     saved = load_config(first / "config.toml")
     assert saved.engine == "inproc" and saved.codec == "int4" and saved.mtbi_s == 8.0
+    # the chaos section is saved with the rest (the in-process engine injects none of it)
+    assert saved.chaos == ChaosConfig(kill_mean_interval_s=30.0, kill_downtime_s=4.0)
     assert main(["train", "--config", str(first / "config.toml"), "--out", str(again)]) == 0
     a, b = (json.loads((d / "summary.json").read_text()) for d in (first, again))
     for s in (a, b):

@@ -11,9 +11,11 @@ quorum = 1
 ```
 
 Every run directory holds its resolved ``config.toml``; ``ddiloco train --config
-runs/X/config.toml`` replays the run. A file may give any subset of fields: the rest take
-their defaults. Unset optional fields (``sync.history``, ``runtime.tls_cert``...) are left
-out of the file, as TOML has no null.
+runs/X/config.toml`` replays the run, its ``[chaos]`` table included. A file may give any
+subset of fields: the rest take their defaults. Unset optional fields (``sync.history``,
+``chaos.seed``, ``runtime.tls_cert``...) are left out of the file, as TOML has no null.
+Files written before chaos was a section name it as ``[world] chaos = "PRESET"`` (or a
+JSON file); that still fills ``[chaos]``.
 """
 
 from __future__ import annotations
@@ -64,9 +66,17 @@ def from_nested(data: dict[str, Any]) -> TrainConfig:
     """A ``TrainConfig`` from ``{top-level field: value, section: {field: value}}``; only
     nested section tables are accepted (the file form), unknown names are errors."""
     top = {f for f in TrainConfig.__dataclass_fields__ if f not in SECTIONS}
+    world = data.get("world")
+    if isinstance(world, dict) and "chaos" in world:  # the file form before [chaos]
+        if "chaos" in data:
+            raise ValueError("give the chaos in the [chaos] table, not also as world.chaos")
+        if not isinstance(world["chaos"], str):
+            raise ValueError(f"world.chaos must be a string, got {world['chaos']!r}")
+        data = {**data, "world": {k: v for k, v in world.items() if k != "chaos"}}
+        data["chaos"] = world["chaos"]
     for k, v in data.items():
         if k in SECTIONS:
-            if not isinstance(v, dict):
+            if not isinstance(v, dict) and not (k == "chaos" and isinstance(v, str)):
                 raise ValueError(f"{k} must be a table ([{k}]), got {v!r}")
         elif k not in top:
             raise ValueError(
@@ -75,7 +85,7 @@ def from_nested(data: dict[str, Any]) -> TrainConfig:
             )
     hints = get_type_hints(TrainConfig)
     for k, v in data.items():
-        if k in SECTIONS:
+        if k in SECTIONS and not isinstance(v, str):
             sec_hints = get_type_hints(SECTIONS[k])
             for f, fv in v.items():
                 if f in sec_hints:
@@ -119,11 +129,21 @@ def _is(value: Any, hint: Any) -> bool:
         if len(args) == 2 and args[1] is Ellipsis:
             return all(_is(v, args[0]) for v in value)
         return len(args) == len(value) and all(_is(v, a) for v, a in zip(value, args))
-    if origin is dict:
+    if origin is dict:  # TOML keys are strings: an integer key is written as one
         return isinstance(value, dict) and all(
-            _is(k, args[0]) and _is(v, args[1]) for k, v in value.items()
+            (_is(k, args[0]) or (args[0] is int and isinstance(k, str) and _is_int(k)))
+            and _is(v, args[1])
+            for k, v in value.items()
         )
     return True  # a type the file form does not describe: the section's checks decide
+
+
+def _is_int(text: str) -> bool:
+    try:
+        int(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _describe(hint: Any) -> str:
@@ -146,8 +166,15 @@ def dumps_config(cfg: TrainConfig) -> str:
 
     nested = cfg.to_nested()
 
+    def value(v: Any) -> Any:  # tuples as arrays, integer keys as strings
+        if isinstance(v, (tuple, list)):
+            return [value(x) for x in v]
+        if isinstance(v, dict):
+            return {str(k): value(x) for k, x in v.items()}
+        return v
+
     def clean(d: dict) -> dict:
-        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items() if v is not None}
+        return {k: value(v) for k, v in d.items() if v is not None}
 
     doc = clean({k: v for k, v in nested.items() if k not in SECTIONS})
     for sec in SECTIONS:

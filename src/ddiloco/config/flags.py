@@ -4,7 +4,8 @@ section (``--sync.H 24``, ``--data.batch-size 8``) and by a flat alias (``-H 24`
 ``--batch-size 8``), with the field's docstring as its help.
 
 Defaults come from, in order: the declarations, ``--config FILE`` (TOML), ``--preset``
-(train), then the flags. Only the entry points import this module (the library itself never
+(train), ``--chaos PRESET`` or ``--chaos FILE.json`` (the whole ``[chaos]`` section; train
+and learner), then the flags. Only the entry points import this module (the library itself never
 imports the CLI library).
 """
 
@@ -162,11 +163,25 @@ class TrainArgs:
     slower plus 10% step noise. Applied over the file, under the flags."""
     json: bool = False
     """Print summary.json instead of a table."""
+    chaos: str | None = None
+    """Chaos of a real run: a preset (none, kill30, stragglers, syncer-kill, wan) or a JSON
+    file of [chaos] fields; it fills the [chaos] section (saved in config.toml), over the
+    file's and under the --chaos.FIELD flags."""
     run: Annotated[TrainConfig, tyro.conf.arg(name="")] = field(default_factory=TrainConfig)
 
 
+def _with_chaos(base: TrainConfig, chaos: str | None) -> TrainConfig:
+    """``base`` with its [chaos] section filled from ``--chaos PRESET`` or a JSON file."""
+    if chaos is None:
+        return base
+    try:
+        return base.replace(chaos=chaos)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"--chaos: {e}") from None
+
+
 def parse_train(argv: list[str]) -> TrainArgs:
-    pre = _pre(argv, "config", "preset", "learners")
+    pre = _pre(argv, "config", "preset", "learners", "chaos")
     base = _base(pre.config)
     name = pre.preset or "default"
     if name not in PRESETS:
@@ -177,10 +192,11 @@ def parse_train(argv: list[str]) -> TrainArgs:
         base = preset(name, base)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    base = _with_chaos(base, pre.chaos)
     return _cli(
         TrainArgs,
         argv,
-        TrainArgs(config=pre.config, preset=name, run=base),
+        TrainArgs(config=pre.config, preset=name, chaos=pre.chaos, run=base),
         "ddiloco train",
         "Train a model with M learners. Every field of the run's configuration is a "
         "flag: --section.field or its flat alias (-H, -P, -K, -M, --codec...). "
@@ -293,16 +309,19 @@ class LearnerArgs:
     wait_for_merge: bool = False
     """After each push wait until its merge is installed (synchronous DiLoCo: with
     --fragments 1 --tau 0 and a syncer --quorum M)."""
+    chaos: str | None = None
+    """A preset or JSON file filling the [chaos] section (the learner reads its link limits
+    and slow-down), over the file's and under the --chaos.FIELD flags."""
     run: Annotated[TrainConfig, tyro.conf.arg(name="")] = field(default_factory=TrainConfig)
 
 
 def parse_learner(argv: list[str]) -> LearnerArgs:
-    pre = _pre(argv, "config")
-    base = _base(pre.config)
+    pre = _pre(argv, "config", "chaos")
+    base = _with_chaos(_base(pre.config), pre.chaos)
     args = _cli(
         LearnerArgs,
         argv,
-        LearnerArgs(syncer=tyro.MISSING, config=pre.config, run=base),
+        LearnerArgs(syncer=tyro.MISSING, config=pre.config, chaos=pre.chaos, run=base),
         "ddiloco learner",
         "Train a built-in model against a syncer, as learner m of the run in "
         "--config FILE (flags override it). Under torchrun the ranks form one "

@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ddiloco.config.chaos import ChaosConfig, chaos_preset
 from ddiloco.config.sections import (
     ENGINES,
     METHODS,
@@ -32,7 +33,7 @@ from ddiloco.config.sections import (
     one_of,
 )
 
-__all__ = ["TrainConfig", "FLAT", "preset", "PRESETS"]
+__all__ = ["TrainConfig", "FLAT", "NOT_FLAT", "preset", "PRESETS"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -62,7 +63,12 @@ class TrainConfig:
     sync: SyncConfig = field(default_factory=SyncConfig)
     """The synchronisation algorithm (Decoupled / Streaming DiLoCo)."""
     world: WorldConfig = field(default_factory=WorldConfig)
-    """The simulated world (in-process engine) and chaos (real processes)."""
+    """The simulated world (in-process engine; with processes its failures, speeds and
+    bandwidth become chaos)."""
+    chaos: ChaosConfig = field(default_factory=ChaosConfig)
+    """Seeded faults of a real run (processes): kills, stops, slow-downs, syncer kills,
+    link limits and cuts, elastic membership. ``--chaos PRESET`` or ``--chaos FILE.json``
+    fills it."""
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     """The real runtime: syncer address, transport, security, checkpoints, islands."""
 
@@ -141,6 +147,9 @@ class TrainConfig:
         d = {k: getattr(self, k) for k in _TOP}
         for flat, (sec, name) in FLAT.items():
             d[flat] = getattr(getattr(self, sec), name)
+        for sec in NOT_FLAT:
+            s = getattr(self, sec)
+            d[sec] = {f.name: getattr(s, f.name) for f in dataclasses.fields(s)}
         return d
 
     def to_nested(self) -> dict:
@@ -170,9 +179,13 @@ class TrainConfig:
 _TOP = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.name not in SECTIONS)
 
 _RENAMED = {("model", "name"): "model", ("data", "source"): "data"}
+NOT_FLAT = ("chaos",)
+"""Sections whose fields have no flat names (``chaos.seed`` is not the run's ``seed``)."""
 FLAT: dict[str, tuple[str, str]] = {}
-"""Flat name -> (section, field) for every section field."""
+"""Flat name -> (section, field) for every section field (but those of ``NOT_FLAT``)."""
 for _sec, _cls in SECTIONS.items():
+    if _sec in NOT_FLAT:
+        continue
     for _f in dataclasses.fields(_cls):
         _flat = _RENAMED.get((_sec, _f.name), _f.name)
         assert _flat not in FLAT and _flat not in _TOP, f"flat name {_flat} is ambiguous"
@@ -199,6 +212,8 @@ def _nest(fields: dict[str, Any]) -> dict[str, Any]:
     turned into dicts so flat fields can be merged into them)."""
     out: dict[str, Any] = {}
     for k, v in fields.items():
+        if k == "chaos" and isinstance(v, str):  # a preset or a JSON file fills the section
+            v = chaos_preset(v)
         if k in SECTIONS and not isinstance(v, (str, SECTIONS[k])):
             out.setdefault(k, {}).update(v)
         elif k in SECTIONS and isinstance(v, SECTIONS[k]):

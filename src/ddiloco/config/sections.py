@@ -1,5 +1,6 @@
 """The sections of a run's configuration, one per concern: model, data, optimization, sync
-algorithm, simulated world and chaos, runtime and transport.
+algorithm, simulated world, chaos of real runs (``ddiloco.config.chaos``), runtime and
+transport.
 
 Each section is a typed dataclass with a docstring under every field and validation on
 construction; errors name the field as ``section.field`` and say what is allowed. The
@@ -18,6 +19,7 @@ from ddiloco.algorithm.learner_state import DEFAULT_ALPHA, DEFAULT_INSTALL, INST
 from ddiloco.algorithm.merge import MERGE_RULES
 from ddiloco.algorithm.policy import PolicyConfig
 from ddiloco.algorithm.syncer_state import SyncerConfig
+from ddiloco.config.chaos import ChaosConfig
 
 __all__ = [
     "ModelConfig",
@@ -25,6 +27,7 @@ __all__ = [
     "OptimConfig",
     "SyncConfig",
     "WorldConfig",
+    "ChaosConfig",
     "RuntimeConfig",
     "SECTIONS",
     "METHODS",
@@ -294,9 +297,6 @@ class WorldConfig:
     learners' links are throttled to it."""
     merge_time_s: float = 0.01
     """Syncer time per merge (virtual; in-process engine)."""
-    chaos: str = "none"
-    """Chaos of the real processes: a preset (none, kill30, stragglers, syncer-kill, wan) or
-    a JSON file of ``ChaosConfig`` fields (``ddiloco.runtime.launch.chaos``)."""
 
     def __post_init__(self) -> None:
         self.speeds = tuple(float(s) for s in self.speeds)
@@ -314,8 +314,6 @@ class WorldConfig:
             at_least(f"world.{name}", getattr(self, name), 0)
         if self.mtbi_s > 0 and self.downtime_s <= 0:
             raise ValueError("failures need a downtime: set world.downtime_s > 0 with world.mtbi_s")
-        if not self.chaos:
-            raise ValueError("world.chaos must name a preset or a JSON file (none: no chaos)")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -450,6 +448,7 @@ SECTIONS: dict[str, type] = {
     "optim": OptimConfig,
     "sync": SyncConfig,
     "world": WorldConfig,
+    "chaos": ChaosConfig,
     "runtime": RuntimeConfig,
 }
 """Section name -> section class, in file order."""

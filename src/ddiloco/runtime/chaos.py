@@ -5,21 +5,22 @@ before its restart), SIGSTOP/SIGCONT of a learner (a straggler frozen for a whil
 per-learner slow-down factor, SIGKILL and restart of the syncer, emulated per-link
 bandwidth and latency, and a cut of one learner's link to the syncer for a while (the
 learner trains on; every call it starts fails as unreachable until the link comes back).
-The schedule is a pure function of the config (times and random draws); which learner a
-draw hits is decided at fire time among the learners then running, from the same draw, so a
-run is reproducible given the same progress. Every injected event is appended to
-``chaos.jsonl`` in the run directory with its time.
+The schedule is a pure function of the run's ``[chaos]`` section (``ddiloco.config.chaos``:
+times and random draws); which learner a draw hits is decided at fire time among the
+learners then running, from the same draw, so a run is reproducible given the same
+progress. Every injected event is appended to ``chaos.jsonl`` in the run directory with its
+time.
 """
 
 from __future__ import annotations
 
-import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from ddiloco.config.chaos import CHAOS_PRESETS, ChaosConfig, chaos_preset
 from ddiloco.metrics.sinks import JsonlSink
 
 __all__ = [
@@ -33,141 +34,15 @@ __all__ = [
 ]
 
 
-@dataclass(kw_only=True, slots=True)
-class ChaosConfig:
-    seed: int = 0
-    """Seed of every random draw of the schedule."""
-    kill_mean_interval_s: float = 0.0
-    """Mean time between learner SIGKILLs over the whole job (exponential); 0: none."""
-    kill_downtime_s: float = 10.0
-    """Time a killed learner stays down before the launcher restarts it."""
-    stop_mean_interval_s: float = 0.0
-    """Mean time between SIGSTOPs of a learner (straggler); 0: none."""
-    stop_duration_s: float = 2.0
-    """How long a stopped learner stays frozen before SIGCONT."""
-    start_after_s: float = 5.0
-    """No fault before this time (let everyone start)."""
-    slowdown: dict[int, float] = field(default_factory=dict)
-    """Per-learner step-time factor (>= 1), e.g. {3: 1.5}."""
-    syncer_kill_at_s: tuple[float, ...] = ()
-    """Times at which the syncer is SIGKILLed and restarted with --resume."""
-    syncer_downtime_s: float = 2.0
-    """Time the syncer stays down after a kill."""
-    kill_at_step: tuple[tuple[int, int], ...] = ()
-    """Deterministic kills: ``(learner, step)`` pairs; the learner is SIGKILLed once it has
-    reported ``step`` (downtime ``kill_downtime_s``)."""
-    stop_at_step: tuple[tuple[int, int, float], ...] = ()
-    """Deterministic stops: ``(learner, step, duration_s)`` triples; once the learner has
-    reported ``step`` it is SIGSTOPped for ``duration_s``, then SIGCONTed."""
-    syncer_kill_at_step: int = 0
-    """SIGKILL the syncer once the learners' mean reported step reaches this (0: never)."""
-    syncer_kill_shard: int = 0
-    """Which shard of a sharded syncer the syncer kills hit."""
-    add_learner_at_step: tuple[int, ...] = ()
-    """Elastic membership: once the learners' reported steps sum to each of these, one more
-    learner process starts and joins without an id (the syncer assigns one)."""
-    remove_learner_at_step: tuple[tuple[int, int], ...] = ()
-    """Elastic membership: ``(learner, total steps)`` pairs; once the learners' reported
-    steps sum to the second, the learner is SIGTERMed and leaves gracefully (flushes its
-    pushes, says Leave) and is not restarted."""
-    link_bandwidth_Bps: float = 0.0  # noqa: N815
-    """Emulated learner <-> syncer bandwidth, bytes/s (0: unlimited)."""
-    link_latency_s: float = 0.0
-    """Emulated one-way latency added to each bulk transfer."""
-    link_cut: tuple[tuple[int, int, float], ...] = ()
-    """Link cuts: ``(learner, step, duration_s)`` triples; once the learner has reported
-    ``step``, its link to the syncer is cut for ``duration_s`` (the launcher sends it SIGUSR1,
-    then SIGUSR2): it trains on, every call it starts fails as UNAVAILABLE, and past the
-    syncer's heartbeat timeout it is declared dead and rejoins when the link is back."""
-
-    def __post_init__(self) -> None:
-        for name in (
-            "kill_mean_interval_s",
-            "kill_downtime_s",
-            "stop_mean_interval_s",
-            "stop_duration_s",
-            "start_after_s",
-            "syncer_downtime_s",
-            "link_bandwidth_Bps",
-            "link_latency_s",
-        ):
-            if getattr(self, name) < 0:
-                raise ValueError(f"chaos {name} must be >= 0, got {getattr(self, name)}")
-        self.slowdown = {int(k): float(v) for k, v in self.slowdown.items()}
-        if any(v < 1.0 for v in self.slowdown.values()):
-            raise ValueError("chaos slowdown factors must be >= 1")
-        self.syncer_kill_at_s = tuple(float(t) for t in self.syncer_kill_at_s)
-        self.kill_at_step = tuple((int(m), int(s)) for m, s in self.kill_at_step)
-        self.add_learner_at_step = tuple(int(s) for s in self.add_learner_at_step)
-        self.remove_learner_at_step = tuple(
-            (int(m), int(s)) for m, s in self.remove_learner_at_step
-        )
-        self.link_cut = tuple((int(m), int(s), float(d)) for m, s, d in self.link_cut)
-        self.stop_at_step = tuple((int(m), int(s), float(d)) for m, s, d in self.stop_at_step)
-        for name in ("link_cut", "stop_at_step"):
-            if any(d <= 0 for _, _, d in getattr(self, name)):
-                raise ValueError(f"chaos {name} durations must be > 0, got {getattr(self, name)}")
-
-    @property
-    def active(self) -> bool:
-        return bool(
-            self.kill_mean_interval_s
-            or self.stop_mean_interval_s
-            or self.slowdown
-            or self.syncer_kill_at_s
-            or self.kill_at_step
-            or self.stop_at_step
-            or self.syncer_kill_at_step
-            or self.add_learner_at_step
-            or self.remove_learner_at_step
-            or self.link_bandwidth_Bps
-            or self.link_latency_s
-            or self.link_cut
-        )
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["syncer_kill_at_s"] = list(self.syncer_kill_at_s)
-        d["kill_at_step"] = [list(x) for x in self.kill_at_step]
-        d["add_learner_at_step"] = list(self.add_learner_at_step)
-        d["remove_learner_at_step"] = [list(x) for x in self.remove_learner_at_step]
-        d["link_cut"] = [list(x) for x in self.link_cut]
-        d["stop_at_step"] = [list(x) for x in self.stop_at_step]
-        return d
-
-
-CHAOS_PRESETS = {
-    "none": {},
-    "kill30": {"kill_mean_interval_s": 30.0, "kill_downtime_s": 10.0},
-    "stragglers": {"stop_mean_interval_s": 10.0, "stop_duration_s": 2.0, "slowdown": {0: 1.5}},
-    "syncer-kill": {"syncer_kill_at_s": (15.0,), "syncer_downtime_s": 3.0},
-    "wan": {"link_bandwidth_Bps": 12.5e6, "link_latency_s": 0.05},
-}
-
-
-def chaos_preset(name_or_path: str, seed: int = 0) -> ChaosConfig:
-    """A named preset (``none``, ``kill30``, ``stragglers``, ``syncer-kill``, ``wan``) or a
-    JSON file of ChaosConfig fields."""
-    if name_or_path in CHAOS_PRESETS:
-        return ChaosConfig(seed=seed, **CHAOS_PRESETS[name_or_path])
-    path = Path(name_or_path)
-    if not path.is_file():
-        raise ValueError(
-            f"unknown chaos preset {name_or_path!r}: use one of "
-            f"{', '.join(CHAOS_PRESETS)} or a JSON file of ChaosConfig fields"
-        )
-    fields = json.loads(path.read_text())
-    fields.setdefault("seed", seed)
-    return ChaosConfig(**fields)
-
-
 def chaos_for_run(cfg) -> ChaosConfig:
-    """The chaos of a run (a ``TrainConfig``): its ``world.chaos`` preset or file, plus the
-    world's failures (per-learner MTBI -> a job-wide kill rate M / MTBI), learner speeds
-    (step-time factors) and bandwidth where the chaos does not set them. The launcher and
-    every learner process compute it alike from the same run file."""
-    chaos = chaos_preset(cfg.world.chaos, seed=cfg.seed)
+    """The chaos of a run (a ``TrainConfig``): its ``[chaos]`` section (an unset seed is the
+    run's), plus the world's failures (per-learner MTBI -> a job-wide kill rate M / MTBI),
+    learner speeds (step-time factors) and bandwidth where the chaos does not set them. The
+    launcher and every learner process compute it alike from the same run file."""
+    chaos = cfg.chaos
     d = chaos.to_dict()
+    if d["seed"] is None:
+        d["seed"] = cfg.seed
     w = cfg.world
     if w.mtbi_s > 0 and not chaos.kill_mean_interval_s:
         d.update(kill_mean_interval_s=w.mtbi_s / cfg.learners, kill_downtime_s=w.downtime_s)
@@ -192,7 +67,7 @@ class ChaosEvent:
 
 def chaos_schedule(cfg: ChaosConfig, horizon_s: float) -> list[ChaosEvent]:
     """All fault events in [0, horizon_s), sorted by time."""
-    rng = np.random.default_rng([cfg.seed, 4242])
+    rng = np.random.default_rng([cfg.seed or 0, 4242])
     events: list[ChaosEvent] = []
     for kind, mean, dur in (
         ("kill-learner", cfg.kill_mean_interval_s, cfg.kill_downtime_s),

@@ -163,8 +163,8 @@ def _check_config(cfg) -> None:
     if faults:
         raise ValueError(
             f"the run's chaos injects faults ({', '.join(faults)}) that only the local "
-            f"launcher (`ddiloco train`) carries out; drop world.chaos and world.mtbi_s for "
-            f"a Slurm job (slow-downs and link emulation are kept)"
+            f"launcher (`ddiloco train`) carries out; drop them from [chaos] (and "
+            f"world.mtbi_s) for a Slurm job (slow-downs and link emulation are kept)"
         )
 
 
