@@ -8,6 +8,7 @@ import json
 import pytest
 from runtime_helpers import read_jsonl, tiny_config
 
+from ddiloco.run_summary import RunSummary
 from ddiloco.runtime.launch.launcher import Launcher
 from ddiloco.runtime.launch.status import format_status, goodput_so_far
 
@@ -72,6 +73,8 @@ def test_rebased_installs_that_come_back_late_lose_no_step(tmp_path):
         s = la.run()
     assert s["ok"], s
     assert s["install"] == "rebase"
+    # the same summary type as the in-process engine: every field present
+    assert {f for f in RunSummary.__dataclass_fields__ if f != "extra"} <= set(s)
     for pl in s["per_learner"]:
         led = pl["ledger_steps"]
         assert pl["ledger_balance_error"] < 1e-6, pl

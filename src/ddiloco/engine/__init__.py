@@ -16,6 +16,7 @@ from ddiloco.config import CONFIG_FILE, TrainConfig, dump_config
 from ddiloco.data import DataConfig
 from ddiloco.engine.common import Recorder
 from ddiloco.recipe import eval_setup, evaluate_metrics, new_model
+from ddiloco.run_summary import RunSummary
 from ddiloco.rundir import FINAL_MODEL, fresh_run_dir
 
 __all__ = ["run", "RunContext"]
@@ -72,32 +73,36 @@ def run(cfg: TrainConfig) -> dict:
         cfg.batch_size if data.kind in ("digits", "images") else cfg.batch_size * cfg.block_size
     )
     tokens = learners * cfg.steps * per_step
-    summary = {
-        "method": cfg.method,
-        "engine": cfg.engine,
-        "learners": learners,
-        "steps": cfg.steps,
-        "tokens": tokens,
-        "final_eval_loss": final,
-        "entropy_floor": floor,
-        "gap_to_floor": _gap(final, floor),
-        "entropy_rate": lang.entropy_rate if lang is not None else None,
-        "eval_accuracy": accuracy,
-        "data": cfg.data.source,
-        "model": cfg.model.name,
-        "initial_eval_loss": init_loss,
-        "goodput": res.pop("goodput"),
-        "goodput_available": res.pop("goodput_available"),
-        "uptime": res.pop("uptime"),
-        "bytes_up": res.pop("bytes_up"),
-        "bytes_down": res.pop("bytes_down"),
-        "merges": res.pop("merges"),
-        "virtual_time_s": res.pop("end_s"),
-        **res,
-        "config": _jsonable(cfg.to_dict()),
-    }
+    summary = RunSummary(
+        method=cfg.method,
+        engine=cfg.engine,
+        learners=learners,
+        steps=cfg.steps,
+        tokens=tokens,
+        final_eval_loss=final,
+        initial_eval_loss=init_loss,
+        entropy_floor=floor,
+        entropy_rate=lang.entropy_rate if lang is not None else None,
+        eval_accuracy=accuracy,
+        data=cfg.data.source,
+        model=cfg.model.name,
+        goodput=res.pop("goodput"),
+        uptime=res.pop("uptime"),
+        bytes_up=res.pop("bytes_up"),
+        bytes_down=res.pop("bytes_down"),
+        merges=res.pop("merges"),
+        learners_per_merge=res.pop("learners_per_merge", None),
+        install=res.pop("install", None),
+        per_learner=res.pop("per_learner", []),
+        config=_jsonable(cfg.to_dict()),
+        extra={
+            "goodput_available": res.pop("goodput_available"),
+            "virtual_time_s": res.pop("end_s"),
+            **res,
+        },
+    )
     recorder.row("final", eval_loss=final, gap=_gap(final, floor), accuracy=accuracy)
-    save_final_model(cfg, ctx.global_model, summary["merges"])
+    save_final_model(cfg, ctx.global_model, summary.merges or 0)
     return recorder.finish(summary)
 
 

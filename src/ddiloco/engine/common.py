@@ -4,9 +4,7 @@ and the run record."""
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +18,7 @@ from ddiloco.data import DataConfig, build_stream
 from ddiloco.data.synthetic import SyntheticStream
 from ddiloco.metrics.sinks import open_sinks, parse_sinks
 from ddiloco.recipe import new_model, new_optimizer, set_lr, tokens_per_step
+from ddiloco.run_summary import RunSummary
 
 __all__ = ["World", "Worker", "Recorder", "TimeBreakdown", "build_workers"]
 
@@ -129,16 +128,11 @@ class Recorder:
     def row(self, kind: str, **fields) -> None:
         self.sink.write({"kind": kind, **fields})
 
-    def finish(self, summary: dict) -> dict:
-        summary["wall_s"] = round(time.perf_counter() - self.t0, 3)
+    def finish(self, summary: RunSummary) -> dict:
+        """Close the sinks and write ``summary.json`` (with the run's wall time)."""
+        summary.wall_s = round(time.perf_counter() - self.t0, 3)
         self.sink.close()
-        tmp = self.dir / "summary.json.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(summary, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.dir / "summary.json")
-        return summary
+        return summary.write(self.dir)
 
 
 @dataclass(slots=True)

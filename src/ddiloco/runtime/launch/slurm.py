@@ -480,6 +480,7 @@ def summarise(out: str | os.PathLike) -> dict:
 
     from ddiloco.config import load_config
     from ddiloco.recipe import eval_setup, evaluate, new_model
+    from ddiloco.run_summary import RunSummary
     from ddiloco.runtime.launch.status import goodput_so_far
 
     out = Path(out)
@@ -536,6 +537,10 @@ def summarise(out: str | os.PathLike) -> dict:
         "method": "decoupled",
         "engine": "processes",
         "learners": cfg.learners,
+        "tokens": None,
+        "install": cfg.sync.install,
+        "data": cfg.data.source,
+        "model": cfg.model.name,
         "island_size": cfg.runtime.island_size,
         "shards": cfg.runtime.shards,
         "steps": cfg.steps,
@@ -552,10 +557,7 @@ def summarise(out: str | os.PathLike) -> dict:
         "per_learner": per_learner,
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.to_dict().items()},
     }
-    tmp = out / ".summary.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=2))
-    os.replace(tmp, out / "summary.json")
-    return summary
+    return RunSummary.from_dict(summary).write(out)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,7 +10,6 @@ the syncer's status snapshot, which holds goodput and every learner's step ledge
 from __future__ import annotations
 
 import json
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -168,6 +167,7 @@ def write_summary(
     import torch
 
     from ddiloco.recipe import eval_setup, evaluate, new_model
+    from ddiloco.run_summary import RunSummary
 
     c = cfg
     torch.set_num_threads(1)
@@ -314,12 +314,7 @@ def write_summary(
     ) as extra_sinks:
         for r in head + tail:
             extra_sinks.write(r)
-    tmp = out / "summary.json.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(summary, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, out / "summary.json")
+    summary = RunSummary.from_dict(summary).write(out)
     if c.progress:
         print(
             f"ddiloco: {'done' if summary['ok'] else 'FAILED'} in {summary['wall_s']:.1f} s: "
