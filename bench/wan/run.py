@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from ddiloco.algorithm.learner_state import DEFAULT_INSTALL, INSTALL_RULES
 from ddiloco.config import TrainConfig, dump_config
 from ddiloco.recipe import eval_setup, evaluate, new_model
 from ddiloco.runtime.transport.spec import fragmentation_from_spec, model_spec
@@ -75,6 +76,7 @@ def train_config(a: argparse.Namespace) -> TrainConfig:
             codec=a.codec,
             down_codec=a.down_codec,
             down_delta=a.down_delta,
+            install=a.install,
             quorum=a.quorum,
             gamma=a.gamma,
             schedule=a.schedule,
@@ -408,6 +410,12 @@ def main(argv: list[str] | None = None) -> dict:
         "--down-delta",
         action="store_true",
         help="delta-coded downlink: each fetch against the learner's copy (sync.down_delta)",
+    )
+    ap.add_argument(
+        "--install",
+        choices=INSTALL_RULES,
+        default=DEFAULT_INSTALL,
+        help="how learners install a merged fragment (sync.install)",
     )
     ap.add_argument(
         "--slowdowns",

@@ -39,7 +39,9 @@ COMMON = [
     "--heartbeat-interval-s",
     "1",
 ]
-DEC = ["--method", "decoupled", "--schedule", "time", "--tau", "2"]
+DEC = ["--method", "decoupled", "--schedule", "time", "--tau", "2", "--install", "overwrite"]
+"""Decoupled as these runs were measured: the paper's install rule (the merged value
+replaces the steps made since the push). The ``_rb`` runs rebase instead (``sync.install``)."""
 PAPER = [*DEC, "-P", "8", "-H", "24", "--codec", "int4", "--down-codec", "int8"]
 """Decoupled with the paper's uplink codec (int4) and the downlink codec chosen by quality."""
 HEADLINE = [*DEC, "-P", "4", "-H", "48", "--codec", "int4", "--down-codec", "int8"]
@@ -103,6 +105,10 @@ RUNS: dict[str, list[str]] = {
     # merge's return
     "decoupled_dd_p6": [*DELTA, *COMMON, "-P", "6", "-H", "28"],
     "decoupled_dd_p6_t3": [*DELTA, *COMMON, "-P", "6", "-H", "28", "--tau", "3"],
+    # rebased installs (the default rule): the learners' steps since a push are kept, so
+    # tau can cover the links without throwing steps away
+    "decoupled_dd_rb": [*DELTA, *COMMON, "--install", "rebase", "--pcap"],
+    "decoupled_dd_t6_rb": [*DELTA, *COMMON, "--tau", "6", "--install", "rebase", "--pcap"],
 }
 
 
