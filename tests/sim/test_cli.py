@@ -69,7 +69,7 @@ def test_simulate_text_and_overrides(capsys):
             "exceeds",
         ),
         (["--system", "decoupled", "--chips", "1000", "--learners", "8"], "fewer than M"),
-        (["--chips", "1000"], "required"),
+        (["--chips", "1000"], "give --system"),
         (["--system", "dp", "--chips", "1000", "--set", "nope=1"], "FIELD"),
         (["--system", "dp", "--chips", "1000", "--set", "reconfig_s=-1"], "reconfig_s"),
     ],
