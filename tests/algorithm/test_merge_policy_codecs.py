@@ -277,3 +277,19 @@ def test_default_grace_window_covers_one_step_of_arrival_spread():
     step, sync = 0.030, 0.005
     grace = grace_window_s(cfg.tau, step, 0.0, sync, cfg.gamma)
     assert step < grace < cfg.tau * step - sync
+
+
+def test_merge_rules_are_a_registry_of_functions():
+    from ddiloco.algorithm.merge import MERGE_RULES, merge_rule
+
+    assert MERGE_RULES == ("rda", "average")
+    with pytest.raises(ValueError, match="already registered"):
+        merge_rule("rda")(lambda vs, weights, embedding: vs[0])
+    a, b = torch.tensor([3.0, 0.0]), torch.tensor([0.0, 1.0])
+    with pytest.raises(ValueError, match=r"unknown merge rule 'median'; choose one of \('rda'"):
+        merge_outer_gradients([[a], [b]], [1.0, 1.0], [False], rule="median")
+    # the embedding flag reaches the rule: rda averages embeddings plainly
+    rda_t, emb = merge_outer_gradients([[a, a], [b, b]], [1.0, 1.0], [False, True], rule="rda")
+    assert torch.allclose(rda_t, rda([a, b], [1.0, 1.0])) and torch.equal(emb, (a + b) / 2)
+    (avg,) = merge_outer_gradients([[a], [b]], [1.0, 1.0], [False], rule="average")
+    assert torch.equal(avg, (a + b) / 2)

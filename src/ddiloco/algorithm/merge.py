@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +20,8 @@ from ddiloco.algorithm import kernels
 
 __all__ = [
     "MERGE_RULES",
+    "MergeRule",
+    "merge_rule",
     "token_weight",
     "weighted_average",
     "rda",
@@ -34,7 +36,23 @@ __all__ = [
     "clip_bound",
 ]
 
-MERGE_RULES = ("rda", "average")
+MergeRule = Callable[[Sequence[torch.Tensor], Sequence[float], bool], torch.Tensor]
+"""A merge rule: ``(outer gradients of one tensor, one per learner; their weights; whether
+the tensor is an embedding) -> the merged outer gradient``."""
+
+_RULES: dict[str, MergeRule] = {}
+
+
+def merge_rule(name: str) -> Callable[[MergeRule], MergeRule]:
+    """Register the decorated function as the merge rule ``name`` (``sync.merge_rule``)."""
+
+    def register(fn: MergeRule) -> MergeRule:
+        if name in _RULES:
+            raise ValueError(f"merge rule {name!r} is already registered")
+        _RULES[name] = fn
+        return fn
+
+    return register
 
 
 def token_weight(c_tokens: int, c_steps: int) -> float:
@@ -144,24 +162,33 @@ def merge_outer_gradients(
     embedding: Sequence[bool],
     rule: str = "rda",
 ) -> list[torch.Tensor]:
-    """Merge per-learner outer gradients of one fragment, tensor by tensor.
+    """Merge per-learner outer gradients of one fragment, tensor by tensor, by the
+    registered merge rule ``rule`` (``MERGE_RULES``).
 
-    ``deltas[m][j]`` is learner m's outer gradient for the fragment's j-th tensor. RDA
-    (per tensor) for non-embedding tensors when ``rule == "rda"``; plain weighted average for
-    embedding tensors and when ``rule == "average"``.
+    ``deltas[m][j]`` is learner m's outer gradient for the fragment's j-th tensor.
     """
-    if rule not in MERGE_RULES:
-        raise ValueError(f"unknown merge rule {rule!r}; choose one of {MERGE_RULES}")
+    fn = _RULES.get(rule)
+    if fn is None:
+        raise ValueError(f"unknown merge rule {rule!r}; choose one of {tuple(_RULES)}")
     if not deltas:
         raise ValueError("nothing to merge")
-    out = []
-    for j, is_emb in enumerate(embedding):
-        vs = [d[j] for d in deltas]
-        if rule == "rda" and not is_emb:
-            out.append(rda(vs, weights))
-        else:
-            out.append(weighted_average(vs, weights))
-    return out
+    return [fn([d[j] for d in deltas], weights, is_emb) for j, is_emb in enumerate(embedding)]
+
+
+@merge_rule("rda")
+def _rda_rule(vs: Sequence[torch.Tensor], weights: Sequence[float], embedding: bool):
+    """RDA for non-embedding tensors, the plain weighted average for embeddings."""
+    return weighted_average(vs, weights) if embedding else rda(vs, weights)
+
+
+@merge_rule("average")
+def _average_rule(vs: Sequence[torch.Tensor], weights: Sequence[float], embedding: bool):
+    """The plain token-weighted average for every tensor."""
+    return weighted_average(vs, weights)
+
+
+MERGE_RULES: tuple[str, ...] = tuple(_RULES)
+"""The registered merge rules' names; a new rule is a function above with ``@merge_rule``."""
 
 
 @dataclass(kw_only=True, slots=True)

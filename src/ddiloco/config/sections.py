@@ -11,7 +11,7 @@ file form (``ddiloco.config.files``) has one table per section.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, cast
+from typing import TYPE_CHECKING, Literal, cast
 
 from ddiloco.algorithm.codecs import codec_names, downlink_codec_names, get_codec
 from ddiloco.algorithm.fragments import STRATEGIES
@@ -133,6 +133,11 @@ class OptimConfig:
         at_least("optim.eval_batches", self.eval_batches, 1)
 
 
+if TYPE_CHECKING:
+    MergeRuleName = str
+else:  # the registered rules' names, so flags and files list and check them
+    MergeRuleName = Literal[MERGE_RULES]
+
 _POLICY = PolicyConfig()
 _SYNCER = SyncerConfig()
 # The algorithm layer's own defaults (the policy's K, grace, gamma and tau, the state
@@ -164,8 +169,9 @@ class SyncConfig:
     """Outer Nesterov SGD learning rate."""
     outer_momentum: float = _SYNCER.outer_momentum
     """Outer Nesterov momentum, in [0, 1)."""
-    merge_rule: Literal["rda", "average"] = cast(Literal["rda", "average"], _SYNCER.merge_rule)
-    """rda (radial-directional; embeddings averaged) or average (plain token-weighted)."""
+    merge_rule: MergeRuleName = _SYNCER.merge_rule
+    """rda (radial-directional; embeddings averaged) or average (plain token-weighted); the
+    rules registered in ``ddiloco.algorithm.merge``."""
     alpha: float = DEFAULT_ALPHA
     """Install mixing: theta <- alpha * theta_local + (1 - alpha) * Theta (0 = overwrite)."""
     install: Literal["rebase", "overwrite"] = DEFAULT_INSTALL
