@@ -10,7 +10,7 @@ from ddiloco.algorithm.fragments import Fragmentation, fragment_model
 from ddiloco.config import TrainConfig
 from ddiloco.data import DataConfig, build_eval_batches, parse_data_spec
 from ddiloco.data.synthetic import MarkovConfig, MarkovLanguage
-from ddiloco.models import build_model, embedding_param_names
+from ddiloco.models import build_model, embedding_param_names, model_task
 
 __all__ = [
     "make_language",
@@ -58,7 +58,7 @@ def eval_setup(cfg: TrainConfig) -> tuple[DataConfig, MarkovLanguage | None, flo
 
 
 def is_image_model(cfg: TrainConfig) -> bool:
-    return cfg.model.name.startswith("vit")
+    return model_task(cfg.model.name) == "image"
 
 
 def new_model(cfg: TrainConfig) -> torch.nn.Module:

@@ -91,7 +91,9 @@ class TrainConfig:
             raise ValueError(
                 f"engine processes runs method decoupled; run {self.method} with engine inproc"
             )
-        image_model = self.model.name.startswith("vit")
+        from ddiloco.models import model_task
+
+        image_model = model_task(self.model.name) == "image"
         if image_model != (self.data.source.split(":")[0] in ("digits", "images")):
             raise ValueError(
                 f"model.name {self.model.name!r} does not fit data.source "

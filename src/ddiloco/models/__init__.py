@@ -1,15 +1,18 @@
 """Models that learners train, and the helpers the algorithm needs about them.
 
 ``build_model(name, **overrides)`` builds a preset by name with field overrides;
+``model_task(name)`` says what it learns from (``text`` or ``image``);
 ``embedding_param_names(model)`` tells the merge which tensors are embeddings or
-unembeddings (they use the plain weighted average instead of RDA).
+unembeddings (they use the plain weighted average instead of RDA). A new model is a module
+with its config dataclass, preset functions and ``nn.Module`` class (``forward(x, y)``
+returns ``(output, loss)``), and one ``register_model`` line per preset below.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch.nn as nn
 
@@ -35,23 +38,57 @@ __all__ = [
     "embedding_param_names",
     "build_model",
     "build_config",
+    "model_task",
+    "register_model",
+    "ModelPreset",
     "MODEL_PRESETS",
+    "TASKS",
 ]
 
 # Unembedding tensors of models that do not declare their embeddings, recognised by name.
 _UNEMBED_SUFFIXES = ("lm_head.weight", "unembed.weight")
 
-MODEL_PRESETS: dict[str, tuple[Callable[[], Any], Callable[[Any], nn.Module]]] = {
-    "gpt_tiny": (gpt_tiny, GPT),
-    "gpt_small": (gpt_small, GPT),
-    "gpt_100m": (gpt_100m, GPT),
-    "gpt_125m": (gpt_125m, GPT),
-    "moe_tiny": (moe_tiny, MoEGPT),
-    "moe_small": (moe_small, MoEGPT),
-    "vit_digits": (vit_digits, ViT),
-    "vit_tiny_rgb": (vit_tiny_rgb, ViT),
-}
-"""Preset name -> (config preset function, model class)."""
+TASKS = ("text", "image")
+"""What a model learns from: ``text`` (token sequences, next-token loss; the text data
+sources) or ``image`` (images and labels, classification loss; digits and image folders)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ModelPreset:
+    config: Callable[[], Any]
+    """The preset's config function (``gpt_tiny``)."""
+    model: Callable[[Any], nn.Module]
+    """The model class, built from that config."""
+    task: Literal["text", "image"]
+    """What it learns from (``TASKS``)."""
+
+
+MODEL_PRESETS: dict[str, ModelPreset] = {}
+"""Preset name -> its config function, model class and task."""
+
+
+def register_model(
+    name: str,
+    config: Callable[[], Any],
+    model: Callable[[Any], nn.Module],
+    task: Literal["text", "image"],
+) -> None:
+    """Add the preset ``name`` (``model.name``): ``model(config())`` builds it."""
+    if task not in TASKS:
+        raise ValueError(f"model preset {name!r}: task must be one of {TASKS}, got {task!r}")
+    if name in MODEL_PRESETS:
+        raise ValueError(f"model preset {name!r} is already registered")
+    MODEL_PRESETS[name] = ModelPreset(config, model, task)
+
+
+register_model("gpt_tiny", gpt_tiny, GPT, "text")
+register_model("gpt_small", gpt_small, GPT, "text")
+register_model("gpt_100m", gpt_100m, GPT, "text")
+register_model("gpt_125m", gpt_125m, GPT, "text")
+register_model("moe_tiny", moe_tiny, MoEGPT, "text")
+register_model("moe_small", moe_small, MoEGPT, "text")
+register_model("vit_digits", vit_digits, ViT, "image")
+register_model("vit_tiny_rgb", vit_tiny_rgb, ViT, "image")
 
 
 def embedding_param_names(model: nn.Module) -> set[str]:
@@ -76,13 +113,22 @@ def embedding_param_names(model: nn.Module) -> set[str]:
     return {n for n, p in model.named_parameters() if p.data_ptr() in ptrs}
 
 
-def build_config(name: str, **overrides: Any) -> Any:
-    """The config of preset ``name`` with fields replaced by ``overrides`` (validated)."""
+def _preset(name: str) -> ModelPreset:
     if name not in MODEL_PRESETS:
         raise ValueError(
             f"unknown model preset {name!r}; valid names: {', '.join(sorted(MODEL_PRESETS))}"
         )
-    cfg = MODEL_PRESETS[name][0]()
+    return MODEL_PRESETS[name]
+
+
+def model_task(name: str) -> Literal["text", "image"]:
+    """What preset ``name`` learns from: ``text`` or ``image``."""
+    return _preset(name).task
+
+
+def build_config(name: str, **overrides: Any) -> Any:
+    """The config of preset ``name`` with fields replaced by ``overrides`` (validated)."""
+    cfg = _preset(name).config()
     fields = {f.name for f in dataclasses.fields(cfg)}
     unknown = sorted(set(overrides) - fields)
     if unknown:
@@ -97,4 +143,4 @@ def build_model(name: str, **overrides: Any) -> nn.Module:
     """Build preset ``name`` (see ``MODEL_PRESETS``) with config fields overridden,
     e.g. ``build_model("gpt_tiny", n_layer=4)``."""
     cfg = build_config(name, **overrides)
-    return MODEL_PRESETS[name][1](cfg)
+    return MODEL_PRESETS[name].model(cfg)
