@@ -91,10 +91,12 @@ class TrainConfig:
             raise ValueError(
                 f"engine processes runs method decoupled; run {self.method} with engine inproc"
             )
+        from ddiloco.data import DATA_SOURCES
         from ddiloco.models import model_task
 
-        image_model = model_task(self.model.name) == "image"
-        if image_model != (self.data.source.split(":")[0] in ("digits", "images")):
+        kind = self.data.source.split(":")[0]
+        image_data = kind in DATA_SOURCES and DATA_SOURCES[kind].task == "image"
+        if (model_task(self.model.name) == "image") != image_data:
             raise ValueError(
                 f"model.name {self.model.name!r} does not fit data.source "
                 f"{self.data.source!r}: image models (vit_*) need image data "

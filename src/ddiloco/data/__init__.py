@@ -11,13 +11,18 @@ builds one from a :class:`DataConfig` or a short spec string:
   ``hf:PATH``          Hugging Face dataset saved on disk, one text column (``data.hf``)
   ``digits``           sklearn's bundled 8x8 digits (``data.images``)
   ``images:PATH``      class-per-subfolder PNG/JPEG folder (``data.images``)
+
+Each kind is a ``DataSource`` in ``DATA_SOURCES`` (its task, whether it needs a path, its
+held-out share, its stream and eval builders); a new kind is one ``register_source`` call
+here, with its loading code in its own module.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -31,16 +36,49 @@ __all__ = [
     "SyntheticStream",
     "eval_batches",
     "DATA_KINDS",
+    "DATA_SOURCES",
     "DataConfig",
+    "DataSource",
+    "register_source",
     "parse_data_spec",
     "build_stream",
     "build_eval_batches",
 ]
 
-DATA_KINDS = ("synthetic", "text", "bin", "hf", "digits", "images")
-"""Valid values of ``DataConfig.kind``."""
-_PATH_KINDS = ("text", "bin", "hf", "images")
-_DEFAULT_EVAL_FRACTION = {"text": 0.05, "bin": 0.05, "hf": 0.05, "digits": 0.2, "images": 0.2}
+Batches = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True, slots=True)
+class DataSource:
+    """One data kind: what it trains, what it needs and how its streams are built."""
+
+    name: str
+    """``DataConfig.kind`` (the part of a spec before ``:``)."""
+    task: Literal["text", "image"]
+    """What it feeds: token sequences (``text``) or labelled images (``image``); a model
+    trains on data of its own task (``ddiloco.models.model_task``)."""
+    stream: Callable[..., BatchStream]
+    """``(cfg, *, learner, n_learners, batch_size, block_size, seed)``: a learner's stream."""
+    eval_batches: Callable[..., Batches]
+    """``(cfg, *, n_batches, batch_size, block_size, seed)``: the held-out eval set."""
+    needs_path: bool = True
+    """Whether ``DataConfig.path`` must be set."""
+    eval_fraction: float = 0.0
+    """Held-out share when ``DataConfig.eval_fraction`` is unset."""
+    vocab_size: Callable[[DataConfig], int | None] = lambda cfg: None
+    """The token vocabulary the source implies, or None."""
+
+
+DATA_SOURCES: dict[str, DataSource] = {}
+"""Every data kind by name."""
+
+
+def register_source(source: DataSource) -> DataSource:
+    """Add ``source`` under its name; returns it."""
+    if source.name in DATA_SOURCES:
+        raise ValueError(f"data kind {source.name!r} is already registered")
+    DATA_SOURCES[source.name] = source
+    return source
 
 
 @dataclass(kw_only=True, slots=True)
@@ -73,11 +111,11 @@ class DataConfig:
     that training and evaluation always agree on the split."""
 
     def __post_init__(self) -> None:
-        if self.kind not in DATA_KINDS:
+        if self.kind not in DATA_SOURCES:
             raise ValueError(
-                f"unknown data kind {self.kind!r}; valid kinds: {', '.join(DATA_KINDS)}"
+                f"unknown data kind {self.kind!r}; valid kinds: {', '.join(DATA_SOURCES)}"
             )
-        if self.kind in _PATH_KINDS and not self.path:
+        if self.source.needs_path and not self.path:
             raise ValueError(
                 f"data kind {self.kind!r} needs a path, e.g. '{self.kind}:/path/to/data'"
             )
@@ -87,23 +125,27 @@ class DataConfig:
             raise ValueError(f"channels must be 1 or 3, got {self.channels}")
 
     @property
+    def source(self) -> DataSource:
+        """The registered source of this kind."""
+        return DATA_SOURCES[self.kind]
+
+    @property
+    def task(self) -> Literal["text", "image"]:
+        """What the source feeds: ``text`` or ``image``."""
+        return self.source.task
+
+    @property
     def held_out(self) -> float:
         """The eval fraction in effect."""
         if self.eval_fraction is not None:
             return self.eval_fraction
-        return _DEFAULT_EVAL_FRACTION.get(self.kind, 0.0)
+        return self.source.eval_fraction
 
     @property
     def vocab_size(self) -> int | None:
         """Token vocabulary implied by the source (a ``ddiloco prepare`` folder's from its
         meta.json), or None (token files, images)."""
-        if self.kind == "synthetic":
-            return self.markov.vocab_size
-        if self.kind == "bin" and self.path and Path(self.path).is_dir():
-            from ddiloco.data.text import read_meta
-
-            return int(read_meta(self.path)["vocab_size"])
-        return 256 if self.kind in ("text", "hf") else None
+        return self.source.vocab_size(self)
 
 
 def parse_data_spec(spec: str | DataConfig) -> DataConfig:
@@ -112,34 +154,6 @@ def parse_data_spec(spec: str | DataConfig) -> DataConfig:
         return spec
     kind, sep, path = spec.partition(":")
     return DataConfig(kind=kind.strip(), path=path if sep else None)
-
-
-def _tokens(cfg: DataConfig) -> Any:
-    from ddiloco.data import text
-
-    if cfg.kind == "text":
-        return text.load_text_bytes(cfg.path, all_files=cfg.all_files)  # type: ignore[arg-type]
-    if cfg.kind == "bin":
-        return text.load_token_bin(cfg.path, dtype=cfg.dtype)  # type: ignore[arg-type]
-    from ddiloco.data.hf import load_hf_text_bytes
-
-    return load_hf_text_bytes(
-        cfg.path,
-        text_column=cfg.text_column,  # type: ignore[arg-type]
-        split=cfg.split,
-    )
-
-
-def _images(cfg: DataConfig) -> Any:
-    from ddiloco.data import images
-
-    if cfg.kind == "digits":
-        return images.load_digits()
-    return images.load_image_folder(
-        cfg.path,
-        image_size=cfg.image_size,  # type: ignore[arg-type]
-        channels=cfg.channels,
-    )
 
 
 def build_stream(
@@ -154,71 +168,132 @@ def build_stream(
     """Learner ``learner``'s training stream (of ``n_learners``) for ``spec``.
     ``block_size`` is ignored by image sources."""
     cfg = parse_data_spec(spec)
-    if cfg.kind == "synthetic":
-        return SyntheticStream(
-            MarkovLanguage(cfg.markov),
-            learner=learner,
-            n_learners=n_learners,
-            batch_size=batch_size,
-            block_size=block_size,
-            seed=seed,
-        )
-    if cfg.kind in ("digits", "images"):
-        from ddiloco.data.images import ImageStream
-
-        return ImageStream(
-            _images(cfg),
-            learner=learner,
-            n_learners=n_learners,
-            batch_size=batch_size,
-            seed=seed,
-            eval_fraction=cfg.held_out,
-            split_seed=cfg.split_seed,
-        )
-    from ddiloco.data.text import TokenStream
-
-    return TokenStream(
-        _tokens(cfg),
+    return cfg.source.stream(
+        cfg,
         learner=learner,
         n_learners=n_learners,
         batch_size=batch_size,
         block_size=block_size,
         seed=seed,
-        eval_fraction=cfg.held_out,
     )
 
 
 def build_eval_batches(
     spec: str | DataConfig, *, n_batches: int, batch_size: int, block_size: int, seed: int = 0
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
+) -> Batches:
     """The held-out eval set for ``spec``, disjoint from every learner's stream. For image
     sources the whole held-out split is returned and ``n_batches`` and ``seed`` are
     ignored."""
     cfg = parse_data_spec(spec)
-    if cfg.kind == "synthetic":
-        return eval_batches(
-            MarkovLanguage(cfg.markov),
-            n_batches=n_batches,
-            batch_size=batch_size,
-            block_size=block_size,
-            seed=seed,
-        )
-    if cfg.kind in ("digits", "images"):
+    return cfg.source.eval_batches(
+        cfg, n_batches=n_batches, batch_size=batch_size, block_size=block_size, seed=seed
+    )
+
+
+# -- the built-in sources ----------------------------------------------------------------------
+def _synthetic_stream(cfg: DataConfig, **kw: Any) -> BatchStream:
+    return SyntheticStream(MarkovLanguage(cfg.markov), **kw)
+
+
+def _synthetic_eval(cfg: DataConfig, **kw: Any) -> Batches:
+    return eval_batches(MarkovLanguage(cfg.markov), **kw)
+
+
+def _token_source(name: str, load: Callable[[DataConfig], Any], **kw: Any) -> DataSource:
+    """A source of token sequences: ``load(cfg)`` gives the tokens (``data.text``)."""
+
+    def stream(cfg: DataConfig, **args: Any) -> BatchStream:
+        from ddiloco.data.text import TokenStream
+
+        return TokenStream(load(cfg), eval_fraction=cfg.held_out, **args)
+
+    def held_out(cfg: DataConfig, **args: Any) -> Batches:
+        from ddiloco.data.text import token_eval_batches
+
+        return token_eval_batches(load(cfg), eval_fraction=cfg.held_out, **args)
+
+    return DataSource(name, "text", stream, held_out, eval_fraction=0.05, **kw)
+
+
+def _image_source(name: str, load: Callable[[DataConfig], Any], **kw: Any) -> DataSource:
+    """A source of labelled images: ``load(cfg)`` gives them (``data.images``)."""
+
+    def stream(cfg: DataConfig, *, block_size: int, **args: Any) -> BatchStream:
+        from ddiloco.data.images import ImageStream
+
+        return ImageStream(load(cfg), eval_fraction=cfg.held_out, split_seed=cfg.split_seed, **args)
+
+    def held_out(cfg: DataConfig, *, batch_size: int, **_: Any) -> Batches:
         from ddiloco.data.images import image_eval_batches
 
         return image_eval_batches(
-            _images(cfg),
-            batch_size=batch_size,
-            split_seed=cfg.split_seed,
-            eval_fraction=cfg.held_out,
+            load(cfg), batch_size=batch_size, split_seed=cfg.split_seed, eval_fraction=cfg.held_out
         )
-    from ddiloco.data.text import token_eval_batches
 
-    return token_eval_batches(
-        _tokens(cfg),
-        n_batches=n_batches,
-        batch_size=batch_size,
-        block_size=block_size,
-        seed=seed,
-        eval_fraction=cfg.held_out,
+    return DataSource(name, "image", stream, held_out, eval_fraction=0.2, **kw)
+
+
+def _text_bytes(cfg: DataConfig) -> Any:
+    from ddiloco.data.text import load_text_bytes
+
+    return load_text_bytes(cfg.path, all_files=cfg.all_files)  # type: ignore[arg-type]
+
+
+def _token_bin(cfg: DataConfig) -> Any:
+    from ddiloco.data.text import load_token_bin
+
+    return load_token_bin(cfg.path, dtype=cfg.dtype)  # type: ignore[arg-type]
+
+
+def _bin_vocab(cfg: DataConfig) -> int | None:
+    if cfg.path and Path(cfg.path).is_dir():
+        from ddiloco.data.text import read_meta
+
+        return int(read_meta(cfg.path)["vocab_size"])
+    return None
+
+
+def _hf_bytes(cfg: DataConfig) -> Any:
+    from ddiloco.data.hf import load_hf_text_bytes
+
+    return load_hf_text_bytes(
+        cfg.path,
+        text_column=cfg.text_column,  # type: ignore[arg-type]
+        split=cfg.split,
     )
+
+
+def _digits(cfg: DataConfig) -> Any:
+    from ddiloco.data.images import load_digits
+
+    return load_digits()
+
+
+def _image_folder(cfg: DataConfig) -> Any:
+    from ddiloco.data.images import load_image_folder
+
+    return load_image_folder(
+        cfg.path,
+        image_size=cfg.image_size,  # type: ignore[arg-type]
+        channels=cfg.channels,
+    )
+
+
+register_source(
+    DataSource(
+        "synthetic",
+        "text",
+        _synthetic_stream,
+        _synthetic_eval,
+        needs_path=False,
+        vocab_size=lambda cfg: cfg.markov.vocab_size,
+    )
+)
+register_source(_token_source("text", _text_bytes, vocab_size=lambda cfg: 256))
+register_source(_token_source("bin", _token_bin, vocab_size=_bin_vocab))
+register_source(_token_source("hf", _hf_bytes, vocab_size=lambda cfg: 256))
+register_source(_image_source("digits", _digits, needs_path=False))
+register_source(_image_source("images", _image_folder))
+
+DATA_KINDS: tuple[str, ...] = tuple(DATA_SOURCES)
+"""Valid values of ``DataConfig.kind``."""

@@ -69,9 +69,7 @@ def run(cfg: TrainConfig) -> dict:
     res = runner(cfg, ctx)
     final, accuracy = evaluate_metrics(ctx.global_model, evals)
     learners = res.pop("learners", cfg.learners)
-    per_step = (
-        cfg.batch_size if data.kind in ("digits", "images") else cfg.batch_size * cfg.block_size
-    )
+    per_step = cfg.batch_size if data.task == "image" else cfg.batch_size * cfg.block_size
     tokens = learners * cfg.steps * per_step
     summary = RunSummary(
         method=cfg.method,

@@ -179,7 +179,7 @@ def write_summary(
     if final_params is not None:
         model.load_state_dict(final_params)
         final_loss = evaluate(model, evals)
-    per_step = c.batch_size if data.kind in ("digits", "images") else c.batch_size * c.block_size
+    per_step = c.batch_size if data.task == "image" else c.batch_size * c.block_size
     rows = collect_rows(out, wall0)
     # the clock starts when the first learner is ready to step (process start-up of the
     # first launch is reported apart; restarts after failures count against goodput)

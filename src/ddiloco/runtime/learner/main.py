@@ -195,7 +195,7 @@ def run_learner(
     if resume is not None:
         resumed_optimizer = resume_opt(resume[4], resume[3])
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.autocast == "bf16")
-    images = data.kind in ("digits", "images")
+    images = data.task == "image"
     tokens = cfg.batch_size * (1 if images else cfg.block_size) * world
     dl = DecoupledLearner(model, **learner_kwargs(cfg, learner, syncer, group, heartbeat_s))
     leave = threading.Event()
