@@ -7,9 +7,10 @@ lr is 3e-3 with a cosine decay) for WILD_STEPS steps (100), the way a user's res
 wrong configuration would be; then it gets a fresh optimizer of the run's own
 configuration and goes on. The other learners are untouched. Deterministic for a seed.
 
-Reported per guard setting (``--clips``: 0 is no guard): the global model's eval loss just
-before the bad restart, the largest one in the window from the restart to 300 steps after
-it, the final one, each as a gap to the entropy floor, and the pushes the guard clipped.
+Reported per guard setting (``--clips``: 0 is no guard), and with ``--reference`` for the
+same run without the bad restart: the global model's eval loss just before the bad restart,
+the largest one in the window from the restart to 300 steps after it, the final one, each
+as a gap to the entropy floor, and the pushes the guard clipped.
 
 Writes bench/results/wild_learner.json and prints a markdown table (the measured figures
 are in docs/results/reliability.md).
@@ -62,7 +63,7 @@ class WildWorker(Worker):
         return Worker.train_step(self)
 
 
-def run_one(args, clip: float, out: Path) -> dict:
+def run_one(args, clip: float, out: Path, wild: bool = True) -> dict:
     cfg = TrainConfig(
         engine="inproc",
         method="decoupled",
@@ -81,7 +82,7 @@ def run_one(args, clip: float, out: Path) -> dict:
             w0.index, w0.model, w0.opt, w0.stream, w0.params, w0.tokens_per_step, cfg_
         )
         wild.wild_at, wild.wild_steps, wild.wild_lr = args.wild_at, args.wild_steps, args.wild_lr
-        return [wild, *ws[1:]] if args.wild_steps > 0 else ws
+        return [wild, *ws[1:]]
 
     class Recording(SyncerState):
         def __init__(self, *a, **kw) -> None:
@@ -89,7 +90,8 @@ def run_one(args, clip: float, out: Path) -> dict:
             states.append(self)
 
     saved = decoupled.build_workers, decoupled.SyncerState
-    decoupled.build_workers, decoupled.SyncerState = workers, Recording
+    decoupled.build_workers = workers if wild and args.wild_steps > 0 else build_workers
+    decoupled.SyncerState = Recording
     t0 = time.perf_counter()
     try:
         summary = run(cfg)
@@ -106,6 +108,7 @@ def run_one(args, clip: float, out: Path) -> dict:
     before = [e for e in evals if e["step"] <= args.wild_at]
     after = [e for e in evals if args.wild_at < e["step"] <= args.wild_at + WINDOW]
     return {
+        "wild": wild,
         "norm_clip": clip,
         "gap_before": round(before[-1]["gap"], 4) if before else None,
         "worst_gap_after": round(max(e["gap"] for e in after), 4) if after else None,
@@ -121,13 +124,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--wild-at", type=int, default=1000)
-    ap.add_argument("--wild-steps", type=int, default=100, help="0: no wild learner")
+    ap.add_argument("--wild-steps", type=int, default=100)
     ap.add_argument("--wild-lr", type=float, default=1e-2)
     ap.add_argument("--clips", default="0,3,5", help="norm_clip values (0: no guard)")
+    ap.add_argument("--reference", action="store_true", help="also the run without it")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "runs" / "wild_learner"))
     args = ap.parse_args()
     rows = []
+    if args.reference:
+        rows.append(run_one(args, 0.0, Path(args.out) / "reference", wild=False))
+        print(json.dumps(rows[-1]), flush=True)
     for clip in (float(c) for c in args.clips.split(",")):
         r = run_one(args, clip, Path(args.out) / f"clip{clip:g}")
         rows.append(r)
@@ -136,13 +143,14 @@ def main() -> None:
     res.mkdir(parents=True, exist_ok=True)
     (res / "wild_learner.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
     print(
-        "\n| norm_clip | gap before | worst gap after (300 steps) | final loss (gap) "
+        "\n| run | norm_clip | gap before | worst gap after (300 steps) | final loss (gap) "
         "| clipped pushes |"
     )
-    print("|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r['norm_clip']:g} | {r['gap_before']} | {r['worst_gap_after']} | "
+            f"| {'wild learner' if r['wild'] else 'no wild learner'} | {r['norm_clip']:g} | "
+            f"{r['gap_before']} | {r['worst_gap_after']} | "
             f"{r['final_loss']} ({r['final_gap']:+.4f}) | {r['clipped_pushes']} |"
         )
 

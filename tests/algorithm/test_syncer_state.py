@@ -317,3 +317,12 @@ def test_norm_clip_is_validated():
     with pytest.raises(ValueError, match="sync.norm_clip"):
         SyncConfig(norm_clip=-1.0)
     assert SyncConfig(norm_clip=4.0).syncer_config().norm_clip == 4.0
+
+
+def test_the_merge_guard_takes_an_overflowing_norm_for_no_step():
+    s, p = _guarded(2.0)
+    _walk(s, p, 0, [0.1] * 8)
+    theta = s.frags[p].theta[0].clone()
+    r = s.submit(push(0, p, 3e38, base=s.version(p), seq=50), 0.0)  # ||Delta||^2 overflows
+    assert r.merged is not None and r.merged.clipped == (0,)
+    assert torch.equal(s.frags[p].theta[0], theta)  # lr 1, no momentum: no step at all

@@ -32,7 +32,6 @@ __all__ = [
     "all_finite_list",
     "NORM_WINDOW",
     "NORM_MIN_HISTORY",
-    "fragment_norm",
     "clip_bound",
 ]
 
@@ -95,13 +94,6 @@ NORM_WINDOW = 32
 """Merged outer gradients per fragment whose norms the merge guard's median is taken over."""
 NORM_MIN_HISTORY = 8
 """Merged outer gradients a fragment needs before the merge guard acts."""
-
-
-def fragment_norm(ts: Sequence[torch.Tensor]) -> float:
-    """``||Delta_{m,p}||``: the L2 norm of a fragment's tensors taken together."""
-    if not ts:
-        return 0.0
-    return math.sqrt(sum(float(n) ** 2 for n in torch._foreach_norm(list(ts))))
 
 
 def clip_bound(recent: Sequence[float], k: float) -> float | None:
