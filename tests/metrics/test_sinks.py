@@ -182,3 +182,19 @@ def _installed(sink: str) -> bool:
     import importlib.util
 
     return importlib.util.find_spec(sink) is not None
+
+
+def test_sinks_are_a_registry():
+    from ddiloco.metrics.sinks import SINK_KINDS, register_sink
+
+    assert SINKS == ("jsonl", "tensorboard", "wandb", "mlflow")
+    assert {n: k.package for n, k in SINK_KINDS.items()} == {
+        "jsonl": None,
+        "tensorboard": "tensorboard",
+        "wandb": "wandb",
+        "mlflow": "mlflow",
+    }
+    with pytest.raises(ValueError, match="already registered"):
+        register_sink("jsonl", SINK_KINDS["jsonl"].make)
+    with pytest.raises(ValueError, match="unknown metrics sink 'csv'; valid sinks: jsonl, tensor"):
+        parse_sinks("jsonl,csv")

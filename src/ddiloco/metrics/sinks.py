@@ -13,6 +13,8 @@ rows through a :class:`MetricsSink`; :func:`open_sinks` builds the set a flag na
                    (``ddiloco[mlflow]``); ``mlflow ui --backend-store-uri RUN_DIR/mlruns``
 
 ``NAME`` tells the writers of one run apart (``engine``, ``syncer``, ``learner_0``...).
+Each name is a ``SinkKind`` (how to open it, the package it needs) registered with
+``register_sink`` at the end of this module; a new sink is its class and one such line.
 The scalar sinks (all but JSONL) log each numeric field ``f`` of a row of kind ``k`` as
 ``k/f`` at the row's ``step`` (a per-kind counter for rows without one), at the row's
 ``wall`` time when it has one; a ``config`` row becomes the run's parameters. Nested values
@@ -27,12 +29,17 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 __all__ = [
     "SINKS",
+    "SINK_KINDS",
+    "SinkKind",
+    "SinkPlace",
+    "register_sink",
     "MetricsSink",
     "JsonlSink",
     "TensorBoardSink",
@@ -44,9 +51,6 @@ __all__ = [
     "scalars",
     "check_available",
 ]
-
-SINKS = ("jsonl", "tensorboard", "wandb", "mlflow")
-"""Valid sink names."""
 
 _NOT_SCALARS = frozenset({"kind", "step", "wall", "pid"})
 
@@ -62,20 +66,57 @@ class MetricsSink(Protocol):
     def close(self) -> None: ...
 
 
+@dataclass(frozen=True, slots=True)
+class SinkPlace:
+    """Where one writer's sinks go (``open_sinks``'s arguments)."""
+
+    root: Path
+    """The run directory."""
+    name: str
+    """The writer (``engine``, ``syncer``, ``learner_0``...)."""
+    jsonl_path: Path
+    """The JSONL file."""
+    mode: str
+    """The JSONL file's open mode."""
+    flush_rows: bool
+    """Flush the JSONL file after every row."""
+
+
+@dataclass(frozen=True, slots=True)
+class SinkKind:
+    """One sink name: how to open it for a writer, and the package it needs."""
+
+    name: str
+    make: Callable[[SinkPlace], MetricsSink]
+    """Opens the sink for one writer."""
+    package: str | None = None
+    """Module it imports, installed by the extra ``ddiloco[NAME]``; None: none."""
+
+
+SINK_KINDS: dict[str, SinkKind] = {}
+"""Every sink name's kind, in registration order."""
+
+
+def register_sink(
+    name: str, make: Callable[[SinkPlace], MetricsSink], package: str | None = None
+) -> None:
+    """Add the sink ``name`` (``--metrics-sinks``): ``make(place)`` opens it."""
+    if name in SINK_KINDS:
+        raise ValueError(f"metrics sink {name!r} is already registered")
+    SINK_KINDS[name] = SinkKind(name, make, package)
+
+
 def parse_sinks(spec: str | Iterable[str]) -> tuple[str, ...]:
     """``"jsonl,tensorboard"`` (or a sequence of names) to a checked tuple of sink names."""
     names = [s.strip() for s in (spec.split(",") if isinstance(spec, str) else spec)]
     names = [s for s in names if s]
-    bad = [s for s in names if s not in SINKS]
+    bad = [s for s in names if s not in SINK_KINDS]
     if bad:
         raise ValueError(
-            f"unknown metrics sink {bad[0]!r}; valid sinks: {', '.join(SINKS)} "
+            f"unknown metrics sink {bad[0]!r}; valid sinks: {', '.join(SINK_KINDS)} "
             f"(comma-separated, e.g. jsonl,tensorboard)"
         )
     return tuple(dict.fromkeys(names))
-
-
-_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 
 
 def check_available(names: str | Iterable[str]) -> None:
@@ -83,7 +124,7 @@ def check_available(names: str | Iterable[str]) -> None:
     import importlib.util
 
     for s in parse_sinks(names):
-        pkg = _PACKAGES.get(s)
+        pkg = SINK_KINDS[s].package
         if pkg is not None and importlib.util.find_spec(pkg) is None:
             raise ImportError(
                 f"the {s} metrics sink needs the '{pkg}' package: pip install ddiloco[{s}]"
@@ -365,23 +406,34 @@ def open_sinks(
     writes ``jsonl_path`` (default ``run_dir/metrics.jsonl``) with ``mode`` and
     ``flush_rows``; the others write under ``run_dir`` as the module docstring says."""
     root = Path(run_dir)
+    place = SinkPlace(
+        root=root,
+        name=name,
+        jsonl_path=Path(jsonl_path) if jsonl_path else root / "metrics.jsonl",
+        mode=mode,
+        flush_rows=flush_rows,
+    )
     sinks: list[MetricsSink] = []
     try:
         for s in parse_sinks(names):
-            if s == "jsonl":
-                sinks.append(
-                    JsonlSink(
-                        jsonl_path or root / "metrics.jsonl", mode=mode, flush_rows=flush_rows
-                    )
-                )
-            elif s == "tensorboard":
-                sinks.append(TensorBoardSink(root / "tensorboard" / name))
-            elif s == "wandb":
-                sinks.append(WandbSink(root, name=name, group=os.path.basename(root.resolve())))
-            else:
-                sinks.append(MlflowSink(root / "mlruns", name=name))
+            sinks.append(SINK_KINDS[s].make(place))
     except BaseException:
-        for s in sinks:
-            s.close()
+        for sink in sinks:
+            sink.close()
         raise
     return MultiSink(sinks)
+
+
+register_sink("jsonl", lambda p: JsonlSink(p.jsonl_path, mode=p.mode, flush_rows=p.flush_rows))
+register_sink(
+    "tensorboard", lambda p: TensorBoardSink(p.root / "tensorboard" / p.name), "tensorboard"
+)
+register_sink(
+    "wandb",
+    lambda p: WandbSink(p.root, name=p.name, group=os.path.basename(p.root.resolve())),
+    "wandb",
+)
+register_sink("mlflow", lambda p: MlflowSink(p.root / "mlruns", name=p.name), "mlflow")
+
+SINKS: tuple[str, ...] = tuple(SINK_KINDS)
+"""Valid sink names."""
