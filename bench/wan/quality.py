@@ -27,7 +27,6 @@ N_PARAMS = 108_288
 """gpt_tiny's parameters."""
 STEP_S = 0.065
 """The scaled setting's inner-step time (``docs/results/wan.md``)."""
-BITS = {"fp32": 32.0, "bf16": 16.0, "int8": 8.5, "int4": 4.5, "int2": 2.5}
 COMMON = ["--gamma", "0.8", "--schedule", "time"]
 
 RUNS: dict[str, list[str]] = {
@@ -72,6 +71,8 @@ RUNS.update({
 
 def planner_bytes(cfg: dict, cal: dict | None) -> float:
     """Bytes both ways per inner step on one region's link (hub syncer, as the WAN runs)."""
+    from ddiloco.algorithm.codecs import get_codec
+
     if cfg["method"] == "dp":
         k, bits, _ = period(
             BandwidthConfig(method="dp", params=N_PARAMS, datacenters=4, grad_bits=32)
@@ -89,8 +90,8 @@ def planner_bytes(cfg: dict, cal: dict | None) -> float:
             params=N_PARAMS,
             step_time_s=STEP_S,
             datacenters=4,
-            up_bits=BITS[cfg["codec"]],
-            down_bits=BITS[cfg["down_codec"]],
+            up_bits=get_codec(cfg["codec"]).bits_per_element,
+            down_bits=get_codec(cfg["down_codec"]).bits_per_element,
             fragments=cfg["fragments"],
             inner_steps=cfg["H"],
             syncer="hub",

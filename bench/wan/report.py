@@ -37,9 +37,6 @@ SYNCED = ("diloco", "decoupled", "decoupled_bw", "decoupled_bw_t6", "decoupled_b
 TARGETS = (2.0, 1.5, 1.3, 1.2, 1.15, 1.12)
 """Eval-loss targets of the speed-up table, besides the default target."""
 
-CODEC_BITS = {"fp32": 32.0, "bf16": 16.0, "int8": 8.5, "int4": 4.5, "int2": 2.5}
-"""Bits per parameter on the wire, per-block fp32 scales included (64-element blocks)."""
-
 
 def load(out: Path) -> dict[str, dict]:
     res = {}
@@ -85,7 +82,11 @@ def bytes_per_step(r: dict) -> dict:
 
 
 def _bits(name: str) -> float:
-    return CODEC_BITS[name.split("/")[0]]
+    """Bits per parameter on the wire of the codec ``name`` at its default 64-element blocks,
+    per-block fp32 scales included."""
+    from ddiloco.algorithm.codecs import get_codec
+
+    return get_codec(name.split("/")[0]).bits_per_element
 
 
 def _planner(r: dict, **extra) -> BandwidthConfig:

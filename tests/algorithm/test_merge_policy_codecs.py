@@ -293,3 +293,17 @@ def test_merge_rules_are_a_registry_of_functions():
     assert torch.allclose(rda_t, rda([a, b], [1.0, 1.0])) and torch.equal(emb, (a + b) / 2)
     (avg,) = merge_outer_gradients([[a], [b]], [1.0, 1.0], [False], rule="average")
     assert torch.equal(avg, (a + b) / 2)
+
+
+def test_bits_per_element_count_the_block_scales():
+    bits = {n: c.bits_per_element for n, c in CODECS.items()}
+    assert bits == {
+        "fp32": 32.0,
+        "bf16": 16.0,
+        "fp8": 8.5,
+        "int8": 8.5,
+        "int4": 4.5,
+        "int2": 2.5,
+        "1bit": 1.5,
+    }
+    assert get_codec("int2/4096").bits_per_element == 2 + 32 / 4096

@@ -74,6 +74,12 @@ class Codec(abc.ABC):
         """Elements per scale, for codecs with per-block scales; None for the others."""
         return None
 
+    @property
+    def bits_per_element(self) -> float:
+        """Bits on the wire per element of a large tensor, block scales included (int4: 4.5)."""
+        n = MAX_BLOCK * 4
+        return self.nbytes(n) * 8 / n
+
     def with_block(self, block: int) -> Codec:
         """This codec with ``block`` elements per scale, named ``f"{name}/{block}"``."""
         raise ValueError(f"codec {self.name!r} has no block size")
