@@ -48,7 +48,7 @@ __all__ = [
 
 INSTALL_RULES = ("overwrite", "rebase")
 """How a merged fragment is installed (see the module docstring)."""
-DEFAULT_INSTALL: Final = "overwrite"
+DEFAULT_INSTALL: Final = "rebase"
 """The install rule of the run configuration and of ``DecoupledLearner`` (declared here
 once: the configuration, the hook and ``LearnerSync`` read it)."""
 DEFAULT_ALPHA: Final = 0.0
