@@ -64,9 +64,9 @@ __all__ = [
 ]
 
 ANCHORS = ("current", "base")
-DEFAULT_NORM_CLIP = 2.0
+DEFAULT_NORM_CLIP = 2.5
 """The merge guard's default bound, in medians (docs/results/reliability.md: it clipped no
-push of the default run nor of ``--preset failures``, and most of a wild learner's)."""
+push of the default run nor of ``--preset failures``, and halved a wild learner's damage)."""
 
 
 @dataclass(kw_only=True, slots=True)
