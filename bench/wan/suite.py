@@ -109,6 +109,7 @@ RUNS: dict[str, list[str]] = {
     # tau can cover the links without throwing steps away
     "decoupled_dd_rb": [*DELTA, *COMMON, "--install", "rebase", "--pcap"],
     "decoupled_dd_t6_rb": [*DELTA, *COMMON, "--tau", "6", "--install", "rebase", "--pcap"],
+    "decoupled_dd_t4_rb": [*DELTA, *COMMON, "--tau", "4", "--install", "rebase", "--pcap"],
 }
 
 
