@@ -424,16 +424,16 @@ class DecoupledLearner(InboxMixin, SessionMixin, LinksMixin, IslandMixin):
 
     def _watch_install_delay(self) -> None:
         """Measure how many steps a merged fragment takes to come back (``install_delay_steps``
-        in the reports, over the last 4 P installs) and warn once when it is well past tau:
-        the grace window then cannot gather learners (and ``install = overwrite`` loses the
-        late steps)."""
+        in the reports: the mean over this process's installs) and warn once when, over the
+        last max(4, P) installs, it is well past tau: the grace window then cannot gather
+        learners (and ``install = overwrite`` loses the late steps)."""
         installs, delay = self.sync.installs, self.sync.install_delay_steps
+        self.stats["install_delay_steps"] = round(self.sync.mean_install_delay_steps, 2)
         n = installs - self._delay_mark[0]
-        if n < 4 * self.fragmentation.P:
+        if n < max(4, self.fragmentation.P):
             return
         d = (delay - self._delay_mark[1]) / n
         self._delay_mark = (installs, delay)
-        self.stats["install_delay_steps"] = round(d, 2)
         tau = self.schedule.tau
         if d > tau + 1 and not self._delay_warned:
             self._delay_warned = True
