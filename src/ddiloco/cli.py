@@ -208,6 +208,10 @@ def _main(argv: list[str]) -> int:
         from ddiloco.sim.cli import cmd_bandwidth
 
         return cmd_bandwidth(argv[1:])
+    if argv and argv[0] == "simulate":
+        from ddiloco.sim.cli import cmd_simulate
+
+        return cmd_simulate(argv[1:])
     parser = build_parser(argv[0] if argv and argv[0] in COMMANDS else None)
     args = parser.parse_args(argv)
     return int(args.func(args) or 0)

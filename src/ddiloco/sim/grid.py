@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ddiloco.sim.calibration import PUBLISHED, cell_label, paper_config
-from ddiloco.sim.stats import Summary, simulate
-from ddiloco.sim.systems import CostModel
+from ddiloco.sim.stats import SEEDS, Summary, simulate
+from ddiloco.sim.systems import CostModel, SimConfig
 
 __all__ = [
     "GRID_CHIPS",
@@ -52,14 +52,17 @@ class GridCell:
         }
 
 
+_SIM = SimConfig()  # the declared defaults of one simulated system
+
+
 def run_grid(
     *,
     systems: Sequence[tuple[str, int]] = GRID_SYSTEMS,
     chips: Sequence[int] = GRID_CHIPS,
-    seeds: int = 5,
-    mtbi_years: float = 1.0,
+    seeds: int = SEEDS,
+    mtbi_years: float = _SIM.failures.mtbi_years,
     costs: CostModel | None = None,
-    horizon_s: float = 6 * 3600.0,
+    horizon_s: float = _SIM.horizon_s,
     progress: bool = True,
 ) -> list[GridCell]:
     """Simulate every (system, M) at every chip count with the calibrated costs."""

@@ -10,7 +10,7 @@ import numpy as np
 
 from ddiloco.sim.systems import RunResult, SimConfig, run_once
 
-__all__ = ["Summary", "ci95_halfwidth", "simulate", "t_quantile_975"]
+__all__ = ["SEEDS", "Summary", "ci95_halfwidth", "simulate", "t_quantile_975"]
 
 # two-sided 95% Student-t quantiles for 1..30 degrees of freedom
 _T975 = (
@@ -98,9 +98,13 @@ def _summarise(runs: list[RunResult]) -> Summary:
     )
 
 
+SEEDS = 5
+"""Seeds simulated per configuration by default (``simulate``, the grid, the CLI)."""
+
+
 def simulate(
     cfg: SimConfig,
-    seeds: int = 5,
+    seeds: int = SEEDS,
     *,
     first_seed: int = 0,
     target_ci95: float | None = None,
