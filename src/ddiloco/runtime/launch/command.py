@@ -8,10 +8,21 @@ where and how it runs. Backends: ``slurm`` (``ddiloco.runtime.launch.slurm``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Annotated, Any
 
-__all__ = ["add_launch_parser", "cmd_launch", "BACKENDS"]
+import tyro
+from tyro.constructors import PrimitiveConstructorSpec
+
+from ddiloco.runtime.launch.slurm import SlurmOptions
+
+if TYPE_CHECKING:
+    from ddiloco.config import TrainConfig
+
+__all__ = ["add_launch_parser", "cmd_launch", "parse_launch", "LaunchArgs", "BACKENDS"]
 
 
 def add_launch_parser(subparsers) -> argparse.ArgumentParser:
@@ -23,95 +34,10 @@ def add_launch_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="ddiloco launch",
-        allow_abbrev=False,
-        description="Write a cluster job for a run: its script, config.toml and token file "
-        "in the run directory (--out). Every flag of `ddiloco train` (--config FILE, "
-        "--model, -M, --steps, --island-size, --shards, --port, --out...) describes the run.",
-    )
-    p.add_argument("--backend", required=True, choices=sorted(BACKENDS))
-    p.add_argument("--submit", action="store_true", help="submit the job once written")
-    p.add_argument(
-        "--test-only",
-        action="store_true",
-        help="ask the scheduler whether and when it would run the job (sbatch --test-only)",
-    )
-    s = p.add_argument_group("slurm")
-    s.add_argument(
-        "--nodes-per-island",
-        type=int,
-        default=1,
-        help="nodes of each island; its --island-size ranks are split evenly across them",
-    )
-    s.add_argument(
-        "--single-node",
-        action="store_true",
-        help="the syncer and every island on one node (else one node for the syncer and "
-        "--nodes-per-island nodes for each island)",
-    )
-    s.add_argument("--partition", help="sbatch --partition")
-    s.add_argument("--time", dest="time_limit", help="sbatch --time, e.g. 02:00:00")
-    s.add_argument("--account", help="sbatch --account")
-    s.add_argument("--gpus-per-node", type=int, help="sbatch --gpus-per-node")
-    s.add_argument("--job-name", default="ddiloco", help="sbatch --job-name")
-    s.add_argument(
-        "--sbatch-arg",
-        action="append",
-        default=[],
-        dest="sbatch_args",
-        metavar="OPTION",
-        help="one more #SBATCH option (repeatable), e.g. --sbatch-arg=--qos=high",
-    )
-    s.add_argument(
-        "--python", default=sys.executable, help="Python with ddiloco, the same path on every node"
-    )
-    s.add_argument(
-        "--rdzv-port",
-        type=int,
-        default=29400,
-        help="island m's c10d rendezvous listens on its first node at this port + m",
-    )
-    s.add_argument(
-        "--syncer-restarts",
-        type=int,
-        default=100,
-        help="times a syncer shard that exits is restarted (resuming from its checkpoint)",
-    )
-    s.add_argument(
-        "--island-restarts",
-        type=int,
-        default=3,
-        help="times an island that exits with an error is started again (same learner id)",
-    )
-    s.add_argument(
-        "--torchrun-restarts",
-        type=int,
-        default=0,
-        help="torchrun --max-restarts: restarts of an island's ranks inside one start",
-    )
-    return p
+def _launch_slurm(cfg: TrainConfig, args: LaunchArgs) -> int:
+    from ddiloco.runtime.launch.slurm import submit, write_slurm_job
 
-
-def _launch_slurm(cfg, args: argparse.Namespace) -> int:
-    from ddiloco.runtime.launch.slurm import SlurmOptions, submit, write_slurm_job
-
-    opts = SlurmOptions(
-        nodes_per_island=args.nodes_per_island,
-        single_node=args.single_node,
-        partition=args.partition,
-        time_limit=args.time_limit,
-        account=args.account,
-        gpus_per_node=args.gpus_per_node,
-        job_name=args.job_name,
-        sbatch_args=tuple(args.sbatch_args),
-        python=args.python,
-        rdzv_port=args.rdzv_port,
-        syncer_restarts=args.syncer_restarts,
-        island_restarts=args.island_restarts,
-        torchrun_restarts=args.torchrun_restarts,
-    )
+    opts = args.slurm
     job = write_slurm_job(cfg, opts)
     layout = (
         "one node"
@@ -129,15 +55,94 @@ def _launch_slurm(cfg, args: argparse.Namespace) -> int:
     return 0
 
 
-BACKENDS: dict[str, Callable[..., int]] = {"slurm": _launch_slurm}
+BACKENDS: dict[str, Callable[[TrainConfig, LaunchArgs], int]] = {"slurm": _launch_slurm}
 """Backend name -> ``(TrainConfig, launch arguments) -> exit status``."""
+
+
+def _backend_name(args: list[str]) -> str:
+    return args[0]
+
+
+@dataclass(kw_only=True, slots=True)
+class LaunchArgs:
+    """``ddiloco launch``'s own options: the backend, what to do with the job once written,
+    and the Slurm options (``SlurmOptions``' fields, one flag each). The run itself is
+    described by ``ddiloco train``'s flags, parsed apart (``cmd_launch``)."""
+
+    backend: Annotated[
+        str | None,
+        PrimitiveConstructorSpec(
+            nargs=1,
+            metavar="{" + ",".join(sorted(BACKENDS)) + "}",
+            instance_from_str=_backend_name,
+            is_instance=lambda x: x is None or isinstance(x, str),
+            str_from_instance=lambda x: [x],
+            choices=tuple(sorted(BACKENDS)),
+        ),
+        tyro.conf.arg(help_behavior_hint="(required)"),
+    ] = None
+    """Where the job runs."""
+    submit: bool = False
+    """Submit the job once written."""
+    test_only: bool = False
+    """Ask the scheduler whether and when it would run the job (sbatch --test-only)."""
+    slurm: Annotated[SlurmOptions, tyro.conf.arg(name="")] = field(default_factory=SlurmOptions)
+    """Slurm: where and how the job runs."""
+
+
+SLURM_ALIASES = {"time_limit": ("--time",), "sbatch_args": ("--sbatch-arg",)}
+"""Shorter spellings of ``SlurmOptions``' flags, kept working."""
+
+
+def _launch_registry():
+    """tyro's rule for ``SlurmOptions``: every field a flag, ``--sbatch-args`` repeatable
+    (one #SBATCH option each), with the aliases above."""
+    from tyro.constructors import ConstructorRegistry, StructConstructorSpec
+    from tyro.constructors._struct_spec_dataclass import dataclass_rule
+
+    reg = ConstructorRegistry()
+
+    @reg.struct_rule
+    def slurm(info):
+        if info.type is not SlurmOptions:
+            return None
+        spec = dataclass_rule(info)
+        if spec is None:
+            return None
+        fields = []
+        for f in spec.fields:
+            marks: list[Any] = []
+            if f.name in SLURM_ALIASES:
+                marks.append(tyro.conf.arg(aliases=SLURM_ALIASES[f.name]))
+            if f.name == "sbatch_args":
+                marks += [tyro.conf.UseAppendAction, tyro.conf.arg(metavar="OPTION")]
+            fields.append(dataclasses.replace(f, type=Annotated[(f.type, *marks)]) if marks else f)
+        return StructConstructorSpec(instantiate=spec.instantiate, fields=tuple(fields))
+
+    return reg
+
+
+def parse_launch(argv: list[str]) -> tuple[LaunchArgs, list[str]]:
+    """``ddiloco launch``'s own options and the rest of ``argv`` (the run's flags)."""
+    return tyro.cli(
+        LaunchArgs,
+        args=argv,
+        prog="ddiloco launch",
+        description="Write a cluster job for a run: its script, config.toml and token file "
+        "in the run directory (--out). Every flag of `ddiloco train` (--config FILE, "
+        "--model, -M, --steps, --island-size, --shards, --port, --out...) describes the run.",
+        registry=_launch_registry(),
+        return_unknown_args=True,
+    )
 
 
 def cmd_launch(argv: list[str]) -> int:
     from ddiloco.config.flags import ConfigError, train_config
 
-    args, rest = _parser().parse_known_args(argv)
     try:
+        args, rest = parse_launch(argv)
+        if args.backend is None:
+            raise ValueError(f"give --backend {{{','.join(sorted(BACKENDS))}}}")
         cfg, _ = train_config(rest)
         return BACKENDS[args.backend](cfg, args)
     except (ConfigError, ValueError, RuntimeError) as e:
