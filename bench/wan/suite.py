@@ -110,6 +110,20 @@ RUNS: dict[str, list[str]] = {
     "decoupled_dd_rb": [*DELTA, *COMMON, "--install", "rebase", "--pcap"],
     "decoupled_dd_t6_rb": [*DELTA, *COMMON, "--tau", "6", "--install", "rebase", "--pcap"],
     "decoupled_dd_t4_rb": [*DELTA, *COMMON, "--tau", "4", "--install", "rebase", "--pcap"],
+    # longer rounds for fewer bytes per step: H = 32 (P = 3 and P = 4), tau = 4
+    "decoupled_dd_h32_t4_rb": [*DELTA, *COMMON, "-H", "32", "--tau", "4", "--install", "rebase"],
+    "decoupled_dd_p4_h32_t4_rb": [
+        *DELTA,
+        *COMMON,
+        "-P",
+        "4",
+        "-H",
+        "32",
+        "--tau",
+        "4",
+        "--install",
+        "rebase",
+    ],
 }
 
 
