@@ -62,8 +62,8 @@ def main() -> None:
         data_config(cfg),
         learner=a.rank,
         n_learners=a.world,
-        batch_size=cfg.batch_size,
-        block_size=cfg.block_size,
+        batch_size=cfg.data.batch_size,
+        block_size=cfg.data.block_size,
         seed=cfg.seed,
     )
     numel = sum(p.numel() for p in params)

@@ -278,11 +278,11 @@ def run_syncer_method(
         "--bulk-port",
         str(BULK_PORT),
         "--quorum",
-        str(cfg.quorum),
+        str(cfg.sync.quorum),
         "--tau",
-        str(cfg.tau),
+        str(cfg.sync.tau),
         "--downlink-codec",
-        cfg.down_codec,
+        cfg.sync.down_codec,
         "--step-budget",
         str(a.regions * a.steps),
         "--heartbeat-timeout",
@@ -370,7 +370,7 @@ def run_syncer_method(
             "ledger": final["ledger"],
         }
     model = new_model(cfg)
-    frag = fragmentation_from_spec(model_spec(model, cfg.fragments, cfg.fragmentation))
+    frag = fragmentation_from_spec(model_spec(model, cfg.sync.fragments, cfg.sync.fragmentation))
     shapes = {n: t.shape for n, t in model.named_parameters()}
     snaps = []
     for s in _jsonl(out / "snaps" / "snapshots.jsonl"):

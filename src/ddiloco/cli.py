@@ -40,7 +40,7 @@ def cmd_train(argv: Sequence[str]) -> int:
         cfg, args = train_config_from_args(argv)
         from ddiloco.metrics.sinks import check_available
 
-        check_available(cfg.metrics_sinks)
+        check_available(cfg.runtime.metrics_sinks)
     except (ConfigError, ValueError, ImportError) as e:
         print(f"ddiloco train: error: {e}", file=sys.stderr)
         return 2

@@ -28,7 +28,7 @@ __all__ = [
 
 
 def make_language(cfg: TrainConfig) -> MarkovLanguage:
-    return MarkovLanguage(MarkovConfig(vocab_size=cfg.vocab_size, seed=cfg.seed))
+    return MarkovLanguage(MarkovConfig(vocab_size=cfg.data.vocab_size, seed=cfg.seed))
 
 
 def data_config(cfg: TrainConfig) -> DataConfig:
@@ -36,7 +36,7 @@ def data_config(cfg: TrainConfig) -> DataConfig:
     d = parse_data_spec(cfg.data.source)
     if d.kind == "synthetic":
         return DataConfig(
-            kind="synthetic", markov=MarkovConfig(vocab_size=cfg.vocab_size, seed=cfg.seed)
+            kind="synthetic", markov=MarkovConfig(vocab_size=cfg.data.vocab_size, seed=cfg.seed)
         )
     return d
 
@@ -46,12 +46,12 @@ def eval_setup(cfg: TrainConfig) -> tuple[DataConfig, MarkovLanguage | None, flo
     floor of the eval sequences (None without a known floor) and the held-out batches."""
     data = data_config(cfg)
     lang = MarkovLanguage(data.markov) if data.kind == "synthetic" else None
-    floor = lang.sequence_floor(cfg.block_size) if lang is not None else None
+    floor = lang.sequence_floor(cfg.data.block_size) if lang is not None else None
     evals = build_eval_batches(
         data,
-        n_batches=cfg.eval_batches,
-        batch_size=cfg.batch_size,
-        block_size=cfg.block_size,
+        n_batches=cfg.optim.eval_batches,
+        batch_size=cfg.data.batch_size,
+        block_size=cfg.data.block_size,
         seed=cfg.seed,
     )
     return data, lang, floor, evals
@@ -65,15 +65,18 @@ def new_model(cfg: TrainConfig) -> torch.nn.Module:
     torch.manual_seed(cfg.seed)
     if is_image_model(cfg):
         return build_model(cfg.model.name)
-    vocab = data_config(cfg).vocab_size or cfg.vocab_size
-    return build_model(cfg.model.name, vocab_size=vocab, block_size=cfg.block_size)
+    vocab = data_config(cfg).vocab_size or cfg.data.vocab_size
+    return build_model(cfg.model.name, vocab_size=vocab, block_size=cfg.data.block_size)
 
 
 def new_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
-    if cfg.inner_optimizer == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=cfg.inner_lr)
+    if cfg.optim.inner_optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=cfg.optim.inner_lr)
     return torch.optim.AdamW(
-        model.parameters(), lr=cfg.inner_lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
+        model.parameters(),
+        lr=cfg.optim.inner_lr,
+        betas=(0.9, 0.95),
+        weight_decay=cfg.optim.weight_decay,
     )
 
 
@@ -110,12 +113,12 @@ def fragmentation_for(
 ) -> Fragmentation:  # noqa: N803
     return fragment_model(
         model,
-        P if P is not None else cfg.fragments,
-        cfg.fragmentation,
+        P if P is not None else cfg.sync.fragments,
+        cfg.sync.fragmentation,
         embedding_param_names(model),
     )
 
 
 def tokens_per_step(cfg: TrainConfig) -> int:
     """Tokens (images for image models) one learner consumes per inner step."""
-    return cfg.batch_size if is_image_model(cfg) else cfg.batch_size * cfg.block_size
+    return cfg.data.batch_size if is_image_model(cfg) else cfg.data.batch_size * cfg.data.block_size

@@ -135,7 +135,7 @@ ROWS: dict[str, tuple[list[str], Probe, Probe]] = {
     # model, data
     "model": (["moe_tiny"], lambda e: type(e.model).__name__, lambda p: type(p.model).__name__),
     "data": (["text:TEXT"], lambda e: e.data.kind, lambda p: p.data.kind),
-    "batch_size": (["8"], lambda e: e.cfg.batch_size, lambda p: p.run.batch_size),
+    "batch_size": (["8"], lambda e: e.cfg.data.batch_size, lambda p: p.run.data.batch_size),
     "block_size": (["32"], lambda e: n_params(e.model), lambda p: n_params(p.model)),
     "vocab_size": (
         ["48"],
@@ -157,14 +157,18 @@ ROWS: dict[str, tuple[list[str], Probe, Probe]] = {
     "lr_schedule": (["constant"], lambda e: lrs(e.cfg), lambda p: lrs(p.run)),
     "warmup_steps": (["5"], lambda e: lrs(e.cfg), lambda p: lrs(p.run)),
     "min_lr_frac": (["0.5"], lambda e: lrs(e.cfg), lambda p: lrs(p.run)),
-    "eval_every": (["50"], lambda e: e.cfg.eval_every, None),
-    "eval_batches": (["3"], lambda e: e.cfg.eval_batches, lambda p: p.launcher.cfg.eval_batches),
+    "eval_every": (["50"], lambda e: e.cfg.optim.eval_every, None),
+    "eval_batches": (
+        ["3"],
+        lambda e: e.cfg.optim.eval_batches,
+        lambda p: p.launcher.cfg.optim.eval_batches,
+    ),
     # sync algorithm
     "fragments": (["4"], lambda e: e.frag.P, lambda p: p.learner["P"]),
-    "H": (["12"], lambda e: e.cfg.H, lambda p: p.learner["H"]),
+    "H": (["12"], lambda e: e.cfg.sync.H, lambda p: p.learner["H"]),
     "tau": (
         ["3"],
-        lambda e: (e.cfg.tau, e.syncer.policy.tau),
+        lambda e: (e.cfg.sync.tau, e.syncer.policy.tau),
         lambda p: (p.learner["tau"], p.server.syncer.policy.tau),
     ),
     "quorum": (["2"], lambda e: e.syncer.policy.quorum, lambda p: p.server.syncer.policy.quorum),
@@ -181,21 +185,21 @@ ROWS: dict[str, tuple[list[str], Probe, Probe]] = {
         lambda e: e.syncer.merge_rule,
         lambda p: p.server.syncer.merge_rule,
     ),
-    "alpha": (["0.5"], lambda e: e.cfg.alpha, lambda p: p.learner["alpha"]),
+    "alpha": (["0.5"], lambda e: e.cfg.sync.alpha, lambda p: p.learner["alpha"]),
     "install": (
         [next(r for r in INSTALL_RULES if r != DEFAULT_INSTALL)],
-        lambda e: e.cfg.install,
+        lambda e: e.cfg.sync.install,
         lambda p: p.learner["install"],
     ),
     "codec": (["int4"], lambda e: e.world.up_codec.name, lambda p: p.learner["codec"]),
     "down_codec": (["int8"], lambda e: e.world.down_codec.name, lambda p: p.server.downlink_codec),
-    "down_delta": (["true"], lambda e: e.cfg.down_delta, lambda p: p.server.downlink_delta),
+    "down_delta": (["true"], lambda e: e.cfg.sync.down_delta, lambda p: p.server.downlink_delta),
     "fragmentation": (
         ["per-tensor"],
         lambda e: [f.names for f in e.frag.fragments],
         lambda p: p.learner["strategy"],
     ),
-    "schedule": (["steps"], lambda e: e.cfg.schedule, lambda p: p.learner.get("schedule")),
+    "schedule": (["steps"], lambda e: e.cfg.sync.schedule, lambda p: p.learner.get("schedule")),
     "scale_partial": (
         ["false"],
         lambda e: e.syncer.scale_partial,
@@ -227,14 +231,18 @@ ROWS: dict[str, tuple[list[str], Probe, Probe]] = {
         lambda e: e.world.next_failure_s(0, 0.0),
         lambda p: p.launcher.chaos.kill_mean_interval_s,
     ),
-    "downtime_s": (["7"], lambda e: e.cfg.downtime_s, lambda p: p.launcher.chaos.kill_downtime_s),
+    "downtime_s": (
+        ["7"],
+        lambda e: e.cfg.world.downtime_s,
+        lambda p: p.launcher.chaos.kill_downtime_s,
+    ),
     "latency_s": (["0.2"], lambda e: e.world.transfer_s(1000), None),
     "bandwidth_Bps": (
         ["1e6"],
         lambda e: e.world.transfer_s(1000),
         lambda p: p.learner["link"].bandwidth_bytes_per_s,
     ),
-    "merge_time_s": (["0.5"], lambda e: e.cfg.merge_time_s, None),
+    "merge_time_s": (["0.5"], lambda e: e.cfg.world.merge_time_s, None),
     "chaos": (["wan"], None, lambda p: (p.launcher.chaos.link_latency_s, p.learner["link"])),
     # runtime and transport
     "host": (["0.0.0.0"], None, lambda p: p.server.host),
@@ -274,11 +282,11 @@ ROWS: dict[str, tuple[list[str], Probe, Probe]] = {
     "log_level": (["debug"], None, lambda p: p.run.runtime.log_level),
     "metrics_sinks": (
         ["jsonl,mlflow"],
-        lambda e: e.cfg.metrics_sinks,
-        lambda p: (p.server.metrics_sinks, p.run.metrics_sinks),
+        lambda e: e.cfg.runtime.metrics_sinks,
+        lambda p: (p.server.metrics_sinks, p.run.runtime.metrics_sinks),
     ),
-    "device": (["cpu"], None, lambda p: p.run.device),
-    "autocast": (["bf16"], None, lambda p: p.run.autocast),
+    "device": (["cpu"], None, lambda p: p.run.runtime.device),
+    "autocast": (["bf16"], None, lambda p: p.run.runtime.autocast),
 }
 # fields that need another to be valid when set
 COMPANIONS = {

@@ -117,9 +117,11 @@ def test_file_then_preset_then_flags(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text("learners = 6\nsteps = 50\n[sync]\nH = 12\nquorum = 2\n")
     cfg = parse_train(["--config", str(path), "--preset", "hetero", "-K", "3"]).run
-    assert (cfg.learners, cfg.steps, cfg.H, cfg.quorum) == (6, 50, 12, 3)
-    assert len(cfg.speeds) == 6 and cfg.step_noise == 0.1  # the preset, sized by the file's M
-    assert parse_train(["--preset", "hetero", "-M", "2"]).run.speeds == (1.0, 1 / 1.18)
+    assert (cfg.learners, cfg.steps, cfg.sync.H, cfg.sync.quorum) == (6, 50, 12, 3)
+    assert (
+        len(cfg.world.speeds) == 6 and cfg.world.step_noise == 0.1
+    )  # the preset, sized by the file's M
+    assert parse_train(["--preset", "hetero", "-M", "2"]).run.world.speeds == (1.0, 1 / 1.18)
     with pytest.raises(ConfigError, match="does not exist"):
         parse_train(["--config", str(tmp_path / "missing.toml")])
 
@@ -183,7 +185,7 @@ def test_a_run_replays_from_its_config_toml(tmp_path, capsys):
     ]
     assert main(argv) == 0
     saved = load_config(first / "config.toml")
-    assert saved.engine == "inproc" and saved.codec == "int4" and saved.mtbi_s == 8.0
+    assert saved.engine == "inproc" and saved.sync.codec == "int4" and saved.world.mtbi_s == 8.0
     # the chaos section is saved with the rest (the in-process engine injects none of it)
     assert saved.chaos == ChaosConfig(kill_mean_interval_s=30.0, kill_downtime_s=4.0)
     assert main(["train", "--config", str(first / "config.toml"), "--out", str(again)]) == 0

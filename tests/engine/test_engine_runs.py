@@ -90,7 +90,7 @@ def test_config_validation_messages():
         TrainConfig(down_delta=True)
     with pytest.raises(ValueError, match="unknown preset"):
         preset("nope")
-    assert preset("hetero", TrainConfig(learners=4)).speeds == (1.0, 1.0, 1 / 1.18, 1 / 1.18)
+    assert preset("hetero", TrainConfig(learners=4)).world.speeds == (1.0, 1.0, 1 / 1.18, 1 / 1.18)
 
 
 @pytest.mark.timeout(120)
@@ -155,7 +155,7 @@ def test_one_ledger_counts_tokens_once_per_fragment_and_the_overlap_by_the_insta
 ):
     cfg = TrainConfig(out=str(tmp_path), install=install, **SMALL)  # P = 4, H = 12, tau = 2
     s = run(cfg)
-    per_step = cfg.batch_size * cfg.block_size
+    per_step = cfg.data.batch_size * cfg.data.block_size
     merged = sum(pl["ledger_steps"]["merged"] for pl in s["per_learner"])
     syncer = sum(pl["syncer_tokens"]["tokens_merged"] for pl in s["per_learner"])
     # the syncer's token ledger agrees with the learners' step ledger (not P times it)
@@ -163,17 +163,17 @@ def test_one_ledger_counts_tokens_once_per_fragment_and_the_overlap_by_the_insta
     assert s["install"] == install
     for pl in s["per_learner"]:
         assert pl["ledger_balance_error"] < 1e-6
-        assert pl["install_delay_steps"] >= cfg.tau
+        assert pl["install_delay_steps"] >= cfg.sync.tau
         if install == "overwrite":
             assert pl["ledger_steps"]["overwritten"] > 0
         else:
             assert pl["ledger_steps"]["overwritten"] == pl["ledger_steps"]["lost"] == 0
     if install == "overwrite":
         # the tau overlap steps are replaced at install: they do not count as merged
-        assert 0.5 < s["goodput"] <= 1 - cfg.tau / cfg.H + 1e-9
+        assert 0.5 < s["goodput"] <= 1 - cfg.sync.tau / cfg.sync.H + 1e-9
     else:
         # rebased installs keep them: they are merged with the next push
-        assert s["goodput"] > 1 - cfg.tau / cfg.H + 0.05
+        assert s["goodput"] > 1 - cfg.sync.tau / cfg.sync.H + 0.05
     assert 1.0 <= s["learners_per_merge"] <= cfg.learners
 
 

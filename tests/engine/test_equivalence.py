@@ -30,7 +30,9 @@ TINY = dict(
 def final_params(cfg, runner, tmp_path):
     cfg = cfg.replace(out=str(tmp_path / cfg.method))
     data = data_config(cfg)
-    evals = build_eval_batches(data, n_batches=1, batch_size=2, block_size=cfg.block_size, seed=0)
+    evals = build_eval_batches(
+        data, n_batches=1, batch_size=2, block_size=cfg.data.block_size, seed=0
+    )
     ctx = RunContext(
         data=data, evals=evals, floor=0.0, global_model=new_model(cfg), recorder=Recorder(cfg)
     )

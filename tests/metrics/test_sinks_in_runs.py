@@ -73,7 +73,7 @@ def test_syncer_and_learner_processes_report_through_the_sinks(tmp_path):
     assert s["ok"], s
     from ddiloco.config import load_config
 
-    assert load_config(out / "config.toml").metrics_sinks == "tensorboard,mlflow"
+    assert load_config(out / "config.toml").runtime.metrics_sinks == "tensorboard,mlflow"
     for m in range(2):
         steps = [
             (r["step"], r["loss"])

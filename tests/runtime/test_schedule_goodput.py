@@ -42,7 +42,7 @@ def test_time_driven_schedule_gathers_learners_and_goodput_is_one_number(tmp_pat
     assert 0.5 < s["goodput"] < 1.0
     useful = sum(pl["time"]["useful_s"] for pl in s["per_learner"])
     assert s["goodput"] == pytest.approx(useful / (cfg.learners * s["run_s"]), rel=1e-3)
-    per_step = cfg.batch_size * cfg.block_size
+    per_step = cfg.data.batch_size * cfg.data.block_size
     for pl in s["per_learner"]:
         led = pl["ledger_steps"]
         assert pl["ledger_balance_error"] < 1e-6
@@ -79,7 +79,7 @@ def test_rebased_installs_that_come_back_late_lose_no_step(tmp_path):
         led = pl["ledger_steps"]
         assert pl["ledger_balance_error"] < 1e-6, pl
         # installs really were late ...
-        assert pl["install_delay_steps"] > cfg.tau + 2, pl
+        assert pl["install_delay_steps"] > cfg.sync.tau + 2, pl
         # ... and no step was thrown away: everything computed reached the global model
         assert led["lost"] == 0 and led["overwritten"] == 0, led
         assert led["merged"] >= 0.99 * led["computed"], led

@@ -100,7 +100,7 @@ def test_two_shards_train_like_one(tmp_path):
                 frags = {
                     r["fragment"] for r in _merges_by_fragment(run, f"syncer_{k}.metrics.jsonl")
                 }
-                assert frags == {p for p in range(cfg.fragments) if p % 2 == k}, (k, frags)
+                assert frags == {p for p in range(cfg.sync.fragments) if p % 2 == k}, (k, frags)
             assert all(v > 0 for v in s["versions"])
             assert (run / "checkpoint" / "shard_0" / "syncer.pt").is_file()
             assert (run / "checkpoint" / "shard_1" / "syncer.pt").is_file()

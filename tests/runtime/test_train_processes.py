@@ -169,7 +169,9 @@ def test_a_two_rank_torchrun_island_is_one_learner(tmp_path):
     assert final["island_size"] == 2
     assert final["island_max_param_diff"] == 0.0  # every rank holds the same parameters
     # the tau overlap steps of every round are overwritten by design (tau / H of them)
-    assert s["per_learner"][0]["ledger_steps"]["merged"] > 0.9 * 60 * (1 - cfg.tau / cfg.H)
+    assert s["per_learner"][0]["ledger_steps"]["merged"] > 0.9 * 60 * (
+        1 - cfg.sync.tau / cfg.sync.H
+    )
     assert s["final_eval_loss"] < s["initial_eval_loss"] - 0.5
     st = [r for r in read_jsonl(run / "syncer.metrics.jsonl") if r["kind"] == "join"]
     assert len(st) == 1  # one learner: only rank 0 talks to the syncer

@@ -2,11 +2,11 @@
 point (``ddiloco train``, ``syncer``, ``learner``, the launcher) and both engines.
 
 The run-level fields (method, engine, learners, steps, seed, out) sit at the top; the rest
-lives in sections (``cfg.sync.H``, ``cfg.data.batch_size``...). Every section field is also
-readable flat (``cfg.H``, ``cfg.batch_size``), and ``TrainConfig(H=12, batch_size=8)`` /
-``cfg.replace(H=12)`` accept flat names, so code and tests that think in the paper's
-symbols stay short. Flat names are the section field names, except ``model`` (for
-``model.name``) and ``data`` (for ``data.source``), which as attributes are the sections.
+lives in sections and is read there (``cfg.sync.H``, ``cfg.data.batch_size``...), so a
+misspelt field is an error the type checker sees. Where values are typed, flat names are
+aliases of section fields: the command line (``--batch-size 8``, ``-H 12``) and, in code,
+``TrainConfig(H=12, batch_size=8)`` and ``cfg.replace(H=12)``. Flat names are the section
+field names, except ``model`` (for ``model.name``) and ``data`` (for ``data.source``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ddiloco.config.chaos import ChaosConfig, chaos_preset
 from ddiloco.config.sections import (
@@ -71,11 +71,6 @@ class TrainConfig:
     fills it."""
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     """The real runtime: syncer address, transport, security, checkpoints, islands."""
-
-    if TYPE_CHECKING:
-        # every section field is also readable flat (``cfg.H`` is ``cfg.sync.H``): the
-        # read-only properties are made from FLAT below, where a type checker cannot see them
-        def __getattr__(self, name: str) -> Any: ...
 
     def __post_init__(self) -> None:
         one_of("method", self.method, METHODS)
@@ -253,17 +248,6 @@ def _init(self: TrainConfig, **fields: Any) -> None:
 
 _init.__doc__ = _dataclass_init.__doc__
 TrainConfig.__init__ = _init  # type: ignore[method-assign]
-
-
-def _flat_property(sec: str, name: str) -> property:
-    return property(
-        lambda self: getattr(getattr(self, sec), name), doc=f"``{sec}.{name}`` (read-only)."
-    )
-
-
-for _flat, (_sec, _name) in FLAT.items():
-    if _flat not in SECTIONS:
-        setattr(TrainConfig, _flat, _flat_property(_sec, _name))
 
 
 def _hetero(m: int) -> tuple[float, ...]:

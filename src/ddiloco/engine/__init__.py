@@ -69,7 +69,9 @@ def run(cfg: TrainConfig) -> dict:
     res = runner(cfg, ctx)
     final, accuracy = evaluate_metrics(ctx.global_model, evals)
     learners = res.pop("learners", cfg.learners)
-    per_step = cfg.batch_size if data.task == "image" else cfg.batch_size * cfg.block_size
+    per_step = (
+        cfg.data.batch_size if data.task == "image" else cfg.data.batch_size * cfg.data.block_size
+    )
     tokens = learners * cfg.steps * per_step
     summary = RunSummary(
         method=cfg.method,
@@ -111,7 +113,7 @@ def save_final_model(cfg: TrainConfig, model: torch.nn.Module, merges: int) -> P
     from ddiloco.runtime.transport.spec import model_spec
 
     sd = {n: p.detach().to(torch.float32).contiguous() for n, p in model.named_parameters()}
-    spec = model_spec(model, cfg.fragments, cfg.fragmentation)
+    spec = model_spec(model, cfg.sync.fragments, cfg.sync.fragmentation)
     meta = {"source": f"{cfg.out} (in-process engine)", "versions": [], "merges": merges}
     return save_state_dict(sd, Path(cfg.out) / FINAL_MODEL, {**meta, "spec": spec})
 

@@ -61,8 +61,8 @@ def build_workers(
             data,
             learner=m,
             n_learners=cfg.learners,
-            batch_size=cfg.batch_size,
-            block_size=cfg.block_size,
+            batch_size=cfg.data.batch_size,
+            block_size=cfg.data.block_size,
             seed=cfg.seed,
         )
         workers.append(
@@ -90,30 +90,30 @@ class World:
         self.fail_rng = [
             np.random.default_rng([cfg.seed, _WORLD_DOMAIN, 2, m]) for m in range(cfg.learners)
         ]
-        self.up_codec = get_codec(cfg.codec)
-        self.down_codec = get_codec(cfg.down_codec)
+        self.up_codec = get_codec(cfg.sync.codec)
+        self.down_codec = get_codec(cfg.sync.down_codec)
 
     def step_s(self, m: int) -> float:
-        base = self.cfg.step_time_s / self.cfg.speed(m)
-        if self.cfg.step_noise > 0:
+        base = self.cfg.world.step_time_s / self.cfg.speed(m)
+        if self.cfg.world.step_noise > 0:
             return base * max(
-                0.1, 1.0 + self.cfg.step_noise * float(self.step_rng[m].standard_normal())
+                0.1, 1.0 + self.cfg.world.step_noise * float(self.step_rng[m].standard_normal())
             )
         return base
 
     def next_failure_s(self, m: int, now_s: float) -> float:
         """Time of learner m's next failure, given it is up at ``now_s`` (inf: never)."""
-        if self.cfg.mtbi_s <= 0:
+        if self.cfg.world.mtbi_s <= 0:
             return math.inf
-        return now_s + float(self.fail_rng[m].exponential(self.cfg.mtbi_s))
+        return now_s + float(self.fail_rng[m].exponential(self.cfg.world.mtbi_s))
 
     def transfer_s(self, nbytes: int) -> float:
-        bw = self.cfg.bandwidth_Bps
-        return self.cfg.latency_s + (nbytes / bw if bw > 0 else 0.0)
+        bw = self.cfg.world.bandwidth_Bps
+        return self.cfg.world.latency_s + (nbytes / bw if bw > 0 else 0.0)
 
 
 class Recorder:
-    """Metrics rows (``metrics.jsonl`` and the sinks of ``cfg.metrics_sinks``) and the
+    """Metrics rows (``metrics.jsonl`` and the sinks of ``cfg.runtime.metrics_sinks``) and the
     final summary.json of a run."""
 
     def __init__(self, cfg: TrainConfig) -> None:
@@ -121,7 +121,7 @@ class Recorder:
         self.dir = Path(cfg.out)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.sink = open_sinks(
-            ("jsonl", *parse_sinks(cfg.metrics_sinks)), self.dir, name="engine", mode="w"
+            ("jsonl", *parse_sinks(cfg.runtime.metrics_sinks)), self.dir, name="engine", mode="w"
         )
         self.t0 = time.perf_counter()
 

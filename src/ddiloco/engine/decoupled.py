@@ -56,20 +56,22 @@ def run_decoupled(cfg: TrainConfig, ctx) -> dict:
     world = World(cfg)
     up = world.up_codec
     frag = fragmentation_for(cfg, ctx.global_model)
-    sched = FragmentSchedule(P=frag.P, H=cfg.H, tau=cfg.tau)
+    sched = FragmentSchedule(P=frag.P, H=cfg.sync.H, tau=cfg.sync.tau)
     init = {n: p.detach().clone() for n, p in ctx.global_model.named_parameters()}
     syncer = SyncerState(frag, init, syncer_config(cfg))
     workers = build_workers(cfg, ctx.data, ctx.global_model.state_dict())
-    slot_s = cfg.step_time_s if cfg.schedule == "time" else None
+    slot_s = cfg.world.step_time_s if cfg.sync.schedule == "time" else None
     syncs = [
-        LearnerSync(w.params, frag, sched, alpha=cfg.alpha, install=cfg.sync.install, slot_s=slot_s)
+        LearnerSync(
+            w.params, frag, sched, alpha=cfg.sync.alpha, install=cfg.sync.install, slot_s=slot_s
+        )
         for w in workers
     ]
     L = [_Learner() for _ in workers]
     times = [TimeBreakdown() for _ in workers]
     n_params = sum(f.numel for f in frag.fragments)
     # a whole-model fetch (a rejoin); delta-coded downlinks send it in fp32
-    model_bytes_down = 4 * n_params if cfg.down_delta else world.down_codec.nbytes(n_params)
+    model_bytes_down = 4 * n_params if cfg.sync.down_delta else world.down_codec.nbytes(n_params)
     round_seq: dict[tuple[int, int], int] = {}
     # what each learner received of each fragment, by version: a push of a ``delta`` codec is
     # a delta against the copy the learner installed (through the downlink codec), as in the
@@ -81,7 +83,7 @@ def run_decoupled(cfg: TrainConfig, ctx) -> dict:
     def exact(m: int) -> None:
         """Learner m loaded the published global model itself (a start or a rejoin)."""
         held[m].clear()
-        if cfg.down_delta:
+        if cfg.sync.down_delta:
             g = syncer.global_params()
             mirror[m] = {p: [g[n].clone() for n in f.names] for p, f in enumerate(frag.fragments)}
 
@@ -102,7 +104,7 @@ def run_decoupled(cfg: TrainConfig, ctx) -> dict:
     n_up = M
     started = 0  # inner steps started and not lost to a failure (the global budget is M * N)
     zero_up_s = 0.0
-    eval_next = cfg.eval_every
+    eval_next = cfg.optim.eval_every
     t = 0.0
     bar = tqdm(
         total=M * N, desc=f"decoupled M={M}", disable=not cfg.progress, unit="step", leave=False
@@ -160,12 +162,12 @@ def run_decoupled(cfg: TrainConfig, ctx) -> dict:
             else [world.down_codec.roundtrip(x) for x in mg.params]
         )
         nbytes = world.down_codec.nbytes(sum(x.numel() for x in params))
-        done = now + cfg.merge_time_s
-        syncer.observe_sync_s(cfg.merge_time_s + world.transfer_s(nbytes))
+        done = now + cfg.world.merge_time_s
+        syncer.observe_sync_s(cfg.world.merge_time_s + world.transfer_s(nbytes))
         for m in range(M):
             if L[m].alive and not L[m].finished:
                 mine = params
-                if cfg.down_delta:  # the delta against m's copy; the copy moves with it
+                if cfg.sync.down_delta:  # the delta against m's copy; the copy moves with it
                     have = mirror[m][mg.fragment]
                     mine = [h + world.down_codec.roundtrip(x - h) for h, x in zip(have, mg.params)]
                     mirror[m][mg.fragment] = mine
@@ -223,7 +225,7 @@ def run_decoupled(cfg: TrainConfig, ctx) -> dict:
             done_steps = sum(x.steps for x in L)
             q.push(t, 9, "start", (m, inc))
             if done_steps >= eval_next * M:
-                eval_next += cfg.eval_every
+                eval_next += cfg.optim.eval_every
                 ctx.load_global(syncer.global_params())
                 ev = evaluate(ctx.global_model, ctx.evals)
                 rec.row(
@@ -291,12 +293,12 @@ def run_decoupled(cfg: TrainConfig, ctx) -> dict:
                 up_since = t
             n_up -= 1
             q.push(
-                t + min(cfg.downtime_s, world.transfer_s(model_bytes_down)),
+                t + min(cfg.world.downtime_s, world.transfer_s(model_bytes_down)),
                 2,
                 "leave",
                 (m, L[m].inc),
             )
-            q.push(t + cfg.downtime_s, 4, "rejoin", (m, L[m].inc))
+            q.push(t + cfg.world.downtime_s, 4, "rejoin", (m, L[m].inc))
             rec.row("failure", t_s=round(t, 4), learner=m, step=L[m].steps)
         elif kind == "rejoin":
             m, inc = payload

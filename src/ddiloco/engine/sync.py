@@ -50,7 +50,7 @@ class _Clock:
             for k, d in enumerate(durations):
                 self.times[k].lost_s += min(d, tf - self.t)
                 self.times[k].wait_s += max(0.0, tf - self.t - d)
-            back = tf + self.cfg.downtime_s + self.world.transfer_s(0)
+            back = tf + self.cfg.world.downtime_s + self.world.transfer_s(0)
             for k in range(self.M):
                 if k == m:
                     self.times[k].down_s += back - tf
@@ -87,7 +87,7 @@ def _ring_bytes(M: int, nbytes: int) -> int:  # noqa: N803
 
 
 def _maybe_eval(ctx, rec_step: int, cfg: TrainConfig, t: float, bar, params=None) -> None:
-    if rec_step % cfg.eval_every == 0:
+    if rec_step % cfg.optim.eval_every == 0:
         if params is not None:
             ctx.load_global(params)
         ev = evaluate(ctx.global_model, ctx.evals)
@@ -103,7 +103,7 @@ def _maybe_eval(ctx, rec_step: int, cfg: TrainConfig, t: float, bar, params=None
 
 def run_local(cfg: TrainConfig, ctx) -> dict:
     """One learner alone (learner 0's data), no synchronisation: the reference."""
-    one = cfg.replace(learners=1, speeds=cfg.speeds[:1], quorum=1)
+    one = cfg.replace(learners=1, speeds=cfg.world.speeds[:1], quorum=1)
     world = World(one)
     w = build_workers(one, ctx.data, ctx.global_model.state_dict())[0]
     clock = _Clock(one, world, 1)
@@ -162,14 +162,14 @@ def run_diloco(cfg: TrainConfig, ctx) -> dict:
     embedding = [n in emb for n in names]
     glob = {n: p.detach().clone().float() for n, p in ctx.global_model.named_parameters()}
     momentum = {n: torch.zeros_like(t) for n, t in glob.items()}
-    outer = OuterNesterov(lr=cfg.outer_lr, momentum=cfg.outer_momentum)
+    outer = OuterNesterov(lr=cfg.sync.outer_lr, momentum=cfg.sync.outer_momentum)
     numel = _model_numel(ctx.global_model)
     sync_bytes = _ring_bytes(M, world.up_codec.nbytes(numel))
     clock = _Clock(cfg, world, M)
     bar = tqdm(total=cfg.steps, desc=f"diloco M={M}", disable=not cfg.progress, leave=False)
     done = merges = 0
     while done < cfg.steps:
-        h = min(cfg.H, cfg.steps - done)
+        h = min(cfg.sync.H, cfg.steps - done)
         clock.phase(
             [sum(world.step_s(m) for _ in range(h)) for m in range(M)], world.transfer_s(sync_bytes)
         )
@@ -184,12 +184,22 @@ def run_diloco(cfg: TrainConfig, ctx) -> dict:
             workers,
             outer,
             momentum,
-            cfg.merge_rule,
+            cfg.sync.merge_rule,
             workers[0].tokens_per_step,
         )
         merges += 1
-        if done // cfg.eval_every != (done + h) // cfg.eval_every and done + h < cfg.steps:
-            _maybe_eval(ctx, (done + h) // cfg.eval_every * cfg.eval_every, cfg, clock.t, bar, glob)
+        if (
+            done // cfg.optim.eval_every != (done + h) // cfg.optim.eval_every
+            and done + h < cfg.steps
+        ):
+            _maybe_eval(
+                ctx,
+                (done + h) // cfg.optim.eval_every * cfg.optim.eval_every,
+                cfg,
+                clock.t,
+                bar,
+                glob,
+            )
         done += h
         with torch.no_grad():
             for w in workers:
@@ -209,10 +219,10 @@ def run_streaming(cfg: TrainConfig, ctx) -> dict:
     world = World(cfg)
     workers = build_workers(cfg, ctx.data, ctx.global_model.state_dict())
     frag = fragmentation_for(cfg, ctx.global_model)
-    sched = FragmentSchedule(P=frag.P, H=cfg.H, tau=cfg.tau)
+    sched = FragmentSchedule(P=frag.P, H=cfg.sync.H, tau=cfg.sync.tau)
     glob = {n: p.detach().clone().float() for n, p in ctx.global_model.named_parameters()}
     momentum = {n: torch.zeros_like(t) for n, t in glob.items()}
-    outer = OuterNesterov(lr=cfg.outer_lr, momentum=cfg.outer_momentum)
+    outer = OuterNesterov(lr=cfg.sync.outer_lr, momentum=cfg.sync.outer_momentum)
     clock = _Clock(cfg, world, M)
     installs: dict[int, list[tuple[int, dict]]] = {}
     since = [0] * frag.P  # steps since fragment p was last merged
@@ -229,11 +239,11 @@ def run_streaming(cfg: TrainConfig, ctx) -> dict:
             workers,
             outer,
             momentum,
-            cfg.merge_rule,
+            cfg.sync.merge_rule,
             workers[0].tokens_per_step * max(1, since[p]),
         )
         since[p] = 0
-        installs.setdefault(k + cfg.tau, []).append((p, {n: glob[n].clone() for n in f.names}))
+        installs.setdefault(k + cfg.sync.tau, []).append((p, {n: glob[n].clone() for n in f.names}))
         bytes_total += _ring_bytes(M, world.up_codec.nbytes(f.numel)) * M
         merges += 1
 
@@ -248,7 +258,7 @@ def run_streaming(cfg: TrainConfig, ctx) -> dict:
         )
         step = max(world.step_s(m) for m in range(M))
         # the fragment's all-reduce is hidden behind tau steps; only the excess stalls
-        clock.phase([step] * M, max(0.0, comm - cfg.tau * step) if cfg.tau else comm)
+        clock.phase([step] * M, max(0.0, comm - cfg.sync.tau * step) if cfg.sync.tau else comm)
         for w in workers:
             w.train_step()
         since = [s + 1 for s in since]
@@ -260,8 +270,8 @@ def run_streaming(cfg: TrainConfig, ctx) -> dict:
             for _p, values in due:
                 for w in workers:
                     for n, v in values.items():
-                        alpha_mix(w.params[n], v, cfg.alpha)
-        if k % cfg.eval_every == 0 and k < cfg.steps:
+                        alpha_mix(w.params[n], v, cfg.sync.alpha)
+        if k % cfg.optim.eval_every == 0 and k < cfg.steps:
             _maybe_eval(ctx, k, cfg, clock.t, bar, glob)
     bar.close()
     ctx.load_global(glob)

@@ -61,9 +61,9 @@ def check_runnable(config):
     if config.engine not in ("auto", "processes"):
         raise ValueError(f"the launcher runs engine processes, not {config.engine!r}")
     config = config.replace(engine="processes")
-    if config.down_codec not in DOWNLINK_CODECS:
+    if config.sync.down_codec not in DOWNLINK_CODECS:
         raise ValueError(
-            f"sync.down_codec {config.down_codec!r}: the runtime's syncer "
+            f"sync.down_codec {config.sync.down_codec!r}: the runtime's syncer "
             f"sends merged fragments as one of {', '.join(DOWNLINK_CODECS)}"
         )
     return config

@@ -153,9 +153,9 @@ def _check_config(cfg) -> None:
             f"the Slurm backend runs Decoupled DiLoCo's syncer and learner processes; method "
             f"{cfg.method!r} runs in-process: use `ddiloco train` for it"
         )
-    if cfg.down_codec not in DOWNLINK_CODECS:
+    if cfg.sync.down_codec not in DOWNLINK_CODECS:
         raise ValueError(
-            f"sync.down_codec {cfg.down_codec!r}: the syncer sends merged fragments as one "
+            f"sync.down_codec {cfg.sync.down_codec!r}: the syncer sends merged fragments as one "
             f"of {', '.join(DOWNLINK_CODECS)}"
         )
     chaos = chaos_for_run(cfg).to_dict()

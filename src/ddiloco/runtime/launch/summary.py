@@ -74,7 +74,7 @@ def final_model(cfg, out: Path, fetched) -> dict | None:
     from ddiloco.runtime.transport.spec import fragmentation_from_spec, model_spec
 
     model = new_model(cfg)
-    frag = fragmentation_from_spec(model_spec(model, cfg.fragments, cfg.fragmentation))
+    frag = fragmentation_from_spec(model_spec(model, cfg.sync.fragments, cfg.sync.fragmentation))
     shapes = {n: t.shape for n, t in model.named_parameters()}
     return {
         n: t.view(shapes[n])
@@ -179,7 +179,7 @@ def write_summary(
     if final_params is not None:
         model.load_state_dict(final_params)
         final_loss = evaluate(model, evals)
-    per_step = c.batch_size if data.task == "image" else c.batch_size * c.block_size
+    per_step = c.data.batch_size if data.task == "image" else c.data.batch_size * c.data.block_size
     rows = collect_rows(out, wall0)
     # the clock starts when the first learner is ready to step (process start-up of the
     # first launch is reported apart; restarts after failures count against goodput)
@@ -310,7 +310,7 @@ def write_summary(
         for r in head + rows["rows"] + tail:
             jsonl.write(r)
     with open_sinks(
-        [s for s in parse_sinks(c.metrics_sinks) if s != "jsonl"], out, name="run"
+        [s for s in parse_sinks(c.runtime.metrics_sinks) if s != "jsonl"], out, name="run"
     ) as extra_sinks:
         for r in head + tail:
             extra_sinks.write(r)

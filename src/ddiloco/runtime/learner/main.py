@@ -102,14 +102,14 @@ def learner_kwargs(
     return dict(
         syncer=syncer,
         learner=learner,
-        P=cfg.fragments,
-        H=cfg.H,
-        tau=cfg.tau,
-        strategy=cfg.fragmentation,
-        codec=cfg.codec,
-        alpha=cfg.alpha,
+        P=cfg.sync.fragments,
+        H=cfg.sync.H,
+        tau=cfg.sync.tau,
+        strategy=cfg.sync.fragmentation,
+        codec=cfg.sync.codec,
+        alpha=cfg.sync.alpha,
         install=cfg.sync.install,
-        schedule=cfg.schedule,
+        schedule=cfg.sync.schedule,
         token_file=cfg.runtime.token_file,
         tls_ca=cfg.runtime.tls_ca,
         link=link,
@@ -149,7 +149,7 @@ def run_learner(
     DiLoCo with ``fragments=1, tau=0`` and a syncer quorum of M).
 
     Rank 0 writes its rows to ``run_dir/metrics.jsonl`` and to the other sinks of
-    ``cfg.metrics_sinks`` under ``metrics_dir`` (default ``run_dir``) as writer
+    ``cfg.runtime.metrics_sinks`` under ``metrics_dir`` (default ``run_dir``) as writer
     ``learner_M``.
 
     ``learner`` None: the syncer assigns an id when the learner joins; ``run_dir`` may then
@@ -160,10 +160,10 @@ def run_learner(
         None,
     )
     backend = os.environ.get("DDILOCO_ISLAND_BACKEND") or (
-        "nccl" if cfg.device != "cpu" and torch.cuda.is_available() else "gloo"
+        "nccl" if cfg.runtime.device != "cpu" and torch.cuda.is_available() else "gloo"
     )
     device = learner_device(
-        cfg.device,
+        cfg.runtime.device,
         int(os.environ.get("LOCAL_RANK", "0")),
         exclusive=world > 1 and backend == "nccl",
     )
@@ -194,9 +194,11 @@ def run_learner(
 
     if resume is not None:
         resumed_optimizer = resume_opt(resume[4], resume[3])
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.autocast == "bf16")
+    autocast = torch.autocast(
+        device.type, dtype=torch.bfloat16, enabled=cfg.runtime.autocast == "bf16"
+    )
     images = data.task == "image"
-    tokens = cfg.batch_size * (1 if images else cfg.block_size) * world
+    tokens = cfg.data.batch_size * (1 if images else cfg.data.block_size) * world
     dl = DecoupledLearner(model, **learner_kwargs(cfg, learner, syncer, group, heartbeat_s))
     leave = threading.Event()
     if world == 1 and threading.current_thread() is threading.main_thread():
@@ -220,14 +222,14 @@ def run_learner(
             data,
             learner=learner * world + rank,
             n_learners=max(cfg.learners, learner + 1) * world,
-            batch_size=cfg.batch_size,
-            block_size=cfg.block_size,
+            batch_size=cfg.data.batch_size,
+            block_size=cfg.data.block_size,
             seed=cfg.seed,
         )
         stream.load_state_dict({**stream.state_dict(), "position": start_step})
         metrics = (
             open_sinks(
-                ("jsonl", *parse_sinks(cfg.metrics_sinks)),
+                ("jsonl", *parse_sinks(cfg.runtime.metrics_sinks)),
                 metrics_dir or out,
                 name=f"learner_{learner}",
                 jsonl_path=out / "metrics.jsonl",
