@@ -12,6 +12,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+from ddiloco.runtime.launch.backends import backend_names
+
 __all__ = ["main", "build_parser", "train_config_from_args", "cmd_train", "COMMANDS"]
 
 TRAIN_HELP = "train a model with M learners (main job; --help for every flag)"
@@ -134,7 +136,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "launch": (
         "ddiloco.runtime.launch.command",
         "add_launch_parser",
-        "write (and submit) a cluster job: --backend slurm",
+        f"write (and submit) a cluster job: --backend {'|'.join(backend_names('job'))}",
     ),
     "dashboard": (
         "ddiloco.runtime.observe.cli",

@@ -117,7 +117,7 @@ def test_bad_input_is_refused_with_the_fix(tmp_path, capsys):
 
     with pytest.raises(ValueError, match="island_size 3 does not split evenly"):
         render(SlurmOptions(nodes_per_island=2), island_size=3)
-    with pytest.raises(ValueError, match="use `ddiloco train` for it"):
+    with pytest.raises(ValueError, match="runs in-process: use `ddiloco train --engine inproc`"):
         render(method="diloco", engine="inproc")
     with pytest.raises(ValueError, match="only the local launcher"):
         render(chaos="kill30")

@@ -15,7 +15,23 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ChaosConfig", "CHAOS_PRESETS", "chaos_preset"]
+__all__ = ["ChaosConfig", "CHAOS_PRESETS", "INJECTED_FAULTS", "chaos_preset"]
+
+INJECTED_FAULTS = (
+    "kill_mean_interval_s",
+    "stop_mean_interval_s",
+    "syncer_kill_at_s",
+    "kill_at_step",
+    "stop_at_step",
+    "syncer_kill_at_step",
+    "add_learner_at_step",
+    "remove_learner_at_step",
+    "link_cut",
+)
+"""The faults that a launcher carries out by signalling its processes (kills, stops, syncer
+kills, elastic membership, link cuts). The others (``slowdown``, ``link_bandwidth_Bps``,
+``link_latency_s``) the learners apply to themselves, whoever started them. Which backends
+inject these: ``ddiloco.runtime.launch.backends``."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -109,6 +125,10 @@ class ChaosConfig:
             or self.link_latency_s
             or self.link_cut
         )
+
+    def injected_faults(self) -> tuple[str, ...]:
+        """The ``INJECTED_FAULTS`` this chaos asks for (those set)."""
+        return tuple(f for f in INJECTED_FAULTS if getattr(self, f))
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -20,6 +20,7 @@ from ddiloco.algorithm.merge import MERGE_RULES
 from ddiloco.algorithm.policy import PolicyConfig
 from ddiloco.algorithm.syncer_state import SyncerConfig
 from ddiloco.config.chaos import ChaosConfig
+from ddiloco.runtime.launch.backends import backend_names
 
 __all__ = [
     "ModelConfig",
@@ -135,8 +136,10 @@ class OptimConfig:
 
 if TYPE_CHECKING:
     MergeRuleName = str
-else:  # the registered rules' names, so flags and files list and check them
+    LauncherName = str
+else:  # the registered names, so flags and files list and check them
     MergeRuleName = Literal[MERGE_RULES]
+    LauncherName = Literal[backend_names("launcher")]
 
 _POLICY = PolicyConfig()
 _SYNCER = SyncerConfig()
@@ -378,11 +381,11 @@ class RuntimeConfig:
     ``checkpoint/shard_k`` and restarted on its own."""
     connect_timeout_s: float = 300.0
     """How long a learner waits for the syncer."""
-    launcher: Literal["local", "ray"] = "local"
-    """Who starts and restarts the syncer shards and learners of ``ddiloco train``: local
-    (processes on this host, supervised by the built-in launcher) or ray (Ray actors with
-    declared CPUs and GPUs, brought back by Ray's actor restarts; needs ``pip install
-    'ddiloco[ray]'``)."""
+    launcher: LauncherName = "local"
+    """Who starts and restarts the syncer shards and learners of ``ddiloco train``, a
+    launcher of ``ddiloco.runtime.launch.backends``: local (processes on this host,
+    supervised by the built-in launcher) or ray (Ray actors with declared CPUs and GPUs,
+    brought back by Ray's actor restarts; needs ``pip install 'ddiloco[ray]'``)."""
     ray_address: str | None = None
     """The Ray cluster of launcher ray: the head's HOST:PORT (or auto: the cluster this
     machine belongs to); unset: a local cluster started for the run."""
@@ -431,7 +434,7 @@ class RuntimeConfig:
         at_least("runtime.island_size", self.island_size, 1)
         at_least("runtime.shards", self.shards, 1)
         positive("runtime.connect_timeout_s", self.connect_timeout_s)
-        one_of("runtime.launcher", self.launcher, ("local", "ray"))
+        one_of("runtime.launcher", self.launcher, backend_names("launcher"))
         if self.ray_address is not None and self.launcher != "ray":
             raise ValueError(
                 "runtime.ray_address names a Ray cluster: set runtime.launcher = ray "

@@ -2,7 +2,9 @@
 
 The run is described by the flags of ``ddiloco train`` (``--config FILE``, ``--model``,
 ``-M``, ``--steps``, ``--island-size``, ``--shards``, ``--out``...); the launch flags say
-where and how it runs. Backends: ``slurm`` (``ddiloco.runtime.launch.slurm``).
+where and how it runs. The backends are the jobs of the backend registry
+(``ddiloco.runtime.launch.backends``: ``slurm``); each one's options dataclass adds its
+fields as flags here.
 """
 
 from __future__ import annotations
@@ -10,101 +12,85 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import TYPE_CHECKING, Annotated, Any
 
 import tyro
 from tyro.constructors import PrimitiveConstructorSpec
 
-from ddiloco.runtime.launch.slurm import SlurmOptions
+from ddiloco.runtime.launch.backends import backend_names, get_backend
 
 if TYPE_CHECKING:
     from ddiloco.config import TrainConfig
 
-__all__ = ["add_launch_parser", "cmd_launch", "parse_launch", "LaunchArgs", "BACKENDS"]
+__all__ = ["add_launch_parser", "cmd_launch", "parse_launch", "launch_args_class"]
 
 
 def add_launch_parser(subparsers) -> argparse.ArgumentParser:
     """``launch`` in the command list; it parses its own arguments (``cmd_launch``)."""
     p = subparsers.add_parser(
-        "launch", add_help=False, help="write (and submit) a cluster job: --backend slurm"
+        "launch",
+        add_help=False,
+        help=f"write (and submit) a cluster job: --backend {'|'.join(backend_names('job'))}",
     )
     p.set_defaults(func=None)
     return p
 
 
-def _launch_slurm(cfg: TrainConfig, args: LaunchArgs) -> int:
-    from ddiloco.runtime.launch.slurm import submit, write_slurm_job
-
-    opts = args.slurm
-    job = write_slurm_job(cfg, opts)
-    layout = (
-        "one node"
-        if opts.single_node
-        else f"{job.nodes} nodes: the syncer on the first, {cfg.learners} island(s) x "
-        f"{opts.nodes_per_island} node(s)"
-    )
-    print(f"wrote {job.script} ({layout}), {job.config.name} and the token {job.token_file}")
-    if args.test_only:
-        print(submit(job, test_only=True))
-    if args.submit:
-        print(submit(job))
-    elif not args.test_only:
-        print(f"submit with: {job.submit_command()}")
-    return 0
-
-
-BACKENDS: dict[str, Callable[[TrainConfig, LaunchArgs], int]] = {"slurm": _launch_slurm}
-"""Backend name -> ``(TrainConfig, launch arguments) -> exit status``."""
-
-
-def _backend_name(args: list[str]) -> str:
-    return args[0]
-
-
-@dataclass(kw_only=True, slots=True)
-class LaunchArgs:
-    """``ddiloco launch``'s own options: the backend, what to do with the job once written,
-    and the Slurm options (``SlurmOptions``' fields, one flag each). The run itself is
+def launch_args_class() -> type:
+    """``ddiloco launch``'s own options, as a dataclass: the backend, what to do with the job
+    once written, and one field per job backend holding its options (their fields are flags
+    without a prefix: ``--partition``, not ``--slurm.partition``). The run itself is
     described by ``ddiloco train``'s flags, parsed apart (``cmd_launch``)."""
-
-    backend: Annotated[
+    jobs = backend_names("job")
+    backend = Annotated[
         str | None,
         PrimitiveConstructorSpec(
             nargs=1,
-            metavar="{" + ",".join(sorted(BACKENDS)) + "}",
-            instance_from_str=_backend_name,
+            metavar="{" + ",".join(jobs) + "}",
+            instance_from_str=lambda args: args[0],
             is_instance=lambda x: x is None or isinstance(x, str),
             str_from_instance=lambda x: [x],
-            choices=tuple(sorted(BACKENDS)),
+            choices=jobs,
         ),
-        tyro.conf.arg(help_behavior_hint="(required)"),
-    ] = None
-    """Where the job runs."""
-    submit: bool = False
-    """Submit the job once written."""
-    test_only: bool = False
-    """Ask the scheduler whether and when it would run the job (sbatch --test-only)."""
-    slurm: Annotated[SlurmOptions, tyro.conf.arg(name="")] = field(default_factory=SlurmOptions)
-    """Slurm: where and how the job runs."""
-
-
-SLURM_ALIASES = {"time_limit": ("--time",), "sbatch_args": ("--sbatch-arg",)}
-"""Shorter spellings of ``SlurmOptions``' flags, kept working."""
+        tyro.conf.arg(help="Where the job runs.", help_behavior_hint="(required)"),
+    ]
+    fields: list[tuple[str, Any, Any]] = [
+        ("backend", backend, None),
+        ("submit", Annotated[bool, tyro.conf.arg(help="Submit the job once written.")], False),
+        (
+            "test_only",
+            Annotated[
+                bool,
+                tyro.conf.arg(
+                    help="Ask the scheduler whether and when it would run the job "
+                    "(sbatch --test-only)."
+                ),
+            ],
+            False,
+        ),
+    ]
+    for name in jobs:
+        cls = get_backend(name).options_class()
+        assert cls is not None  # a job has options (register_backend checks)
+        fields.append((name, Annotated[cls, tyro.conf.arg(name="")], field(default_factory=cls)))
+    return dataclasses.make_dataclass("LaunchArgs", fields, kw_only=True, slots=True)
 
 
 def _launch_registry():
-    """tyro's rule for ``SlurmOptions``: every field a flag, ``--sbatch-args`` repeatable
-    (one #SBATCH option each), with the aliases above."""
+    """tyro's rule for the job backends' options: every field a flag, with the backend's
+    aliases (``Backend.flag_aliases``), its repeatable fields given once per value
+    (``Backend.repeatable``)."""
     from tyro.constructors import ConstructorRegistry, StructConstructorSpec
     from tyro.constructors._struct_spec_dataclass import dataclass_rule
 
     reg = ConstructorRegistry()
+    by_class = {get_backend(n).options_class(): get_backend(n) for n in backend_names("job")}
 
     @reg.struct_rule
-    def slurm(info):
-        if info.type is not SlurmOptions:
+    def options(info):
+        b = by_class.get(info.type)
+        if b is None:
             return None
         spec = dataclass_rule(info)
         if spec is None:
@@ -112,20 +98,21 @@ def _launch_registry():
         fields = []
         for f in spec.fields:
             marks: list[Any] = []
-            if f.name in SLURM_ALIASES:
-                marks.append(tyro.conf.arg(aliases=SLURM_ALIASES[f.name]))
-            if f.name == "sbatch_args":
-                marks += [tyro.conf.UseAppendAction, tyro.conf.arg(metavar="OPTION")]
+            if f.name in b.flag_aliases:
+                marks.append(tyro.conf.arg(aliases=b.flag_aliases[f.name]))
+            if f.name in b.repeatable:
+                marks += [tyro.conf.UseAppendAction, tyro.conf.arg(metavar=b.repeatable[f.name])]
             fields.append(dataclasses.replace(f, type=Annotated[(f.type, *marks)]) if marks else f)
         return StructConstructorSpec(instantiate=spec.instantiate, fields=tuple(fields))
 
     return reg
 
 
-def parse_launch(argv: list[str]) -> tuple[LaunchArgs, list[str]]:
-    """``ddiloco launch``'s own options and the rest of ``argv`` (the run's flags)."""
+def parse_launch(argv: list[str]) -> tuple[Any, list[str]]:
+    """``ddiloco launch``'s own options (a ``launch_args_class()``) and the rest of ``argv``
+    (the run's flags)."""
     return tyro.cli(
-        LaunchArgs,
+        launch_args_class(),
         args=argv,
         prog="ddiloco launch",
         description="Write a cluster job for a run: its script, config.toml and token file "
@@ -136,15 +123,22 @@ def parse_launch(argv: list[str]) -> tuple[LaunchArgs, list[str]]:
     )
 
 
+def run_job(cfg: TrainConfig, args: Any) -> int:
+    """Hand the run to the job backend ``args.backend`` names, with its options."""
+    b = get_backend(args.backend, "job")
+    job = b.load()
+    return int(job(cfg, getattr(args, b.name), submit_job=args.submit, test_only=args.test_only))
+
+
 def cmd_launch(argv: list[str]) -> int:
     from ddiloco.config.flags import ConfigError, train_config
 
     try:
         args, rest = parse_launch(argv)
         if args.backend is None:
-            raise ValueError(f"give --backend {{{','.join(sorted(BACKENDS))}}}")
+            raise ValueError(f"give --backend {{{','.join(backend_names('job'))}}}")
         cfg, _ = train_config(rest)
-        return BACKENDS[args.backend](cfg, args)
+        return run_job(cfg, args)
     except (ConfigError, ValueError, RuntimeError) as e:
         print(f"ddiloco launch: error: {e}", file=sys.stderr)
         return 2

@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ddiloco.runtime.launch.backends import check_runnable
 from ddiloco.runtime.launch.summary import (
     Member,
     fetch_global,
@@ -33,7 +34,7 @@ from ddiloco.runtime.launch.summary import (
     write_summary,
 )
 
-__all__ = ["LaunchOptions", "Launcher", "LaunchError", "check_runnable"]
+__all__ = ["LaunchOptions", "Launcher", "LaunchError"]
 
 
 class LaunchError(RuntimeError):
@@ -51,22 +52,6 @@ def log_tail(path: Path, lines: int = 6) -> str:
         return ""
     last = text.rsplit("\n=== start ", 1)[-1].splitlines()[1:]
     return "\n".join("    " + ln for ln in [ln for ln in last if ln.strip()][-lines:])
-
-
-def check_runnable(config):
-    """``config`` with engine processes, or a ValueError saying why real processes cannot run
-    it."""
-    from ddiloco.runtime.syncer.server import DOWNLINK_CODECS
-
-    if config.engine not in ("auto", "processes"):
-        raise ValueError(f"the launcher runs engine processes, not {config.engine!r}")
-    config = config.replace(engine="processes")
-    if config.sync.down_codec not in DOWNLINK_CODECS:
-        raise ValueError(
-            f"sync.down_codec {config.sync.down_codec!r}: the runtime's syncer "
-            f"sends merged fragments as one of {', '.join(DOWNLINK_CODECS)}"
-        )
-    return config
 
 
 def cli_command(island_size: int) -> list[str]:
@@ -188,7 +173,7 @@ class Launcher:
     def __init__(self, config, options: LaunchOptions | None = None) -> None:
         from ddiloco.runtime.chaos import chaos_for_run
 
-        config = check_runnable(config)
+        config = check_runnable(config, "local")
         _check_bind(config.runtime.host, config.runtime.port if config.runtime.shards == 1 else 0)
         self.cfg = config
         self.opts = options or LaunchOptions()

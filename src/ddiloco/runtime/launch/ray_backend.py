@@ -83,40 +83,14 @@ class RayOptions:
 
 
 # -- the driver -----------------------------------------------------------------------------
-def check_ray_config(config) -> None:
-    """Settings the Ray backend cannot honour, with what to do instead."""
-    from ddiloco.runtime.chaos import chaos_for_run
-
-    ch = chaos_for_run(config)
-    driven = {
-        "kill_mean_interval_s": ch.kill_mean_interval_s > 0,
-        "stop_mean_interval_s": ch.stop_mean_interval_s > 0,
-        "syncer_kill_at_s": bool(ch.syncer_kill_at_s),
-        "kill_at_step": bool(ch.kill_at_step),
-        "stop_at_step": bool(ch.stop_at_step),
-        "syncer_kill_at_step": ch.syncer_kill_at_step > 0,
-        "add_learner_at_step": bool(ch.add_learner_at_step),
-        "remove_learner_at_step": bool(ch.remove_learner_at_step),
-        "link_cut": bool(ch.link_cut),
-    }
-    bad = [k for k, on in driven.items() if on]
-    if bad:
-        raise ValueError(
-            f"the Ray launcher does not inject the launcher's chaos ({', '.join(bad)}; "
-            f"world.mtbi_s becomes kill_mean_interval_s): kill Ray workers from outside, or "
-            f"run this chaos with --launcher local (slowdown and link limits work with both)"
-        )
-
-
 class RayLauncher:
     """Runs one ``TrainConfig`` on a Ray cluster. ``run()`` returns the summary."""
 
     def __init__(self, config, options: RayOptions | None = None) -> None:
-        from ddiloco.runtime.launch.launcher import check_runnable
+        from ddiloco.runtime.launch.backends import check_runnable
 
         self.ray = import_ray()
-        config = check_runnable(config)
-        check_ray_config(config)
+        config = check_runnable(config, "ray")
         self.cfg = config
         self.opts = options or RayOptions()
         self.out = Path(config.out).resolve()

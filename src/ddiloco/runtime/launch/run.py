@@ -1,7 +1,8 @@
 """``ddiloco train --engine processes``: pick the run's launcher and run it.
 
-``runtime.launcher`` names it: ``local`` (``Launcher``: processes on this host) or ``ray``
-(``RayLauncher``: Ray actors).
+``runtime.launcher`` names it, a launcher of the backend registry
+(``ddiloco.runtime.launch.backends``): ``local`` (``Launcher``: processes on this host),
+``ray`` (``RayLauncher``: Ray actors).
 """
 
 from __future__ import annotations
@@ -10,14 +11,11 @@ __all__ = ["launcher_class", "run_processes"]
 
 
 def launcher_class(config) -> type:
-    """The launcher of ``runtime.launcher``: ``Launcher`` (local) or ``RayLauncher`` (ray)."""
-    if config.runtime.launcher == "ray":
-        from ddiloco.runtime.launch.ray_backend import RayLauncher
+    """The launcher class of ``runtime.launcher``: ``Launcher`` (local), ``RayLauncher``
+    (ray)."""
+    from ddiloco.runtime.launch.backends import get_backend
 
-        return RayLauncher
-    from ddiloco.runtime.launch.launcher import Launcher
-
-    return Launcher
+    return get_backend(config.runtime.launcher, "launcher").load()
 
 
 def run_processes(config) -> dict:

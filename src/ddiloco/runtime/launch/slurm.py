@@ -41,6 +41,7 @@ __all__ = [
     "render_sbatch",
     "write_slurm_job",
     "submit",
+    "launch",
     "summarise",
     "main",
 ]
@@ -130,42 +131,10 @@ class SlurmJob:
         return f"sbatch {shlex.quote(str(self.script))}"
 
 
-FAULTS = (
-    "kill_mean_interval_s",
-    "stop_mean_interval_s",
-    "syncer_kill_at_s",
-    "kill_at_step",
-    "stop_at_step",
-    "syncer_kill_at_step",
-    "add_learner_at_step",
-    "remove_learner_at_step",
-    "link_cut",
-)
-"""Chaos faults that the local launcher injects; under Slurm nothing does."""
-
-
 def _check_config(cfg) -> None:
-    from ddiloco.runtime.chaos import chaos_for_run
-    from ddiloco.runtime.syncer.server import DOWNLINK_CODECS
+    from ddiloco.runtime.launch.backends import check_runnable
 
-    if cfg.resolved_engine() != "processes":
-        raise ValueError(
-            f"the Slurm backend runs Decoupled DiLoCo's syncer and learner processes; method "
-            f"{cfg.method!r} runs in-process: use `ddiloco train` for it"
-        )
-    if cfg.sync.down_codec not in DOWNLINK_CODECS:
-        raise ValueError(
-            f"sync.down_codec {cfg.sync.down_codec!r}: the syncer sends merged fragments as one "
-            f"of {', '.join(DOWNLINK_CODECS)}"
-        )
-    chaos = chaos_for_run(cfg).to_dict()
-    faults = [f for f in FAULTS if chaos.get(f)]
-    if faults:
-        raise ValueError(
-            f"the run's chaos injects faults ({', '.join(faults)}) that only the local "
-            f"launcher (`ddiloco train`) carries out; drop them from [chaos] (and "
-            f"world.mtbi_s) for a Slurm job (slow-downs and link emulation are kept)"
-        )
+    check_runnable(cfg, "slurm")
 
 
 DEFAULT_PORT = 50051
@@ -419,6 +388,26 @@ def submit(job: SlurmJob, *, test_only: bool = False, env: dict | None = None) -
 STATUS_FILE = "status.json"
 """The syncer's status once every island is done, written by the job before it stops the
 shards."""
+
+
+def launch(cfg, opts: SlurmOptions, *, submit_job: bool = False, test_only: bool = False) -> int:
+    """``ddiloco launch --backend slurm``: write the job of ``cfg``, say what was written,
+    and ask sbatch whether it would run it (``test_only``) or submit it (``submit_job``)."""
+    job = write_slurm_job(cfg, opts)
+    layout = (
+        "one node"
+        if opts.single_node
+        else f"{job.nodes} nodes: the syncer on the first, {cfg.learners} island(s) x "
+        f"{opts.nodes_per_island} node(s)"
+    )
+    print(f"wrote {job.script} ({layout}), {job.config.name} and the token {job.token_file}")
+    if test_only:
+        print(submit(job, test_only=True))
+    if submit_job:
+        print(submit(job))
+    elif not test_only:
+        print(f"submit with: {job.submit_command()}")
+    return 0
 
 
 def write_status(out: str | os.PathLike, syncer: str, timeout_s: float = 30.0) -> dict:
