@@ -26,6 +26,7 @@ __all__ = [
     "weighted_average",
     "rda",
     "merge_outer_gradients",
+    "merge_tensor",
     "OuterNesterov",
     "alpha_mix",
     "all_finite",
@@ -165,6 +166,19 @@ def merge_outer_gradients(
     if not deltas:
         raise ValueError("nothing to merge")
     return [fn([d[j] for d in deltas], weights, is_emb) for j, is_emb in enumerate(embedding)]
+
+
+def merge_tensor(
+    vs: Sequence[torch.Tensor], weights: Sequence[float], embedding: bool, rule: str = "rda"
+) -> torch.Tensor:
+    """One tensor of ``merge_outer_gradients``: ``vs[m]`` is learner m's outer gradient of it.
+    The rules read each of ``vs`` once, in order, so ``vs`` may compute them as it is read."""
+    fn = _RULES.get(rule)
+    if fn is None:
+        raise ValueError(f"unknown merge rule {rule!r}; choose one of {tuple(_RULES)}")
+    if not len(vs):
+        raise ValueError("nothing to merge")
+    return fn(vs, weights, embedding)
 
 
 @merge_rule("rda")

@@ -35,15 +35,17 @@ import numpy as np
 import torch
 
 from ddiloco.algorithm.fragments import Fragmentation
+from ddiloco.algorithm.history import FragmentHistory
 from ddiloco.algorithm.merge import (
     MERGE_RULES,
     NORM_WINDOW,
     OuterNesterov,
     all_finite,
     clip_bound,
-    merge_outer_gradients,
+    merge_tensor,
     token_weight,
 )
+from ddiloco.algorithm.payload import EncodedParams
 from ddiloco.algorithm.policy import (
     MergeNow,
     PolicyConfig,
@@ -89,8 +91,9 @@ class SyncerConfig:
     anchor: str = "current"
     """Outer gradient anchor: ``current`` global fragment (paper) or the learner's ``base``."""
     history: int = 0
-    """Past published versions kept per fragment (needed for ``anchor='base'`` and for
-    reconstructing delta-encoded pushes). 0 keeps none beyond the current one."""
+    """Past published versions kept at most per fragment (needed for ``anchor='base'`` and
+    for reconstructing delta-encoded pushes), compactly and only while a learner can still
+    push against them (``ddiloco.algorithm.history``). 0 keeps none beyond the current one."""
     scale_partial: bool = True
     """Scale the outer gradient of a round that merges k of n live learners by k/n, so that
     asynchronous small merges add up to about one outer step per round (with K = M or all
@@ -126,8 +129,10 @@ class Contribution:
 
     learner: int
     fragment: int
-    params: list[torch.Tensor]
-    """theta_{m,p}: one tensor per fragment tensor, in fragment order."""
+    params: Sequence[torch.Tensor]
+    """theta_{m,p}: one tensor per fragment tensor, in fragment order. An ``EncodedParams``
+    is kept encoded until the merge reads it; with ``delta`` it holds theta_{m,p} minus the
+    learner's copy of version ``base_version``, which the syncer adds back."""
     c_steps: int
     c_tokens: int
     base_version: int
@@ -206,8 +211,8 @@ class _Round:
 class _FragmentState:
     theta: list[torch.Tensor]
     momentum: list[torch.Tensor]
+    history: FragmentHistory
     version: int = 0
-    history: deque = field(default_factory=deque)  # (version, [tensors]) of past versions
     round: _Round = field(default_factory=_Round)
     merging: bool = False  # its merge arithmetic is running (outside the caller's lock)
     norms: deque = field(default_factory=lambda: deque(maxlen=NORM_WINDOW))
@@ -222,21 +227,45 @@ class SyncerState:
         fragmentation: Fragmentation,
         initial: dict[str, torch.Tensor],
         config: SyncerConfig | None = None,
+        *,
+        owned: set[int] | None = None,
+        copy: bool = True,
     ) -> None:
+        """``initial``: the model's tensors by name, copied; with ``copy=False`` its
+        contiguous fp32 CPU tensors are taken as they are (the caller hands them over and
+        never writes them). ``owned``: hold only these fragments (``initial`` may then lack
+        the others)."""
         self.config = config or SyncerConfig()
         self.fragmentation = fragmentation
         self.policy = QuorumGracePolicy(self.config.policy)
         self.outer = OuterNesterov(lr=self.config.outer_lr, momentum=self.config.outer_momentum)
-        missing = [n for f in fragmentation.fragments for n in f.names if n not in initial]
+        missing = [
+            n
+            for p, f in enumerate(fragmentation.fragments)
+            if owned is None or p in owned
+            for n in f.names
+            if n not in initial
+        ]
         if missing:
             raise ValueError(f"initial parameters lack {len(missing)} tensors, e.g. {missing[:3]}")
         self.frags: list[_FragmentState] = []
-        for f in fragmentation.fragments:
-            theta = [initial[n].detach().float().clone() for n in f.names]
+        for p, f in enumerate(fragmentation.fragments):
+            if owned is not None and p not in owned:  # another shard's: no tensors here
+                theta: list[torch.Tensor] = []
+            else:
+                theta = [_as_f32(initial[n], copy) for n in f.names]
             self.frags.append(
-                _FragmentState(theta=theta, momentum=[torch.zeros_like(t) for t in theta])
+                _FragmentState(
+                    theta=theta,
+                    momentum=[torch.zeros_like(t) for t in theta],
+                    history=FragmentHistory([t.shape for t in theta]),
+                )
             )
+        self.owned = owned
+        """The fragments this state holds tensors of (a shard of a sharded syncer); None: all."""
         self.live: set[int] = set()
+        self._pins: dict[int, dict[int, int]] = {}
+        """learner -> fragment -> the oldest version it can still push against."""
         self.ledger: dict[int, LedgerEntry] = {}
         self._seen_seq: dict[tuple[int, int], int] = {}
         self.merges = 0
@@ -263,12 +292,15 @@ class SyncerState:
         self.live.add(learner)
         self.ledger.setdefault(learner, LedgerEntry())
         self._finishing.pop(learner, None)
+        # it installs what it fetches from now on: at least the current versions
+        self._pins[learner] = {p: s.version for p, s in enumerate(self.frags)}
 
     def leave(self, learner: int, now_s: float) -> list[Merged]:
         """Declare a learner dead. Its already-arrived contributions stay valid; rounds that
         were only waiting for it may now merge."""
         self.live.discard(learner)
         self._finishing.pop(learner, None)
+        self._pins.pop(learner, None)
         out = [self._evaluate(p, now_s) for p in range(len(self.frags))]
         return [m for m in out if isinstance(m, Merged)]
 
@@ -292,14 +324,40 @@ class SyncerState:
         }
 
     def published(self, p: int, version: int) -> list[torch.Tensor] | None:
-        """Fragment p as published at ``version`` if still held."""
+        """Fragment p as published at ``version`` if still held: the current tensors
+        themselves (never written), or new tensors rebuilt from the history."""
         s = self.frags[p]
         if version == s.version:
             return s.theta
-        for v, ts in s.history:
-            if v == version:
-                return ts
-        return None
+        if not s.history.holds(version, s.version):
+            return None
+        return s.history.version(s.theta, version)
+
+    def holds(self, p: int, version: int) -> bool:
+        """Version ``version`` of fragment p can be rebuilt (a delta push against it)."""
+        s = self.frags[p]
+        return s.history.holds(version, s.version)
+
+    def history_bytes(self) -> int:
+        """Bytes held by every fragment's history (``ddiloco.algorithm.history``)."""
+        return sum(s.history.nbytes for s in self.frags)
+
+    def _floor(self, p: int) -> int:
+        """The oldest version of fragment p a push can still name: the pins of its live
+        learners and the bases of its pending pushes."""
+        s = self.frags[p]
+        floor = s.version
+        for m in self.live:
+            floor = min(floor, self._pins.get(m, {}).get(p, floor))
+        for c in s.round.pending.values():
+            floor = min(floor, c.base_version)
+        return floor
+
+    def _trim(self, p: int) -> None:
+        s = self.frags[p]
+        if len(s.history) and not s.merging:
+            keep = min(self.config.history, self.config.max_staleness)
+            s.history.trim(max(self._floor(p), s.version - keep), keep)
 
     def _tokens(self, c: Contribution) -> float:
         """A push's tokens in the ledger: its counter times the fragment's byte share."""
@@ -352,10 +410,14 @@ class SyncerState:
                 f"base version {c.base_version} is "
                 f"{s.version - c.base_version} behind (max {self.config.max_staleness})",
             )
-        if self.config.anchor == "base" and self.published(c.fragment, c.base_version) is None:
+        if (self.config.anchor == "base" or getattr(c.params, "delta", False)) and not self.holds(
+            c.fragment, c.base_version
+        ):
             led.pushes_dropped += 1
             led.tokens_dropped += self._tokens(c)
             return SubmitResult(Status.STALE, f"base version {c.base_version} no longer held")
+        pins = self._pins.setdefault(c.learner, {})
+        pins[c.fragment] = max(pins.get(c.fragment, c.base_version), c.base_version)
         r = s.round
         if r.opened_s is None:
             r.opened_s = now_s
@@ -366,6 +428,7 @@ class SyncerState:
             led.tokens_pending -= self._tokens(old)
         r.pending[c.learner] = c
         led.tokens_pending += self._tokens(c)
+        self._trim(c.fragment)  # its pin moved: versions no push can name any more go
         target = s.version + 1 + int(s.merging)
         if c.final and c.learner not in self._finishing:
             # a finishing learner: final rounds of the fragments it will not push stop
@@ -443,10 +506,6 @@ class SyncerState:
             self.config.staleness_discount ** max(0, s.version - c.base_version) for c in contribs
         ]
         weights = [w * d for w, d in zip(raw_w, decay)]
-        anchors = [
-            s.theta if self.config.anchor == "current" else self.published(p, c.base_version)
-            for c in contribs
-        ]
         n_live = max(len(contribs), len(self.live | set(s.round.pending)))
         scale = 1.0
         if self.config.scale_partial and len(contribs) < n_live:
@@ -457,45 +516,68 @@ class SyncerState:
             # stale work also moves the model less: the step shrinks by the round's
             # token-weighted discount (a lone stale push is not renormalised back to 1)
             scale *= sum(weights) / sum(raw_w)
-        theta0, momentum0 = s.theta, s.momentum
+        theta0, momentum0, version0 = s.theta, s.momentum, s.version
         s.round = _Round()  # pushes arriving during the arithmetic open the next round
         s.merging = True
         k = self.config.norm_clip
         factors = [1.0] * len(contribs)
         norms: list[float] = []
+        record = self.config.history > 0
+        theta: list[torch.Tensor] = []
+        momentum: list[torch.Tensor] = []
+        steps: list[bytearray] = []
+        finite = True
         try:
             with self.unlocked():
-                pushed = [c.params for c in contribs]
+                # tensor by tensor: a fragment's pushes are read (decoded) one tensor at a time
+                # and the new tensors are built beside the published ones, which are never
+                # written (Merged shares them), so a merge holds one tensor of each push
                 if k > 0:  # the merge guard: clip an outer gradient far above the recent ones
-                    norms = [distance(a, x) for a, x in zip(anchors, pushed)]
+                    norms = [
+                        math.sqrt(
+                            sum(
+                                distance([self._anchor(p, c, j)], [self._pushed(p, c, j)]) ** 2
+                                for j in range(len(theta0))
+                            )
+                        )
+                        for c in contribs
+                    ]
                     bound = clip_bound(s.norms, k)
                     for i, n in enumerate(norms):
                         if bound is not None and n > bound:
-                            # theta' = anchor - f (anchor - theta): Delta scaled by f
-                            factors[i] = f = bound / n  # 0 when the norm overflowed
-                            pushed[i] = [
-                                torch.lerp(a, x.float(), f) if f > 0 else a.clone()
-                                for a, x in zip(anchors[i], pushed[i])
-                            ]
-                # new tensors: the published theta is never written again, so Merged shares it
-                if all(c.final for c in contribs):
-                    theta, momentum = _average(pushed, weights), momentum0
-                    finite = all(bool(torch.isfinite(t).all()) for t in theta)
-                elif len(contribs) == 1:  # the merged outer gradient is the push's own
-                    theta, momentum, finite = self.outer.stepped_checked(
-                        theta0, momentum0, scale, anchors=anchors[0], pushes=pushed[0]
-                    )
-                else:
-                    deltas = [
-                        torch._foreach_sub(list(a), [x.float() for x in ps])
-                        for a, ps in zip(anchors, pushed)
-                    ]
-                    update = merge_outer_gradients(
-                        deltas, weights, frag.embedding, self.config.merge_rule
-                    )
-                    theta, momentum, finite = self.outer.stepped_checked(
-                        theta0, momentum0, scale, grads=update
-                    )
+                            factors[i] = bound / n  # 0 when the norm overflowed
+                all_final = all(c.final for c in contribs)
+                for j in range(len(theta0)):
+                    if all_final:
+                        t = _average(
+                            [[self._clipped(p, c, j, f)] for c, f in zip(contribs, factors)],
+                            weights,
+                        )[0]
+                        th, mo, fin = [t], [momentum0[j]], all_finite(t)
+                    elif len(contribs) == 1:  # the merged outer gradient is the push's own
+                        c = contribs[0]
+                        th, mo, fin = self.outer.stepped_checked(
+                            [theta0[j]],
+                            [momentum0[j]],
+                            scale,
+                            anchors=[self._anchor(p, c, j)],
+                            pushes=[self._clipped(p, c, j, factors[0])],
+                        )
+                    else:
+                        deltas = _Deltas(self, p, j, contribs, factors)
+                        update = merge_tensor(
+                            deltas, weights, frag.embedding[j], self.config.merge_rule
+                        )
+                        th, mo, fin = self.outer.stepped_checked(
+                            [theta0[j]], [momentum0[j]], scale, grads=[update]
+                        )
+                    finite = finite and fin
+                    if not finite:
+                        break
+                    theta += th
+                    momentum += mo
+                    if record:
+                        steps.append(s.history.encode_step(theta0[j], th[0]))
         finally:
             s.merging = False
         merged = None
@@ -504,12 +586,11 @@ class SyncerState:
             self._settle(contribs, merged=False)
             self.nonfinite_merges += 1
         else:
-            if self.config.history > 0:
-                s.history.append((s.version, s.theta))
-                while len(s.history) > self.config.history:
-                    s.history.popleft()
+            if record:
+                s.history.append(version0, steps)
             s.theta, s.momentum = theta, momentum
             s.version += 1
+            self._trim(p)
             self._settle(contribs, merged=True)
             self.merges += 1
             self.quorum_sizes.append(len(contribs))
@@ -533,6 +614,35 @@ class SyncerState:
                 self._followups.append((p, nxt))
         return merged
 
+    # -- reading pushes, one tensor at a time -------------------------------------------
+    def _reference(self, p: int, version: int, j: int) -> torch.Tensor:
+        """Tensor j of fragment p at ``version`` (the current tensor itself, or rebuilt)."""
+        s = self.frags[p]
+        if version == s.version:
+            return s.theta[j]
+        return s.history.tensor(s.theta, version, j)
+
+    def _anchor(self, p: int, c: Contribution, j: int) -> torch.Tensor:
+        """Tensor j of the fragment c's outer gradient is taken from (``anchor``)."""
+        if self.config.anchor == "current":
+            return self.frags[p].theta[j]
+        return self._reference(p, c.base_version, j)
+
+    def _pushed(self, p: int, c: Contribution, j: int) -> torch.Tensor:
+        """Tensor j of theta_{m,p} as pushed (a delta push added to its base version)."""
+        x = c.params[j]
+        if getattr(c.params, "delta", False):
+            return self._reference(p, c.base_version, j).add(x)
+        return x
+
+    def _clipped(self, p: int, c: Contribution, j: int, f: float) -> torch.Tensor:
+        """``_pushed`` after the merge guard: ``anchor - f (anchor - theta)``."""
+        x = self._pushed(p, c, j)
+        if f >= 1.0:
+            return x
+        a = self._anchor(p, c, j)
+        return torch.lerp(a, x.float(), f) if f > 0 else a.clone()
+
     def _settle(self, contribs: list[Contribution], *, merged: bool) -> None:
         """A round closed: its pushes' tokens move from pending to merged/dropped."""
         for c in contribs:
@@ -550,9 +660,19 @@ class SyncerState:
             return f"fragment {c.fragment} out of range [0, {len(self.frags)})"
         if c.c_steps < 1 or c.c_tokens < 1:
             return f"counters must be >= 1 (c_steps={c.c_steps}, c_tokens={c.c_tokens})"
+        if self.owned is not None and c.fragment not in self.owned:
+            return f"fragment {c.fragment} is held by another shard"
         theta = self.frags[c.fragment].theta
         if len(c.params) != len(theta):
             return f"fragment {c.fragment} has {len(theta)} tensors, push has {len(c.params)}"
+        if isinstance(c.params, EncodedParams):  # fp32 when read; the caller checked values
+            for j, (shape, ref) in enumerate(zip(c.params.shapes, theta)):
+                if shape != tuple(ref.shape):
+                    return (
+                        f"tensor {self.fragmentation.fragments[c.fragment].names[j]} has shape "
+                        f"{tuple(ref.shape)}, push has {shape}"
+                    )
+            return ""
         for j, (x, ref) in enumerate(zip(c.params, theta)):
             if tuple(x.shape) != tuple(ref.shape):
                 return (
@@ -592,13 +712,40 @@ class SyncerState:
             s.theta = [t.float().clone() for t in th]
             s.momentum = [t.float().clone() for t in mo]
             s.version = int(v)
-            s.history.clear()
+            s.history = FragmentHistory([t.shape for t in s.theta])
             s.round = _Round()
         self.ledger = {int(m): LedgerEntry(**e) for m, e in sd["ledger"].items()}
         for e in self.ledger.values():
             e.tokens_pending = 0
         self.merges = int(sd["merges"])
         self._seen_seq = {tuple(k): v for k, v in sd.get("seen_seq", {}).items()}
+
+
+def _as_f32(t: torch.Tensor, copy: bool) -> torch.Tensor:
+    """An fp32 copy of ``t``, or (``copy=False``) ``t`` itself where it is a contiguous fp32
+    CPU tensor."""
+    t = t.detach()
+    if not copy and t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous():
+        return t
+    return t.float().contiguous().clone()
+
+
+class _Deltas(Sequence[torch.Tensor]):
+    """Tensor j of each push's outer gradient ``anchor - theta_{m,p}`` (after the merge
+    guard), computed when the merge rule reads it: the rule reads each once, in order."""
+
+    def __init__(self, st: SyncerState, p: int, j: int, contribs, factors) -> None:
+        self._st, self._p, self._j, self._c, self._f = st, p, j, contribs, factors
+
+    def __len__(self) -> int:
+        return len(self._c)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        c, f = self._c[i], self._f[i]
+        a = self._st._anchor(self._p, c, self._j)
+        return a - self._st._clipped(self._p, c, self._j, f).float()
 
 
 def _average(pushed: Sequence[Sequence[torch.Tensor]], weights: list[float]) -> list[torch.Tensor]:

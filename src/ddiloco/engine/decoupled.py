@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
+from ddiloco.algorithm.downlink import DeltaChain
 from ddiloco.algorithm.learner_state import LearnerSync, Outgoing
 from ddiloco.algorithm.policy import WaitUntil
 from ddiloco.algorithm.schedule import FragmentSchedule
@@ -77,15 +78,27 @@ def run_decoupled(cfg: TrainConfig, ctx) -> dict:
     # a delta against the copy the learner installed (through the downlink codec), as in the
     # runtime
     held: list[dict[int, dict[int, list[torch.Tensor]]]] = [{} for _ in range(cfg.learners)]
-    # sync.down_delta: the copy of each fragment each learner holds, kept in step with it
-    mirror: list[dict[int, list[torch.Tensor]]] = [{} for _ in range(cfg.learners)]
+    # sync.down_delta: one reference chain per fragment, the copy every learner holds
+    # (ddiloco.algorithm.downlink, as the runtime syncer keeps it)
+    chains = (
+        {
+            p: DeltaChain(world.down_codec, [init[n] for n in f.names], 0)
+            for p, f in enumerate(frag.fragments)
+        }
+        if cfg.sync.down_delta
+        else {}
+    )
+
+    def whole() -> dict[str, torch.Tensor]:
+        """What a learner that fetches the whole model receives: the published global model,
+        or with a delta-coded downlink the chains' copies (sent in fp32)."""
+        if not chains:
+            return syncer.global_params()
+        return {n: t for p, f in enumerate(frag.fragments) for n, t in zip(f.names, chains[p].ref)}
 
     def exact(m: int) -> None:
-        """Learner m loaded the published global model itself (a start or a rejoin)."""
+        """Learner m loaded the whole model (a start or a rejoin)."""
         held[m].clear()
-        if cfg.sync.down_delta:
-            g = syncer.global_params()
-            mirror[m] = {p: [g[n].clone() for n in f.names] for p, f in enumerate(frag.fragments)}
 
     q = EventKernel()
     stats = {"bytes_up": 0, "bytes_down": 0, "pushes": 0, "rejected": {}, "staleness": []}
@@ -93,7 +106,7 @@ def run_decoupled(cfg: TrainConfig, ctx) -> dict:
 
     for m in range(M):
         syncer.join(m)
-        syncs[m].load_global(syncer.global_params(), syncer.versions())
+        syncs[m].load_global(whole(), syncer.versions())
         exact(m)
         L[m].next_fail_s = world.next_failure_s(m, 0.0)
         q.push(0.0, 9, "start", (m, 0))
@@ -156,21 +169,19 @@ def run_decoupled(cfg: TrainConfig, ctx) -> dict:
     def broadcast(mg: Merged, now: float) -> None:
         for mm in mg.learners:
             syncs[mm].mark_merged(mg.fragment, round_seq.pop((mm, mg.fragment)))
-        params = (
-            mg.params
-            if world.down_codec.lossless
-            else [world.down_codec.roundtrip(x) for x in mg.params]
-        )
+        if chains:  # the encoded step of the fragment's chain: every learner's copy moves
+            chains[mg.fragment].advance(mg.version, mg.params)
+            params = chains[mg.fragment].ref
+        elif world.down_codec.lossless:
+            params = mg.params
+        else:
+            params = [world.down_codec.roundtrip(x) for x in mg.params]
         nbytes = world.down_codec.nbytes(sum(x.numel() for x in params))
         done = now + cfg.world.merge_time_s
         syncer.observe_sync_s(cfg.world.merge_time_s + world.transfer_s(nbytes))
         for m in range(M):
             if L[m].alive and not L[m].finished:
                 mine = params
-                if cfg.sync.down_delta:  # the delta against m's copy; the copy moves with it
-                    have = mirror[m][mg.fragment]
-                    mine = [h + world.down_codec.roundtrip(x - h) for h, x in zip(have, mg.params)]
-                    mirror[m][mg.fragment] = mine
                 stats["bytes_down"] += nbytes
                 q.push(
                     done + world.transfer_s(nbytes),
@@ -269,7 +280,7 @@ def run_decoupled(cfg: TrainConfig, ctx) -> dict:
                 if up.delta and not world.down_codec.lossless:
                     d = held[m].setdefault(p, {})
                     d[version] = params
-                    for v in sorted(d)[:-4]:
+                    for v in sorted(d)[:-2]:  # as the runtime learner keeps them
                         del d[v]
         elif kind == "leave":
             m, inc = payload
@@ -309,7 +320,7 @@ def run_decoupled(cfg: TrainConfig, ctx) -> dict:
             fetch_s = world.transfer_s(model_bytes_down)
             stats["bytes_down"] += model_bytes_down
             syncer.join(m)
-            syncs[m].load_global(syncer.global_params(), syncer.versions(), t + fetch_s)
+            syncs[m].load_global(whole(), syncer.versions(), t + fetch_s)
             exact(m)
             L[m].alive = True
             times[m].down_s += t + fetch_s - L[m].down_since_s

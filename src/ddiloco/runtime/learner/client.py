@@ -280,22 +280,36 @@ class SyncerClient:
 
         def decode(h: dict, buf: memoryview) -> None:
             codec = get_codec(h["codec"])
-            p = h["fragment"]
-            ts, off = [], 0
-            for k in h["numels"]:
-                nb = codec.nbytes(k)
-                ts.append(codec.decode(buf[off : off + nb], k))
-                off += nb
+            p, numels = h["fragment"], h["numels"]
             if h.get("delta"):
+                # the encoded steps of the fragment's chain from this client's copy
+                # (ddiloco.algorithm.downlink), applied in order
                 mine = self._mirrors.get(p)
-                if mine is None or len(mine[1]) != len(ts):
+                if mine is None or len(mine[1]) != len(numels):
                     raise ValueError(
                         f"syncer {self.address} sent fragment {p} as a delta against a copy "
                         f"this client does not hold"
                     )
-                ts = [h0 + d for h0, d in zip(mine[1], ts)]
+                ts, off = list(mine[1]), 0
+                for _ in range(int(h.get("steps", 1))):
+                    for j, k in enumerate(numels):
+                        nb = codec.nbytes(k)
+                        ts[j] = ts[j] + codec.decode(buf[off : off + nb], k)
+                        off += nb
+                if off != len(buf):
+                    raise ValueError(
+                        f"syncer {self.address} sent fragment {p} with {len(buf)} bytes for "
+                        f"{h.get('steps', 1)} steps of {off} bytes"
+                    )
+            else:
+                ts, off = [], 0
+                for k in numels:
+                    nb = codec.nbytes(k)
+                    ts.append(codec.decode(buf[off : off + nb], k))
+                    off += nb
             if "token" in h:
-                self._mirrors[p] = (int(h["token"]), [t.clone() for t in ts])
+                # the copy is kept as it is returned: neither side writes it in place
+                self._mirrors[p] = (int(h["token"]), ts)
             out[p] = (h["version"], ts, len(buf))
 
         LINK_CUT.check(self.address)

@@ -42,14 +42,16 @@ class LinksMixin:
         return (self.incarnation << 32) + o.seq
 
     def _remember_base(self, p: int, version: int, tensors: list[torch.Tensor]) -> None:
-        """Keep the last few published versions of p: pushes of a ``delta`` codec are
-        deltas against the version the learner installed."""
+        """Keep the last two received versions of p: pushes of a ``delta`` codec are deltas
+        against the version the learner installed (the newest), or, for a push queued
+        before that install, the one before; a push whose base is gone is sent as
+        parameters. The tensors are the fetch's own (never written): no copy is made."""
         if not self.codec.delta:
             return
         with self._lock:
             d = self._base_params.setdefault(p, {})
             d[version] = tensors
-            for v in sorted(d)[:-4]:
+            for v in sorted(d)[:-2]:
                 del d[v]
 
     def _encode(self, o: Outgoing) -> tuple[bytes, bool]:

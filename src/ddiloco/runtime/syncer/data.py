@@ -4,7 +4,7 @@ data port (``ddiloco.runtime.transport.bulk``), one validation and one apply pat
 from __future__ import annotations
 
 import logging
-import secrets
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -13,6 +13,7 @@ import grpc
 
 from ddiloco.algorithm.codecs import Codec, get_codec
 from ddiloco.algorithm.merge import all_finite
+from ddiloco.algorithm.payload import EncodedParams
 from ddiloco.algorithm.syncer_state import Contribution, Status
 from ddiloco.runtime.syncer.common import Reject, handler
 from ddiloco.runtime.transport import wire
@@ -120,31 +121,27 @@ class DataHandlers:
         """Decode a validated push's payload and hand it to the state machine."""
         t_wall = time.perf_counter()
         codec, p = pc.codec, pc.p
-        params, off = [], 0
-        for k, shape in zip(pc.numels, pc.shapes):
-            nb = codec.nbytes(k)
-            params.append(codec.decode(memoryview(buf)[off : off + nb], k).view(shape))
-            off += nb
+        # kept encoded until its round merges (the merge decodes one tensor at a time)
+        params = EncodedParams(codec, buf, pc.shapes, delta=pc.delta)
         if pc.delta:
             with self._lock:
-                ref = self._require_ready().published(p, pc.base)
-                ref = None if ref is None else [t.clone() for t in ref]
-            if ref is None:
+                held = self._require_ready().holds(p, pc.base)
+            if not held:
                 raise Reject(
                     grpc.StatusCode.FAILED_PRECONDITION,
                     E.BASE,
                     f"delta push against version {pc.base} of fragment {p}, which the "
                     f"syncer no longer holds (raise --history or send parameters)",
                 )
-            params = [r.add_(d) for r, d in zip(ref, params)]
         # fp32 pushes: one check of the whole payload, tensor by tensor only to name a culprit
+        # (a delta's values are finite if the delta is: the version it is added to is)
         if not (
             codec.name == "fp32"
             and not pc.delta
             and all_finite(codec.decode(memoryview(buf), sum(pc.numels)))
         ):
-            for name, t in zip(pc.names, params):
-                if not all_finite(t):
+            for name, j in zip(pc.names, range(len(params))):
+                if not all_finite(params[j]):
                     raise Reject(
                         grpc.StatusCode.INVALID_ARGUMENT,
                         E.NONFINITE,
@@ -263,43 +260,51 @@ class DataHandlers:
         return want
 
     def _forget_copies(self, m: int) -> None:
-        """Learner m left or was declared dead: drop the copies kept for its delta-coded
-        fetches (a returning learner gets whole fragments again). Caller holds the lock."""
-        for k in [k for k in self._mirrors if k[0] == m]:
-            del self._mirrors[k]
+        """Learner m left or was declared dead: its copies no longer hold steps of the
+        delta-coded downlink (a returning learner gets whole fragments again). Caller holds
+        the lock."""
+        for k in [k for k in self._held if k[0] == m]:
+            del self._held[k]
+        for p in list(self._chains):
+            self._trim_chain(p)
+
+    def _trim_chain(self, p: int) -> None:
+        """Keep the steps of fragment p's chain that a live learner's copy still needs, at
+        most ``max_staleness`` of them (an older copy is replaced whole). Lock held."""
+        chain = self._chains[p]
+        held = [v for (_, q), v in self._held.items() if q == p]
+        oldest = min(held, default=chain.version)
+        chain.trim(max(oldest, chain.version - self.config.syncer.max_staleness))
 
     def _fetch_delta(
         self, want: list[int] | None, m: int, held: dict[int, int]
     ) -> list[tuple[int, int, list[memoryview], dict]]:
-        """A delta-coded fetch: each fragment as the published version minus the copy learner
-        m holds (``held``: fragment -> the token of that copy), through the downlink codec;
-        a fragment whose copy the syncer does not know by that token goes whole, in fp32.
-        Each reply carries a new token for the copy it leaves the learner with."""
-        codec = get_codec(self.config.downlink_codec)
+        """A delta-coded fetch (``ddiloco.algorithm.downlink``): each fragment as the encoded
+        steps of its chain from the copy learner m holds (``held``: fragment -> the token of
+        that copy) to the published version; a copy the chain does not know by its token,
+        or one whose steps would outweigh the fragment, is replaced whole, in fp32. Each
+        reply names the copy it leaves the learner with by its token."""
         fp32 = get_codec("fp32")
-        pub = self._published_f32(want)
+        items = []
         with self._lock:
-            have = {p: self._mirrors.get((m, p)) for p in pub}
-        items, new = [], {}
-        for p, (version, theta) in pub.items():
-            token = secrets.randbits(52)
-            mine = have[p]
-            if mine is not None and held.get(p) == mine[0]:
-                pieces = [memoryview(codec.encode(t - h)) for t, h in zip(theta, mine[1])]
-                copy = [
-                    h + codec.decode(b, h.numel()).view(h.shape) for h, b in zip(mine[1], pieces)
-                ]
-                head = {"codec": codec.name, "delta": True, "token": token}
-            else:
-                pieces = fp32.encode_many(theta)
-                copy = [t.clone() for t in theta]
-                head = {"codec": "fp32", "delta": False, "token": token}
-            head["numels"] = [t.numel() for t in theta]
-            new[p] = (token, copy)
-            items.append((p, version, pieces, head))
-        with self._lock:
-            for p, c in new.items():  # the copies the learner will hold once the reply lands
-                self._mirrors[(m, p)] = c
+            ps = self._wanted(want)
+            for p in ps:
+                chain = self._chains[p]
+                v = chain.version_of(held.get(p))
+                steps = None if v is None else chain.steps_since(v)
+                whole = 4 * sum(math.prod(s) for s in chain.shapes)
+                if steps is not None and sum(len(b) for st in steps for b in st) < whole:
+                    pieces = [memoryview(b) for st in steps for b in st]
+                    head = {"codec": chain.codec.name, "delta": True, "steps": len(steps)}
+                else:
+                    pieces = fp32.encode_many(chain.ref)  # views: never written in place
+                    head = {"codec": "fp32", "delta": False}
+                head["token"] = chain.token
+                head["numels"] = [math.prod(s) for s in chain.shapes]
+                items.append((p, chain.version, pieces, head))
+                self._held[(m, p)] = chain.version  # the copy it holds once the reply lands
+            for p in ps:
+                self._trim_chain(p)
             n_delta = sum(1 for *_, head in items if head["delta"])
             self.counters["fetch_delta"] += n_delta
             self.counters["fetch_whole"] += len(items) - n_delta

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from ddiloco.algorithm.codecs import get_codec
+from ddiloco.algorithm.downlink import DeltaChain
 from ddiloco.algorithm.schedule import SlotClock
 from ddiloco.algorithm.syncer_state import Merged, SyncerState
 from ddiloco.runtime.syncer.checkpoint import CHECKPOINT_NAME, load_newest_valid, save_atomic
@@ -37,6 +38,14 @@ class Durability:
     def _publish(self, p: int, version: int, params: list[torch.Tensor]) -> None:
         self._pub[p] = (version, self._encode_down(params))
         self._pub_theta[p] = params  # the published tensors: never written again
+        if self.config.downlink_delta:
+            chain = self._chains.get(p)
+            if chain is None:  # the first version published here (an init or a resume)
+                codec = get_codec(self.config.downlink_codec)
+                self._chains[p] = DeltaChain(codec, params, version)
+            else:
+                chain.advance(version, params)
+                self._trim_chain(p)
 
     def _on_merged(self, mg: Merged, merge_s: float) -> None:
         """Called under the lock for every Merged the state machine returns."""
@@ -252,6 +261,6 @@ class Durability:
         self._fp = spec_fingerprint(spec)
         self.epoch_s = time.time()
         self._pub = [(0, []) for _ in range(frag.P)]
-        self._pub_theta, self._mirrors = {}, {}
+        self._pub_theta, self._chains, self._held = {}, {}, {}
         shape = dict(zip(spec["names"], (tuple(s) for s in spec["shapes"])))
         self._shapes = [[shape[n] for n in f.names] for f in frag.fragments]  # per fragment

@@ -42,6 +42,7 @@ import torch
 from pydantic import BaseModel
 
 from ddiloco.algorithm.codecs import downlink_codec_names
+from ddiloco.algorithm.downlink import DeltaChain
 from ddiloco.algorithm.schedule import SlotClock
 from ddiloco.algorithm.syncer_state import Merged, SyncerConfig, SyncerState
 from ddiloco.config.sections import RuntimeConfig, SyncConfig
@@ -266,8 +267,10 @@ class SyncerServer(ControlHandlers, DataHandlers, Durability, Liveness):
         ] = []  # per fragment: (version, downlink bytes)
         self._shapes: list[list[tuple[int, ...]]] = []  # per fragment: its tensors' shapes
         self._pub_theta: dict[int, list[torch.Tensor]] = {}  # p -> theta of version _pub[p][0]
-        # (learner, p) -> (token, the copy of p that learner holds): delta-coded downlinks
-        self._mirrors: dict[tuple[int, int], tuple[int, list[torch.Tensor]]] = {}
+        # delta-coded downlinks: p -> its reference chain; (learner, p) -> the version of the
+        # chain's copy of p that learner holds (ddiloco.algorithm.downlink)
+        self._chains: dict[int, DeltaChain] = {}
+        self._held: dict[tuple[int, int], int] = {}
         self._bulk_slots = threading.BoundedSemaphore(config.max_workers - config.control_reserve)
         self._pushing: Counter = Counter()  # learner -> gRPC pushes in progress
         self._unpublished: dict[int, Merged] = {}  # merged, waiting for durability

@@ -1,0 +1,71 @@
+"""A push kept as it arrived: the codec's bytes, decoded one tensor at a time when a merge
+reads it.
+
+A round holds each learner's pending push until it merges. Decoded, a push of fragment p is
+an fp32 copy of the fragment; kept encoded it is the codec's size (bf16: half, int4: about
+a seventh), and the merge decodes one tensor of it at a time, so the syncer's memory for
+pending pushes is their wire bytes plus one tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import overload
+
+import torch
+
+from ddiloco.algorithm.codecs import Codec
+
+__all__ = ["EncodedParams"]
+
+
+class EncodedParams(Sequence[torch.Tensor]):
+    """The tensors of one push in ``codec``'s encoding, one after the other in ``buf``.
+
+    ``delta``: the push is the difference from the learner's installed copy of version
+    ``Contribution.base_version``; reading tensor j gives that difference (the syncer adds
+    its version to it). Tensors read are fp32, shaped, and must not be written (fp32 ones
+    alias ``buf``)."""
+
+    __slots__ = ("codec", "buf", "shapes", "delta", "_spans")
+
+    def __init__(
+        self,
+        codec: Codec,
+        buf: bytearray | memoryview,
+        shapes: Sequence[tuple[int, ...]],
+        *,
+        delta: bool = False,
+    ) -> None:
+        self.codec = codec
+        self.buf = buf
+        self.shapes = [tuple(s) for s in shapes]
+        self.delta = delta
+        spans, off = [], 0
+        for s in self.shapes:
+            k = 1
+            for d in s:
+                k *= d
+            nb = codec.nbytes(k)
+            spans.append((off, nb, k))
+            off += nb
+        if off != len(buf):
+            raise ValueError(f"{codec.name} payload must be {off} bytes, got {len(buf)}")
+        self._spans = spans
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+    @overload
+    def __getitem__(self, j: int) -> torch.Tensor: ...
+    @overload
+    def __getitem__(self, j: slice) -> list[torch.Tensor]: ...
+    def __getitem__(self, j):
+        if isinstance(j, slice):
+            return [self[i] for i in range(*j.indices(len(self)))]
+        off, nb, k = self._spans[j]
+        return self.codec.decode(memoryview(self.buf)[off : off + nb], k).view(self.shapes[j])
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.buf)
