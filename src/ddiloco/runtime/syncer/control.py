@@ -11,7 +11,7 @@ import torch
 
 from ddiloco.algorithm.merge import all_finite
 from ddiloco.algorithm.schedule import measured_slot_s, next_clock
-from ddiloco.algorithm.syncer_state import SyncerState, vars_of
+from ddiloco.algorithm.syncer_state import vars_of
 from ddiloco.runtime.syncer.accounting import fold, goodput_of
 from ddiloco.runtime.syncer.common import LearnerInfo, Reject, handler
 from ddiloco.runtime.syncer.membership import assign_learner_id
@@ -175,9 +175,9 @@ class ControlHandlers:
         params = {}
         off = 0
         for n, s, k in zip(spec["names"], spec["shapes"], numels):
-            params[n] = (
-                torch.frombuffer(buf, dtype=torch.float32, count=k, offset=off).view(s).clone()
-            )
+            # views of the received buffer, handed to the state (never written: merges build
+            # new tensors), so the model is held once
+            params[n] = torch.frombuffer(buf, dtype=torch.float32, count=k, offset=off).view(s)
             off += 4 * k
         if not all(all_finite(t) for t in params.values()):
             raise Reject(
@@ -186,9 +186,7 @@ class ControlHandlers:
         with self._lock:
             if self.state is not None:
                 return wire.pack({"accepted": False, "fingerprint": self._fp})
-            self._setup(spec)
-            self.state = SyncerState(frag, params, self.config.syncer)
-            self.state.unlocked = self._unlocked
+            self._setup(spec, params)
             for p in range(frag.P):
                 self._publish(p, 0, self.state.frags[p].theta)
             log.info(

@@ -36,6 +36,8 @@ class Durability:
         return get_codec(self.config.downlink_codec).encode_many(params)
 
     def _publish(self, p: int, version: int, params: list[torch.Tensor]) -> None:
+        if not self._owns(p):
+            return  # another shard's fragment
         self._pub[p] = (version, self._encode_down(params))
         self._pub_theta[p] = params  # the published tensors: never written again
         if self.config.downlink_delta:
@@ -251,11 +253,18 @@ class Durability:
             self.state.merges,
         )
 
-    def _setup(self, spec: dict) -> None:
+    def _setup(self, spec: dict, initial: dict[str, torch.Tensor] | None = None) -> None:
+        """The state for ``spec``: from ``initial`` (handed over, not copied), or zeros that
+        a resume replaces. A shard holds only the fragments it owns."""
         check_spec(spec)
         frag = fragmentation_from_spec(spec)
-        initial = {n: torch.zeros(s) for n, s in zip(spec["names"], spec["shapes"])}
-        self.state = SyncerState(frag, initial, self.config.syncer)
+        owned = {p for p in range(frag.P) if self._owns(p)}
+        if initial is None:
+            shapes = dict(zip(spec["names"], spec["shapes"]))
+            initial = {n: torch.zeros(shapes[n]) for p in owned for n in frag.fragments[p].names}
+        elif len(owned) < frag.P:  # copies of its own, so that the whole model is let go
+            initial = {n: initial[n].clone() for p in owned for n in frag.fragments[p].names}
+        self.state = SyncerState(frag, initial, self.config.syncer, owned=owned, copy=False)
         self.state.unlocked = self._unlocked
         self.spec = spec
         self._fp = spec_fingerprint(spec)
