@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from runtime_helpers import SyncerProcess, init_syncer, push_header, tiny_model
+from runtime_helpers import init_syncer, push_header, tiny_model
 
 from ddiloco.algorithm.codecs import get_codec
 from ddiloco.config import TrainConfig
@@ -20,12 +20,11 @@ from ddiloco.runtime.transport.spec import fragmentation_from_spec
 
 
 @pytest.mark.timeout(90)
-def test_an_fp8_delta_push_merges_like_the_parameters_it_stands_for(tmp_path):
+def test_an_fp8_delta_push_merges_like_the_parameters_it_stands_for(syncer_factory, tmp_path):
     fp8, fp32 = get_codec("fp8"), get_codec("fp32")
     merged = {}
     for kind in ("fp32", "fp8-delta"):
-        (tmp_path / kind).mkdir()
-        s = SyncerProcess(tmp_path / kind, "test-token")
+        s = syncer_factory(dir=tmp_path / kind)
         try:
             client = SyncerClient(s.address, s.token)
             spec, inc = init_syncer(client, tiny_model())

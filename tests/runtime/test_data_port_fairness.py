@@ -19,13 +19,13 @@ from runtime_helpers import (
     SyncerProcess,
     assert_no_internal_error,
     init_syncer,
+    live_syncer,
     push_header,
     self_signed_cert,
     tiny_model,
 )
 
 from ddiloco.runtime.learner.client import SyncerClient
-from ddiloco.runtime.syncer.server import SyncerServer, SyncerServerConfig
 from ddiloco.runtime.transport.bulk import BulkLimits
 from ddiloco.runtime.transport.spec import fragmentation_from_spec, spec_fingerprint
 
@@ -150,15 +150,8 @@ def quick(caplog):
     """A real syncer in this process whose data-port messages have a 1 s deadline."""
     caplog.set_level(logging.INFO)
     limits = BulkLimits(message_timeout_s=1.0)
-    server = SyncerServer(
-        SyncerServerConfig(token="tok", heartbeat_timeout_s=600.0, data_limits=limits)
-    )
-    port = server.start()
-    client = SyncerClient(f"127.0.0.1:{port}", "tok")
-    spec, inc = init_syncer(client, tiny_model())
-    yield server, client, spec, inc
-    client.close()
-    server.close()
+    with live_syncer(heartbeat_timeout_s=600.0, data_limits=limits) as live:
+        yield live.server, live.client, live.spec, live.inc
 
 
 def _wait_for(client: SyncerClient, code: str, n: int, timeout_s: float = 10.0) -> dict:

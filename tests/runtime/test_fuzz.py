@@ -11,10 +11,8 @@ import grpc
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from runtime_helpers import init_syncer, tiny_model
+from runtime_helpers import live_syncer
 
-from ddiloco.runtime.learner.client import SyncerClient
-from ddiloco.runtime.syncer.server import SyncerServer, SyncerServerConfig
 from ddiloco.runtime.transport import schema, wire
 from ddiloco.runtime.transport.bulk import BulkClient, BulkError
 
@@ -96,15 +94,10 @@ def test_every_schema_accepts_or_raises_schema_error(h):
 
 @pytest.fixture(scope="module")
 def live():
-    server = SyncerServer(SyncerServerConfig(token="tok", heartbeat_timeout_s=600.0))
-    port = server.start()
-    client = SyncerClient(f"127.0.0.1:{port}", "tok")
-    spec, inc = init_syncer(client, tiny_model())
-    bulk = BulkClient("127.0.0.1", server.bulk_port, "tok")
-    yield server, client, bulk, inc
-    bulk.close()
-    client.close()
-    server.close()
+    with live_syncer(heartbeat_timeout_s=600.0) as live:
+        bulk = BulkClient("127.0.0.1", live.server.bulk_port, "tok")
+        yield live.server, live.client, bulk, live.inc
+        bulk.close()
 
 
 CALLS = ["Join", "Watch", "Heartbeat", "Leave", "Status"]

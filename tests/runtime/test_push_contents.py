@@ -5,27 +5,25 @@ shows it."""
 
 from __future__ import annotations
 
+import contextlib
+
 import grpc
 import pytest
 import torch
-from runtime_helpers import expect_rejection, init_syncer, push_header, tiny_model
+from runtime_helpers import expect_rejection, live_syncer, push_header
 
 from ddiloco.algorithm.codecs import get_codec
 from ddiloco.algorithm.syncer_state import SyncerConfig
 from ddiloco.runtime.launch.status import format_status
 from ddiloco.runtime.learner.client import SyncerClient
-from ddiloco.runtime.syncer.server import SyncerServer, SyncerServerConfig
 from ddiloco.runtime.transport import wire
-from ddiloco.runtime.transport.spec import fragmentation_from_spec
 
 
+@contextlib.contextmanager
 def _live(syncer: SyncerConfig):
-    server = SyncerServer(SyncerServerConfig(token="tok", heartbeat_timeout_s=600.0, syncer=syncer))
-    port = server.start()
-    client = SyncerClient(f"127.0.0.1:{port}", "tok")
-    spec, inc = init_syncer(client, tiny_model())
-    assert client.data is not None
-    return server, client, fragmentation_from_spec(spec), inc
+    with live_syncer(heartbeat_timeout_s=600.0, syncer=syncer) as live:
+        assert live.client.data is not None
+        yield live.server, live.client, live.frag, live.inc
 
 
 def _send(client: SyncerClient, transport: str, header: dict, data: bytes) -> dict:
@@ -37,8 +35,7 @@ def _send(client: SyncerClient, transport: str, header: dict, data: bytes) -> di
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("transport", ["grpc", "data"])
 def test_non_finite_pushes_are_refused_before_the_merge(transport):
-    server, client, frag, inc = _live(SyncerConfig(history=2))
-    try:
+    with _live(SyncerConfig(history=2)) as (server, client, frag, inc):
         before = client.fetch(None)
         good = [t.clone().view(-1) for t in before[0][1]]
         seq = 0
@@ -72,15 +69,11 @@ def test_non_finite_pushes_are_refused_before_the_merge(transport):
             _send(client, transport, push_header(frag, 0, data, inc, 99), data)["status"]
             == "accepted"
         )
-    finally:
-        client.close()
-        server.close()
 
 
 @pytest.mark.timeout(60)
 def test_the_real_syncer_clips_a_wild_outer_gradient_and_counts_it():
-    server, client, frag, inc = _live(SyncerConfig(norm_clip=3.0))
-    try:
+    with _live(SyncerConfig(norm_clip=3.0)) as (server, client, frag, inc):
         p = 0
         for seq in range(1, 13):  # ordinary pushes, then the wild one
             version, theta, _ = client.fetch([p])[p]
@@ -97,6 +90,3 @@ def test_the_real_syncer_clips_a_wild_outer_gradient_and_counts_it():
         st = client.status()
         assert st["counters"]["clipped_pushes"] == 1, st["counters"]
         assert "merge guard: 1 outer gradients clipped" in format_status(st)
-    finally:
-        client.close()
-        server.close()

@@ -11,7 +11,7 @@ import time
 import grpc
 import pytest
 import torch
-from runtime_helpers import expect_rejection, init_syncer, push_header, tiny_model
+from runtime_helpers import expect_rejection, init_syncer, live_syncer, push_header, tiny_model
 
 from ddiloco.algorithm.codecs import get_codec
 from ddiloco.runtime.learner.client import SyncerClient
@@ -123,14 +123,8 @@ def test_data_port_hello_of_any_shape_gets_a_typed_refusal(syncer_factory):
 
 @pytest.mark.timeout(60)
 def test_a_failed_publication_is_counted_and_retried_never_lost():
-    from ddiloco.runtime.syncer.server import SyncerServer, SyncerServerConfig
-
-    server = SyncerServer(SyncerServerConfig(token="tok"))
-    port = server.start()
-    client = SyncerClient(f"127.0.0.1:{port}", "tok")
-    try:
-        spec, inc = init_syncer(client, tiny_model())
-        frag = fragmentation_from_spec(spec)
+    with live_syncer() as live:
+        server, client, inc, frag = live.server, live.client, live.inc, live.frag
         real, failures = server._encode_down, [1]
 
         def flaky(params):  # the first publication after the merge runs out of memory
@@ -151,6 +145,3 @@ def test_a_failed_publication_is_counted_and_retried_never_lost():
         st = client.status()
         assert st["counters"]["publish_errors"] == 1 and st["merges"] == 1
         assert client.fetch([0])[0][0] == 1
-    finally:
-        client.close()
-        server.close()

@@ -17,6 +17,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import runtime_helpers
 import torch
 from runtime_helpers import init_syncer, read_jsonl, tiny_model
 
@@ -141,7 +142,8 @@ with DecoupledLearner(model, opt, syncer={address!r}, learner=1, P=2, H=4, tau=1
 
 
 def _user_loop(address: str, token: str, steps: int) -> subprocess.Popen:
-    code = _LOOP.format(tests=str(Path(__file__).parent), address=address, steps=steps)
+    harness = Path(runtime_helpers.__file__).parent  # where the child imports tiny_model from
+    code = _LOOP.format(tests=str(harness), address=address, steps=steps)
     return subprocess.Popen(
         [sys.executable, "-c", code],
         stdout=subprocess.PIPE,

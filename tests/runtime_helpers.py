@@ -1,13 +1,27 @@
-"""Helpers for the runtime's integration tests: real processes on 127.0.0.1."""
+"""The harness for tests against real syncers on 127.0.0.1, shared by every test directory
+(``tests/conftest.py`` exposes ``syncer_factory``).
+
+- ``syncer_factory`` / ``SyncerProcess``: ``ddiloco syncer`` processes on ephemeral ports,
+  logging to ``syncer.log`` and ``syncer.jsonl`` in their directory;
+- ``live_syncer``: a ``SyncerServer`` in the test's own process (to reach its internals or
+  watch its log records), with learner 0 joined and a tiny model uploaded;
+- ``init_syncer``, ``push_header``, ``expect_rejection``: a learner's first calls, a push, a
+  typed refusal;
+- ``tiny_config`` / ``tiny_model``: runs and models small enough for these tests.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -203,14 +217,63 @@ def push_header(frag, p: int, data: bytes, inc: int, seq: int, codec: str = "fp3
 
 @pytest.fixture
 def syncer_factory(tmp_path):
-    """Start ``ddiloco syncer`` processes on ephemeral ports; stop them after the test."""
+    """Start ``ddiloco syncer`` processes on ephemeral ports (in ``tmp_path``, or in ``dir``
+    for a second one); stop them after the test."""
     made = []
 
-    def make(*args: str, token: str = "test-token") -> SyncerProcess:
-        s = SyncerProcess(tmp_path, token, *args)
+    def make(*args: str, token: str = "test-token", dir: Path | None = None) -> SyncerProcess:
+        if dir is not None:
+            dir.mkdir(parents=True, exist_ok=True)
+        s = SyncerProcess(dir or tmp_path, token, *args)
         made.append(s)
         return s
 
     yield make
     for s in made:
         s.close()
+
+
+@dataclass
+class LiveSyncer:
+    """A ``SyncerServer`` in this process, and learner 0's client (joined, model uploaded)."""
+
+    server: Any
+    """The ``SyncerServer``."""
+    client: Any
+    """Learner 0's ``SyncerClient``."""
+    spec: dict
+    """The model spec the syncer was initialised with."""
+    inc: int
+    """Learner 0's incarnation."""
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.server.port}"
+
+    @property
+    def frag(self):
+        """The fragmentation of ``spec``."""
+        from ddiloco.runtime.transport.spec import fragmentation_from_spec
+
+        return fragmentation_from_spec(self.spec)
+
+
+@contextlib.contextmanager
+def live_syncer(token: str = "tok", *, model=None, P: int = 2, **config) -> Iterator[LiveSyncer]:
+    """A real syncer in this process on an ephemeral port (``SyncerServerConfig(token=token,
+    **config)``), initialised with ``model`` (``tiny_model()``) in ``P`` fragments by learner
+    0; the client and the server are closed on exit."""
+    from ddiloco.runtime.learner.client import SyncerClient
+    from ddiloco.runtime.syncer.server import SyncerServer, SyncerServerConfig
+
+    server = SyncerServer(SyncerServerConfig(token=token, **config))
+    try:
+        port = server.start()
+        client = SyncerClient(f"127.0.0.1:{port}", token)
+        try:
+            spec, inc = init_syncer(client, tiny_model() if model is None else model, P)
+            yield LiveSyncer(server, client, spec, inc)
+        finally:
+            client.close()
+    finally:
+        server.close()
