@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check, in one run of under 8 minutes on one CUDA device:
-#   1. the CUDA tests (tests/runtime/test_device.py: snapshot/install/alpha mixing against CPU
+#   1. the CUDA tests (tests/runtime/learner/test_device.py: snapshot/install/alpha mixing against CPU
 #      references, a CUDA learner against a CPU syncer in fp32 and bf16 autocast, a two-rank
 #      Gloo island with its model on CUDA; the NCCL island needs 2 GPUs and says so);
 #   2. bench/gpu_throughput.py: gpt_125m, bf16 autocast, M learners sharing the GPU, tokens/s
@@ -46,7 +46,7 @@ nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || true
   | tee -a "$OUT/gpu_check.log"
 
 log "1/4 CUDA tests"
-timeout 240 "$PY" -m pytest tests/runtime/test_device.py -v -rs -p no:cacheprovider \
+timeout 240 "$PY" -m pytest tests/runtime/learner/test_device.py -v -rs -p no:cacheprovider \
   > "$OUT/pytest.log" 2>&1
 tests_rc=$?
 tail -n 12 "$OUT/pytest.log" >&2

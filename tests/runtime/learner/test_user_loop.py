@@ -25,7 +25,7 @@ from ddiloco.runtime.export import state_dict_from_syncer
 from ddiloco.runtime.learner.client import SyncerClient, SyncerError
 from ddiloco.runtime.learner.hook import DecoupledLearner
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(autouse=True)
