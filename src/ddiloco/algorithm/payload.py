@@ -16,7 +16,19 @@ import torch
 
 from ddiloco.algorithm.codecs import Codec
 
-__all__ = ["EncodedParams"]
+__all__ = ["EncodedParams", "encode_push"]
+
+
+def encode_push(
+    codec: Codec, params: Sequence[torch.Tensor], base: Sequence[torch.Tensor] | None
+) -> tuple[bytes, bool]:
+    """The wire bytes of a push of ``params`` and whether they are a delta: through a
+    ``delta`` codec, the difference from ``base`` (the learner's installed copy of the
+    version the push names), else the parameters themselves (also when there is no base).
+    The runtime learner and the in-process engine both encode with this."""
+    if codec.delta and base is not None:
+        return b"".join(codec.encode(x.float() - b.float()) for x, b in zip(params, base)), True
+    return b"".join(codec.encode(x) for x in params), False
 
 
 class EncodedParams(Sequence[torch.Tensor]):

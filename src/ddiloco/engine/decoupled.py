@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from ddiloco.algorithm.downlink import DeltaChain
 from ddiloco.algorithm.learner_state import LearnerSync, Outgoing
+from ddiloco.algorithm.payload import EncodedParams, encode_push
 from ddiloco.algorithm.policy import WaitUntil
 from ddiloco.algorithm.schedule import FragmentSchedule
 from ddiloco.algorithm.syncer_state import Contribution, Merged, Status, SyncerConfig, SyncerState
@@ -137,13 +138,17 @@ def run_decoupled(cfg: TrainConfig, ctx) -> dict:
 
     def send(m: int, out: Outgoing, now: float, finals: tuple[int, ...] | None = None) -> None:
         """``finals``: a finishing learner's last pushes (the fragments it sends)."""
-        base = syncer.published(out.fragment, out.base_version) if up.delta else None
-        if base is None:  # the parameters themselves, as the codec carries them
-            params = out.params if up.lossless else [up.roundtrip(x) for x in out.params]
-        else:  # delta against the copy the learner installed, added to the published version
-            mine = held[m].get(out.fragment, {}).get(out.base_version, base)
-            params = [b + up.roundtrip(x - h) for x, b, h in zip(out.params, base, mine)]
-        nbytes = up.nbytes(sum(x.numel() for x in out.params))
+        # the bytes the runtime learner sends (encode_push): a ``delta`` codec's push is the
+        # difference from the copy the learner installed, which the syncer adds to its own
+        # version of it (while it holds that version; otherwise the parameters go)
+        mine = None
+        if up.delta and syncer.holds(out.fragment, out.base_version):
+            mine = held[m].get(out.fragment, {}).get(out.base_version)
+            if mine is None:  # a lossless downlink: the learner holds the published version
+                mine = syncer.published(out.fragment, out.base_version)
+        data, delta = encode_push(up, out.params, mine)
+        params = EncodedParams(up, bytearray(data), [x.shape for x in out.params], delta=delta)
+        nbytes = len(data)
         stats["bytes_up"] += nbytes
         stats["pushes"] += 1
         q.push(

@@ -14,6 +14,7 @@ import grpc
 import torch
 
 from ddiloco.algorithm.learner_state import Outgoing
+from ddiloco.algorithm.payload import encode_push
 from ddiloco.runtime.learner.client import RETRYABLE, rpc_code, rpc_details
 from ddiloco.runtime.learner.events import PushResult, Received
 
@@ -55,12 +56,11 @@ class LinksMixin:
                 del d[v]
 
     def _encode(self, o: Outgoing) -> tuple[bytes, bool]:
+        base = None
         if self.codec.delta:
             with self._lock:
                 base = self._base_params.get(o.fragment, {}).get(o.base_version)
-            if base is not None:
-                return b"".join(self.codec.encode(x - b) for x, b in zip(o.params, base)), True
-        return b"".join(self.codec.encode(x) for x in o.params), False
+        return encode_push(self.codec, o.params, base)
 
     def _sender(self, k: int = 0) -> None:
         """Send the pushes of syncer shard k's fragments."""
