@@ -27,6 +27,7 @@ from tyro.constructors._struct_spec_dataclass import dataclass_rule
 from ddiloco.config.files import load_config
 from ddiloco.config.run import FLAT, PRESETS, TrainConfig, preset
 from ddiloco.config.sections import SECTIONS, RuntimeConfig, SyncConfig
+from ddiloco.flag_errors import FlagError, parse_flags
 
 __all__ = [
     "ConfigError",
@@ -147,9 +148,12 @@ def _base(config: str | None) -> TrainConfig:
 
 def _cli(cls: type, argv: list[str], default: Any, prog: str, description: str) -> Any:
     own = frozenset(f.name for f in dataclasses.fields(cls))  # the command's own options
-    return tyro.cli(
-        cls, args=argv, default=default, prog=prog, description=description, registry=_registry(own)
-    )
+    try:
+        return parse_flags(
+            cls, argv, default=default, prog=prog, description=description, registry=_registry(own)
+        )
+    except FlagError as e:  # an unparsable value or an unknown flag: one line
+        raise ConfigError(str(e)) from None
 
 
 # -- ddiloco train ---------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal, NoReturn
 import tyro
 
 from ddiloco.bandwidth import BandwidthConfig
+from ddiloco.flag_errors import parse_flags
 from ddiloco.sim.failures import FailureConfig
 from ddiloco.sim.stats import SEEDS
 from ddiloco.sim.systems import CostModel, SimConfig
@@ -140,9 +141,9 @@ def _simulate_registry():
 def parse_simulate(argv: Sequence[str], prog: str = "ddiloco simulate") -> SimulateArgs:
     """``ddiloco simulate`` arguments; a bad value exits 2 with one line naming it."""
     try:
-        args = tyro.cli(
+        args = parse_flags(
             SimulateArgs,
-            args=list(argv),
+            list(argv),
             prog=prog,
             description="Event-driven chaos simulation with the calibrated costs "
             "(see docs/simulator.md). Goodput and uptime with 95% CIs over seeds.",
@@ -385,9 +386,9 @@ def _bandwidth_registry():
 def parse_bandwidth(argv: Sequence[str], prog: str = "ddiloco bandwidth") -> BandwidthArgs:
     """``ddiloco bandwidth`` arguments; a bad value exits 2 with one line naming it."""
     try:
-        args = tyro.cli(
+        args = parse_flags(
             BandwidthArgs,
-            args=list(argv),
+            list(argv),
             prog=prog,
             description="Compute-utilisation model of DP, DiLoCo, Streaming DiLoCo and "
             "Decoupled DiLoCo across D datacenters (see docs/bandwidth.md for the "

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import tyro
 from tyro.constructors import PrimitiveConstructorSpec
 
+from ddiloco.flag_errors import parse_flags
 from ddiloco.runtime.launch.backends import backend_names, get_backend
 
 if TYPE_CHECKING:
@@ -111,9 +112,9 @@ def _launch_registry():
 def parse_launch(argv: list[str]) -> tuple[Any, list[str]]:
     """``ddiloco launch``'s own options (a ``launch_args_class()``) and the rest of ``argv``
     (the run's flags)."""
-    return tyro.cli(
+    return parse_flags(
         launch_args_class(),
-        args=argv,
+        argv,
         prog="ddiloco launch",
         description="Write a cluster job for a run: its script, config.toml and token file "
         "in the run directory (--out). Every flag of `ddiloco train` (--config FILE, "

@@ -1,0 +1,60 @@
+"""A command line that tyro cannot parse is one line on stderr and exit status 2, for every
+command whose flags tyro generates (not tyro's multi-line box)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ddiloco.cli import main
+from ddiloco.flag_errors import _reason
+
+pytestmark = pytest.mark.timeout(60)
+
+CASES = [
+    # (argv, the error line after "ddiloco CMD: error: ")
+    (["simulate", "--system", "dp", "--chips", "abc"], "--chips: expected an integer, got 'abc'"),
+    (
+        ["simulate", "--system", "dp", "--chips", "1e6", "--hours", "x"],
+        "--hours: expected a number",
+    ),
+    (["simulate", "--bogus", "1"], "unrecognized arguments: --bogus 1"),
+    (["simulate", "--system", "tpu"], "--system: invalid choice 'tpu'; choose one of "),
+    (["bandwidth", "--datacenters", "many"], "--datacenters: expected an integer, got 'many'"),
+    (["bandwidth", "--datacenters"], "--datacenters: expected a value"),
+    (["bandwidth", "--tau", "1.5x"], "--tau: expected an integer, got '1.5x'"),
+    (["launch", "--backend", "pbs"], "--backend: invalid choice 'pbs'; choose one of slurm"),
+    (
+        ["launch", "--backend", "slurm", "--nodes-per-island", "x"],
+        "--nodes-per-island: expected an integer, got 'x'",
+    ),
+    (["train", "--steps", "many"], "--steps: expected an integer, got 'many'"),
+    (["syncer", "--port", "x"], "--port/--runtime.port: expected an integer, got 'x'"),
+]
+
+
+@pytest.mark.parametrize("argv,line", CASES, ids=[" ".join(a) for a, _ in CASES])
+def test_an_unparsable_command_line_is_one_line_and_exit_2(argv, line, capsys):
+    assert _status(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith(f"ddiloco {argv[0]}: error: {line}"), err
+    assert "╭" not in err
+
+
+def _status(argv: list[str]) -> int | str | None:
+    """The exit status of ``ddiloco ARGV``: returned, or raised as SystemExit."""
+    try:
+        return main(argv)
+    except SystemExit as e:
+        return e.code
+
+
+def test_the_reason_of_a_union_names_the_types_other_than_none():
+    message = (
+        "no type matching {None}|INT could be instantiated from ['abc'].\n\nGot errors:  \n"
+        "- <class 'NoneType'>: ['abc'] does not match choices ('None',)\n"
+        "- <class 'int'>: invalid literal for int() with base 10: 'abc'"
+    )
+    assert _reason(message) == "expected an integer, got 'abc'"
+    assert _reason("could not convert string to float: 'x'") == "expected a number, got 'x'"
+    assert _reason("something else\nand more") == "something else; and more"
