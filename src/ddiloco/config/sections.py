@@ -377,7 +377,7 @@ class RuntimeConfig:
     """Ranks per learner; > 1 runs each learner as a torchrun island (DDP inside)."""
     shards: int = 1
     """Syncer processes S under ``ddiloco train``, each owning the fragments p with
-    p % S == its index (``ddiloco.runtime.syncer.shards``), each checkpointed to
+    p % S == its index (``ddiloco.runtime.transport.shards``), each checkpointed to
     ``checkpoint/shard_k`` and restarted on its own."""
     connect_timeout_s: float = 300.0
     """How long a learner waits for the syncer."""
