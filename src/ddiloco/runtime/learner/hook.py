@@ -49,6 +49,7 @@ from ddiloco.runtime.learner.client import LinkLimits, SyncerError, rpc_details
 from ddiloco.runtime.learner.device import DeviceCopier
 from ddiloco.runtime.learner.events import InboxMixin
 from ddiloco.runtime.learner.island import IslandMixin
+from ddiloco.runtime.learner.layout import island_group, unwrap_model
 from ddiloco.runtime.learner.links import LinksMixin
 from ddiloco.runtime.learner.session import DUPLICATE_WAIT_S, SessionMixin
 from ddiloco.runtime.learner.sharded import SendQueues, ShardedClient
@@ -80,6 +81,12 @@ class DecoupledLearner(InboxMixin, SessionMixin, LinksMixin, IslandMixin):
     steps. The clock is Unix time: the hosts' clocks must agree to well within one step
     (NTP does).
     Thread-safety: call ``step`` from the training thread only.
+
+    ``model`` may come plain, wrapped in ``DistributedDataParallel`` (or ``DataParallel``,
+    or ``torch.compile``) or sharded by FSDP2: the syncer knows its tensors by the names of
+    the user's own module (``ddiloco.runtime.learner.layout``), so learners wrapped
+    differently train one model. Without ``process_group``, a DDP wrapper's group is the
+    island's.
 
     The global model: ``global_state_dict()`` returns it at any time, ``load_global()``
     installs it into ``model`` and trains on from it, ``load_global_on_exit=True`` copies it
@@ -120,7 +127,10 @@ class DecoupledLearner(InboxMixin, SessionMixin, LinksMixin, IslandMixin):
             )
         if schedule not in ("time", "steps"):
             raise ValueError(f"schedule must be 'time' or 'steps', got {schedule!r}")
-        self.model, self.optimizer = model, optimizer
+        self.model = unwrap_model(model)
+        """The user's module, unwrapped (``layout``): its parameter names are the ones the
+        syncer knows, whether the model came plain, DDP-wrapped or FSDP2-sharded."""
+        self.optimizer = optimizer
         self.learner = -1 if learner is None else learner
         """This learner's id: the one asked for, or (-1 until the first Join) the one the
         syncer assigned."""
@@ -139,6 +149,8 @@ class DecoupledLearner(InboxMixin, SessionMixin, LinksMixin, IslandMixin):
         self.step_offset = 0
         """Steps this learner id did in earlier processes (the syncer's record, from the
         latest report of its previous incarnation): ``global_step`` counts from it."""
+        if process_group is None:  # a DDP wrapper's group: the island the user set up
+            process_group = island_group(model)
         self.group = process_group
         self._control_group = process_group
         self.rank = 0
@@ -153,6 +165,7 @@ class DecoupledLearner(InboxMixin, SessionMixin, LinksMixin, IslandMixin):
                 self._control_group = dist.new_group(
                     dist.get_process_group_ranks(process_group), backend="gloo"
                 )
+        model = self.model
         n_tensors = len(list(model.parameters()))
         P = P if P is not None else min(H, n_tensors, 24)
         self.spec = model_spec(model, P, strategy)

@@ -1,0 +1,84 @@
+"""Learners wrapped differently train one model: ``examples/torchrun_learner.py`` as a
+plain process and as torchrun islands (DDP, FSDP2, HSDP) against one real syncer process.
+The syncer knows every tensor by its name in the unwrapped module, whatever the layout."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from runtime_helpers import read_jsonl
+
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "torchrun_learner.py"
+
+
+def start_learner(
+    syncer, m: int, wrap: str, ranks: int, tmp: Path, steps: int, *extra: str
+) -> subprocess.Popen:
+    """Learner m of the example: one process (``ranks == 1``) or a torchrun island."""
+    head = [sys.executable]
+    if ranks > 1:
+        head += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+    cmd = [*head, str(EXAMPLE), "--syncer", syncer.address, "--learner", str(m)]
+    cmd += ["--wrap", wrap, "--steps", str(steps), *extra]
+    env = {**syncer.env, "OMP_NUM_THREADS": "1"}
+    src = str(Path(__file__).resolve().parents[3] / "src")
+    env["PYTHONPATH"] = os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])
+    return subprocess.Popen(
+        cmd, env=env, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def finish(procs: list[subprocess.Popen], timeout_s: float) -> list[list[dict]]:
+    """Each learner's reports (the JSON lines it printed, by rank), once all have exited."""
+    outs = [p.communicate(timeout=timeout_s) for p in procs]
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-4000:]
+    reports = [[json.loads(x) for x in out.splitlines() if x.startswith("{")] for out, _ in outs]
+    return [sorted(r, key=lambda x: x["rank"]) for r in reports]
+
+
+def merged_learners(syncer) -> set[int]:
+    return {
+        m for r in read_jsonl(syncer.tmp / "syncer.jsonl") if r["kind"] == "merge"
+        for m in r["learners"]
+    }  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_ddp_wrapped_island_trains_beside_a_plain_learner(syncer_factory, tmp_path):
+    """``module.`` in front of every name (DDP) is no other model: both learners join, and
+    the hook finds the island's process group in the DDP wrapper itself."""
+    s = syncer_factory()
+    procs = [
+        start_learner(s, 0, "plain", 1, tmp_path, 40),
+        start_learner(s, 1, "ddp", 2, tmp_path, 40),
+    ]
+    plain, ddp = finish(procs, 200)
+    assert len(ddp) == 2 and {r["rank"] for r in ddp} == {0, 1}
+    for r in [*plain, ddp[0]]:
+        assert r["steps"] == 40 and r["installs"] > 0 and r["pushes_accepted"] > 0, r
+        assert r["last_loss"] < 0.8 * r["first_loss"], r
+    assert ddp[1]["pushes"] == 0  # rank 0 of a DDP island talks to the syncer for it
+    assert merged_learners(s) == {0, 1}
+    joins = [r for r in read_jsonl(s.tmp / "syncer.jsonl") if r["kind"] == "join"]
+    assert sorted(r["learner"] for r in joins) == [0, 1]  # one join per learner, no E_SPEC
+
+
+def test_wrappers_are_unwrapped_to_the_users_module():
+    import torch
+
+    from ddiloco.runtime.learner.layout import island_group, unwrap_model
+
+    inner = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    dp = torch.nn.DataParallel(inner)
+    assert [n for n, _ in dp.named_parameters()] == ["module.0.weight", "module.0.bias"]
+    assert unwrap_model(dp) is inner
+    assert unwrap_model(torch.compile(dp)) is inner  # compile's _orig_mod, then DP's module
+    assert unwrap_model(inner) is inner
+    assert island_group(inner) is None and island_group(dp) is None
