@@ -1,9 +1,13 @@
 """Checkpoint integrity: a damaged or non-finite checkpoint is never served; the syncer
-falls back to the newest valid one it kept, says so loudly, removes stale temp files, and a
-SIGTERM while the disk is full ends it cleanly."""
+falls back to the newest valid one it kept, says so loudly, removes stale temp files and a
+killed writer's fragment files, a writer killed at any point of a write leaves the previous
+checkpoint, and a SIGTERM while the disk is full ends it cleanly."""
 
 from __future__ import annotations
 
+import hashlib
+import io
+import json
 import resource
 import signal
 import subprocess
@@ -13,11 +17,14 @@ import time
 import pytest
 import torch
 from runtime_helpers import SyncerProcess, init_syncer, tiny_model
+from safetensors import safe_open
 
 from ddiloco.algorithm.codecs import get_codec
 from ddiloco.runtime.learner.client import SyncerClient
 from ddiloco.runtime.syncer.checkpoint import (
+    LEGACY_MAGIC,
     CheckpointError,
+    has_checkpoint,
     load_checkpoint,
     load_newest_valid,
     remove_stale_temps,
@@ -32,24 +39,135 @@ def _flip(path, at: float = 0.6) -> None:
     path.write_bytes(bytes(data))
 
 
+def _snap(i: int, value: float | None = None) -> dict:
+    """A snapshot of two fragments (the second with two tensors) and a marker ``i``."""
+    v = float(i) if value is None else value
+    theta = [[torch.full((64,), v)], [torch.full((8,), 2.0), torch.arange(3.0)]]
+    return {"i": i, "state": {"theta": theta, "momentum": [[t * 0.5 for t in f] for f in theta]}}
+
+
+def _fragment_file(manifest, p: int = 0):
+    m = json.loads(manifest.read_text())
+    return manifest.parent / m["data"] / m["fragments"][p]["file"]
+
+
+def _names(d):
+    return sorted(p.name for p in d.iterdir())
+
+
 def test_checksum_finite_check_fallback_and_temp_cleanup(tmp_path, caplog):
-    path = tmp_path / "syncer.pt"
+    path = tmp_path / "syncer.json"
     for i in range(4):
-        save_atomic({"x": torch.full((64,), float(i)), "i": i}, path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["syncer.pt", "syncer.pt.1", "syncer.pt.2"]
-    assert load_checkpoint(path)["i"] == 3
-    _flip(path)
+        save_atomic(_snap(i), path)
+    # the last 3 kept: their manifests and fragment directories, nothing else
+    assert _names(tmp_path) == [
+        "syncer-000002", "syncer-000003", "syncer-000004",
+        "syncer.json", "syncer.json.1", "syncer.json.2",
+    ]  # fmt: skip
+    ck = load_checkpoint(path)
+    assert ck["i"] == 3 and torch.equal(ck["state"]["theta"][0][0], torch.full((64,), 3.0))
+    assert torch.equal(ck["state"]["momentum"][1][1], torch.arange(3.0) * 0.5)
+    with safe_open(str(_fragment_file(path, 1)), framework="pt") as f:  # plain safetensors
+        assert sorted(f.keys()) == ["momentum.0", "momentum.1", "theta.0", "theta.1"]
+    _flip(_fragment_file(path))  # a damaged fragment file
     with pytest.raises(CheckpointError, match="checksum"):
         load_checkpoint(path)
     ck, used = load_newest_valid(path)
-    assert ck["i"] == 2 and used.name == "syncer.pt.1"
+    assert ck["i"] == 2 and used.name == "syncer.json.1"
     assert "CHECKPOINT REJECTED" in caplog.text and "OLDER CHECKPOINT" in caplog.text
-    save_atomic({"x": torch.tensor([1.0, float("nan")]), "i": 9}, tmp_path / "nan.pt")
+    _flip(tmp_path / "syncer.json.1", at=0.3)  # a damaged manifest
+    with pytest.raises(CheckpointError, match="checksum|not a ddiloco"):
+        load_checkpoint(tmp_path / "syncer.json.1")
+    _fragment_file(tmp_path / "syncer.json.2", 1).unlink()
+    with pytest.raises(CheckpointError, match="missing"):
+        load_checkpoint(tmp_path / "syncer.json.2")
+    with pytest.raises(CheckpointError, match="no valid checkpoint"):
+        load_newest_valid(path)
+    save_atomic(_snap(9, float("nan")), tmp_path / "nan.json")
     with pytest.raises(CheckpointError, match="NaN"):
-        load_checkpoint(tmp_path / "nan.pt")
-    (tmp_path / ".syncer.pt.tmp.12345").write_bytes(b"partial")
-    assert remove_stale_temps(tmp_path) == 1
-    assert not list(tmp_path.glob(".syncer.pt.tmp.*"))
+        load_checkpoint(tmp_path / "nan.json")
+    d = tmp_path / "stale"
+    save_atomic(_snap(1), d / "syncer.json")
+    (d / ".syncer.json.tmp.12345").write_bytes(b"partial")
+    (d / "syncer-000099").mkdir()  # a killed writer's fragment files, named by no manifest
+    assert remove_stale_temps(d) == 2
+    assert _names(d) == ["syncer-000001", "syncer.json"]
+
+
+def test_lazy_load_reads_a_fragment_when_it_is_taken(tmp_path):
+    path = tmp_path / "syncer.json"
+    save_atomic(_snap(1), path)
+    _flip(_fragment_file(path, 1))
+    ck = load_checkpoint(path, lazy=True)  # the manifest is fine
+    assert len(ck["state"]["theta"]) == 2
+    assert torch.equal(ck["state"]["theta"][0][0], torch.full((64,), 1.0))
+    with pytest.raises(CheckpointError, match="checksum"):
+        ck["state"]["momentum"][1]
+
+
+def test_a_snapshot_that_is_not_json_is_refused_before_anything_is_written(tmp_path):
+    snap = _snap(1)
+    snap["stray"] = torch.zeros(2)
+    with pytest.raises(TypeError, match="only JSON values"):
+        save_atomic(snap, tmp_path / "syncer.json")
+    assert _names(tmp_path) == []
+
+
+def test_the_earlier_single_file_format_is_still_read(tmp_path):
+    payload = io.BytesIO()
+    torch.save(_snap(5), payload)
+    body = payload.getvalue()
+    (tmp_path / "syncer.pt").write_bytes(LEGACY_MAGIC + hashlib.sha256(body).digest() + body)
+    assert has_checkpoint(tmp_path)
+    ck, used = load_newest_valid(tmp_path / "syncer.json")
+    assert ck["i"] == 5 and used.name == "syncer.pt"
+    save_atomic(_snap(6), tmp_path / "syncer.json")  # a new checkpoint beside it: read first
+    assert load_newest_valid(tmp_path / "syncer.json")[0]["i"] == 6
+
+
+_TORN = """
+import os, signal, sys
+import torch
+from ddiloco.runtime.syncer import checkpoint as C
+
+def snap(i):
+    theta = [[torch.full((1000,), float(i))], [torch.full((10,), float(i))]]
+    return {"i": i, "state": {"theta": theta, "momentum": [[t * 0 for t in f] for f in theta]}}
+
+path = sys.argv[1] + "/syncer.json"
+C.save_atomic(snap(1), path)
+where, nth = sys.argv[2], int(sys.argv[3])
+real, calls = getattr(C, where) if hasattr(C, where) else getattr(os, where), [0]
+
+def killing(*a, **k):
+    calls[0] += 1
+    if calls[0] == nth:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(*a, **k)
+
+setattr(C if hasattr(C, where) else C.os, where, killing)
+C.save_atomic(snap(2), path)
+"""
+
+
+@pytest.mark.parametrize(
+    ("where", "nth"),
+    [
+        ("_write_fragment", 2),  # one fragment file written, the next not
+        ("_fsync_dir", 1),  # every fragment file written, no manifest yet
+        ("replace", 1),  # the manifest in its temp file, not renamed
+        ("replace", 2),  # the manifests moved down, the new one not renamed in yet
+    ],
+)
+def test_a_writer_killed_mid_write_leaves_the_previous_checkpoint(tmp_path, where, nth):
+    r = subprocess.run([sys.executable, "-c", _TORN, str(tmp_path), where, str(nth)], check=False)
+    assert r.returncode == -signal.SIGKILL
+    ck, used = load_newest_valid(tmp_path / "syncer.json")
+    assert ck["i"] == 1 and torch.equal(ck["state"]["theta"][1][0], torch.full((10,), 1.0))
+    remove_stale_temps(tmp_path)  # what a syncer does at start
+    assert _names(tmp_path) == ["syncer-000001", used.name]
+    save_atomic(_snap(3), tmp_path / "syncer.json")  # and the next write goes on from there
+    assert load_newest_valid(tmp_path / "syncer.json")[0]["i"] == 3
 
 
 def _push_one(client, frag, inc, seq, shift):
@@ -90,13 +208,13 @@ def test_resume_skips_a_corrupt_and_a_nan_checkpoint_and_keeps_the_data_port(tmp
     s.proc.kill()
     s.proc.wait()
     s.log.close()
-    (ck_dir / ".syncer.pt.tmp.99999").write_bytes(b"left by a killed writer")
-    _flip(ck_dir / "syncer.pt")  # newest: damaged
-    nan = load_checkpoint(ck_dir / "syncer.pt.1")
+    (ck_dir / ".syncer.json.tmp.99999").write_bytes(b"left by a killed writer")
+    _flip(_fragment_file(ck_dir / "syncer.json"))  # newest: a damaged fragment file
+    nan = load_checkpoint(ck_dir / "syncer.json.1")
     nan["state"]["theta"][0][0].view(-1)[0] = float("nan")
-    save_atomic(nan, ck_dir / "nan.pt")
-    (ck_dir / "nan.pt").replace(ck_dir / "syncer.pt.1")  # the one before: NaN
-    good_version = load_checkpoint(ck_dir / "syncer.pt.2")["state"]["versions"][0]
+    save_atomic(nan, ck_dir / "nan.json")
+    (ck_dir / "nan.json").replace(ck_dir / "syncer.json.1")  # the one before: NaN
+    good_version = load_checkpoint(ck_dir / "syncer.json.2")["state"]["versions"][0]
 
     (tmp_path / "port").unlink()
     s2 = SyncerProcess(tmp_path, "tok", "--checkpoint-dir", str(ck_dir), "--resume")
@@ -112,7 +230,7 @@ def test_resume_skips_a_corrupt_and_a_nan_checkpoint_and_keeps_the_data_port(tmp
         s2.close()
     log = (tmp_path / "syncer.log").read_text()
     assert "CHECKPOINT REJECTED" in log and "checksum" in log and "NaN" in log, log
-    assert not list(ck_dir.glob(".syncer.pt.tmp.*"))
+    assert not list(ck_dir.glob(".syncer.json.tmp.*"))
 
 
 def _disk_full(limit: int):
@@ -143,7 +261,7 @@ def test_sigterm_while_the_disk_is_full_exits_cleanly(tmp_path):
         env={**__import__("os").environ, "DDILOCO_TOKEN": "tok"},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-        preexec_fn=_disk_full(64 << 10),
+        preexec_fn=_disk_full(16 << 10),  # below a fragment file of the tiny model
     )
     try:
         deadline = time.monotonic() + 60
@@ -167,4 +285,5 @@ def test_sigterm_while_the_disk_is_full_exits_cleanly(tmp_path):
     assert proc.returncode == 0, text
     assert "Traceback" not in text, text
     assert "final checkpoint not written" in text, text
-    assert not list(ck_dir.glob(".syncer.pt.tmp.*"))
+    # the failed writes left nothing behind: no temp manifest, no fragment directory
+    assert not list(ck_dir.glob(".syncer.json.tmp.*")) and not list(ck_dir.glob("syncer-*"))

@@ -3,6 +3,7 @@ safetensors state_dict that the built-in model class loads."""
 
 from __future__ import annotations
 
+import json
 import socket
 
 import pytest
@@ -32,6 +33,14 @@ def test_export_of_a_run_evaluates_to_the_runs_final_loss(tmp_path, capsys):
     model.load_state_dict(load_file(str(out)))  # strict: every tensor, nothing else
     assert evaluate(model, evals) == pytest.approx(s["final_eval_loss"], abs=1e-5)
     assert s["final_eval_loss"] < s["initial_eval_loss"] - 0.3
+    # a damaged fragment file of the checkpoint is an error that says so, not a model
+    manifest = json.loads((tmp_path / "run" / "checkpoint" / "syncer.json").read_text())
+    frag = tmp_path / "run" / "checkpoint" / manifest["data"] / manifest["fragments"][0]["file"]
+    data = bytearray(frag.read_bytes())
+    data[-1] ^= 0x01
+    frag.write_bytes(bytes(data))
+    assert main(["export", str(tmp_path / "run"), "--out", str(out)]) == 2
+    assert "fails its SHA-256 checksum" in capsys.readouterr().err
 
 
 @pytest.mark.timeout(60)
@@ -67,7 +76,7 @@ def test_export_from_a_live_syncer_and_clear_errors(syncer_factory, tmp_path, ca
     (tmp_path / "empty_run").mkdir()
     assert main(["export", str(tmp_path / "empty_run"), "--out", str(out)]) == 2
     assert "no syncer checkpoint in" in capsys.readouterr().err
-    bad = tmp_path / "bad" / "syncer.pt"
+    bad = tmp_path / "bad" / "syncer.json"
     bad.parent.mkdir()
     bad.write_bytes(b"\x80\x02 not a checkpoint")
     assert main(["export", str(bad.parent), "--out", str(out)]) == 2

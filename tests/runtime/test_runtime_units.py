@@ -38,14 +38,20 @@ def test_frames_roundtrip_and_chunking():
 
 
 def test_checkpoint_is_atomic(tmp_path):
-    path = tmp_path / "ck" / "syncer.pt"
-    save_atomic({"x": torch.arange(3), "v": [1, 2]}, path)
-    save_atomic({"x": torch.arange(4), "v": [3]}, path)
+    path = tmp_path / "ck" / "syncer.json"
+    for n in (3, 4):
+        x = torch.arange(float(n))
+        save_atomic({"v": [n], "state": {"theta": [[x]], "momentum": [[x * 0]]}}, path)
     ck = load_checkpoint(path)
-    assert torch.equal(ck["x"], torch.arange(4)) and ck["v"] == [3]
-    assert sorted(p.name for p in path.parent.iterdir()) == ["syncer.pt", "syncer.pt.1"]  # no temp
+    assert torch.equal(ck["state"]["theta"][0][0], torch.arange(4.0)) and ck["v"] == [4]
+    assert sorted(p.name for p in path.parent.iterdir()) == [  # no temp
+        "syncer-000001",
+        "syncer-000002",
+        "syncer.json",
+        "syncer.json.1",
+    ]
     with pytest.raises(FileNotFoundError):
-        load_checkpoint(tmp_path / "missing.pt")
+        load_checkpoint(tmp_path / "missing.json")
 
 
 def test_chaos_schedule_is_seeded():

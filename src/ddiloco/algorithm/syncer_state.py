@@ -691,17 +691,29 @@ class SyncerState:
     def state_dict(self) -> dict:
         """Everything needed to resume: global fragments, momentum, versions, ledger.
 
-        Pending (unmerged) contributions are not saved: their learners re-push."""
+        ``theta`` and ``momentum`` hold the current tensors themselves, not copies (new
+        lists, one per fragment). That is safe because this state never writes a theta or
+        momentum tensor in place: every merge builds new tensors and swaps them into the
+        per-fragment lists (the published theta is shared with readers for the same
+        reason). So a checkpoint taken under the caller's lock can be written outside it
+        while merges go on, and costs no model-sized copy. Keep that invariant.
+
+        Pending (unmerged) contributions are not saved: their learners re-push. Every
+        other value is JSON (``seen_seq`` as [learner, fragment, seq] rows)."""
         return {
-            "theta": [[t.clone() for t in s.theta] for s in self.frags],
-            "momentum": [[t.clone() for t in s.momentum] for s in self.frags],
+            "theta": [list(s.theta) for s in self.frags],
+            "momentum": [list(s.momentum) for s in self.frags],
             "versions": self.versions(),
             "ledger": {m: vars_of(e) for m, e in self.ledger.items()},
             "merges": self.merges,
-            "seen_seq": dict(self._seen_seq),
+            "seen_seq": [[*k, v] for k, v in self._seen_seq.items()],
         }
 
     def load_state_dict(self, sd: dict) -> None:
+        """Resume from ``state_dict()``. Its fp32 contiguous tensors are taken over, not
+        copied (hand over tensors nobody else writes); ``sd["theta"]`` and
+        ``sd["momentum"]`` are read fragment by fragment, in order, so they may be
+        sequences that load each fragment when it is taken."""
         if len(sd["theta"]) != len(self.frags):
             raise ValueError(
                 f"checkpoint has {len(sd['theta'])} fragments, syncer has {len(self.frags)}"
@@ -709,8 +721,8 @@ class SyncerState:
         for s, th, mo, v in zip(self.frags, sd["theta"], sd["momentum"], sd["versions"]):
             if [tuple(t.shape) for t in th] != [tuple(t.shape) for t in s.theta]:
                 raise ValueError("checkpoint tensor shapes do not match the model")
-            s.theta = [t.float().clone() for t in th]
-            s.momentum = [t.float().clone() for t in mo]
+            s.theta = [_as_f32(t, copy=False) for t in th]
+            s.momentum = [_as_f32(t, copy=False) for t in mo]
             s.version = int(v)
             s.history = FragmentHistory([t.shape for t in s.theta])
             s.round = _Round()
@@ -718,7 +730,9 @@ class SyncerState:
         for e in self.ledger.values():
             e.tokens_pending = 0
         self.merges = int(sd["merges"])
-        self._seen_seq = {tuple(k): v for k, v in sd.get("seen_seq", {}).items()}
+        seen = sd.get("seen_seq", [])  # rows, or (an earlier checkpoint) a dict
+        rows = [[*k, v] for k, v in seen.items()] if isinstance(seen, dict) else seen
+        self._seen_seq = {(int(m), int(p)): int(v) for m, p, v in rows}
 
 
 def _as_f32(t: torch.Tensor, copy: bool) -> torch.Tensor:

@@ -236,7 +236,7 @@ class SyncerArgs:
     port_file: str | None = None
     """Write the bound port here (atomically)."""
     checkpoint_dir: str | None = None
-    """Directory for atomic checkpoints (syncer.pt); none without it."""
+    """Directory for atomic checkpoints (syncer.json and fragment files); none without it."""
     resume: bool = False
     """Resume from the checkpoint in --checkpoint-dir."""
     metrics_file: str | None = None

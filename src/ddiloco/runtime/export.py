@@ -2,9 +2,10 @@
 
 Two sources:
 
-- a run directory, a checkpoint directory or a ``syncer.pt`` file: the syncer's durable
-  global model (fp32 master values, exactly what the run's final evaluation used); a run of
-  the in-process engine keeps its final global model in ``final_model.safetensors``;
+- a run directory, a checkpoint directory or a checkpoint manifest (``syncer.json``, or a
+  ``syncer.pt`` file of the earlier format): the syncer's durable global model (fp32
+  master values, exactly what the run's final evaluation used); a run of the in-process
+  engine keeps its final global model in ``final_model.safetensors``;
 - ``HOST:PORT`` of a live syncer: its published global model (what learners install; with a
   ``bf16`` or ``int8`` downlink the values carry that rounding).
 
@@ -65,11 +66,12 @@ def _assemble(spec: dict, fragments: list[list[torch.Tensor]]) -> dict[str, torc
 
 def _checkpoint_path(source: str | Path) -> Path:
     p = Path(source)
-    from ddiloco.runtime.syncer.checkpoint import CHECKPOINT_NAME
+    from ddiloco.runtime.syncer.checkpoint import CHECKPOINT_NAME, LEGACY_NAME
 
-    for cand in (p, p / CHECKPOINT_NAME, p / "checkpoint" / CHECKPOINT_NAME):
-        if cand.is_file():
-            return cand
+    for d in (p, p / "checkpoint"):
+        for cand in (d, d / CHECKPOINT_NAME, d / LEGACY_NAME):
+            if cand.is_file():
+                return cand
     if not p.exists():
         raise ExportError(
             f"{p} does not exist: give a run directory (holding "
@@ -85,27 +87,33 @@ def _checkpoint_path(source: str | Path) -> Path:
 
 def state_dict_from_checkpoint(source: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     """(state_dict, metadata) of the global model in a syncer checkpoint; ``source`` is a run
-    directory (of either engine), a checkpoint directory or the ``syncer.pt`` file."""
+    directory (of either engine), a checkpoint directory or a checkpoint's manifest. Only
+    theta is read, fragment by fragment, each fragment file verified (SHA-256, finite)."""
     from ddiloco.rundir import FINAL_MODEL
-    from ddiloco.runtime.syncer.checkpoint import load_checkpoint
+    from ddiloco.runtime.syncer.checkpoint import CheckpointError, load_checkpoint
 
     final = Path(source) / FINAL_MODEL
     if final.is_file() and not (Path(source) / "checkpoint").is_dir():
         return _state_dict_from_file(final)
     path = _checkpoint_path(source)
+
+    def unreadable(e: Exception) -> ExportError:
+        return ExportError(
+            f"{path} is not a readable ddiloco syncer checkpoint ({type(e).__name__}: {e}); "
+            f"it may be truncated, damaged or from another program"
+        )
+
     try:
-        ck = load_checkpoint(path)
+        ck = load_checkpoint(path, lazy=True)
     except Exception as e:  # noqa: BLE001 - any unreadable file is the same error to the user
-        raise ExportError(
-            f"{path} is not a readable ddiloco syncer checkpoint "
-            f"({type(e).__name__}: {e}); it may be truncated or from another "
-            f"program"
-        ) from None
+        raise unreadable(e) from None
     try:
         spec, state = ck["spec"], ck["state"]
         check_spec(spec)
         sd = _assemble(spec, state["theta"])
         versions = [int(v) for v in state["versions"]]
+    except CheckpointError as e:  # a damaged fragment file, met while reading theta
+        raise unreadable(e) from None
     except (KeyError, TypeError, ValueError) as e:
         raise ExportError(f"{path} is not a ddiloco syncer checkpoint: {e}") from None
     return sd, {
@@ -224,8 +232,8 @@ def add_export_parser(subparsers) -> argparse.ArgumentParser:
         help="write the global model as a safetensors state_dict",
         description="Write the global model as a plain state_dict (safetensors), loadable "
         "with safetensors.torch.load_file into the model class the learners trained. SOURCE "
-        "is a run directory, a checkpoint directory, a syncer.pt file, or HOST:PORT of a live "
-        "syncer (token from $DDILOCO_TOKEN or --token-file).",
+        "is a run directory, a checkpoint directory, a checkpoint manifest (syncer.json), or "
+        "HOST:PORT of a live syncer (token from $DDILOCO_TOKEN or --token-file).",
     )
     p.add_argument("source", metavar="RUN_DIR_OR_CHECKPOINT_OR_HOST:PORT")
     p.add_argument("--out", required=True, help="output file, e.g. model.safetensors")

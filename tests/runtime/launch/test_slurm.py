@@ -158,7 +158,7 @@ for a in "$@"; do [[ $prev == --config ]] && cfg=$a; prev=$a; done
 out=$(dirname "$cfg")
 if [[ $args == *" syncer "* ]]; then
   if [[ $args == *" --shard 1 "* && ! -e $out/shard1.died ]]; then
-    mkdir -p "$out/checkpoint/shard_1"; touch "$out/checkpoint/shard_1/syncer.pt"
+    mkdir -p "$out/checkpoint/shard_1"; touch "$out/checkpoint/shard_1/syncer.json"
     touch "$out/shard1.died"; exit 9
   fi
   [[ $args == *" --shard 1 "* ]] && touch "$out/shard1.back"
@@ -322,7 +322,7 @@ def test_a_run_on_slurm_trains_and_merges(slurm, tmp_path, monkeypatch, capsys):
     for k in (0, 1):  # both islands joined both shards, under the ids the script gave them
         joins = [r for r in read_jsonl(out / f"syncer_{k}.metrics.jsonl") if r["kind"] == "join"]
         assert sorted(r["learner"] for r in joins) == [0, 1]
-    assert (out / "checkpoint" / "shard_1" / "syncer.pt").is_file()
+    assert (out / "checkpoint" / "shard_1" / "syncer.json").is_file()
 
 
 def _pid_of_syncer(config: Path) -> int | None:

@@ -102,8 +102,8 @@ def test_two_shards_train_like_one(tmp_path):
                 }
                 assert frags == {p for p in range(cfg.sync.fragments) if p % 2 == k}, (k, frags)
             assert all(v > 0 for v in s["versions"])
-            assert (run / "checkpoint" / "shard_0" / "syncer.pt").is_file()
-            assert (run / "checkpoint" / "shard_1" / "syncer.pt").is_file()
+            assert (run / "checkpoint" / "shard_0" / "syncer.json").is_file()
+            assert (run / "checkpoint" / "shard_1" / "syncer.json").is_file()
     init = s["initial_eval_loss"]
     # the same training: both far below the initial loss and within run-to-run noise (two
     # S = 1 runs of this config ended 3.383 and 3.283 from 4.163: 11% of the improvement)

@@ -33,7 +33,7 @@ class SyncerActor:
         import ray
         import torch
 
-        from ddiloco.runtime.syncer.checkpoint import CHECKPOINT_NAME
+        from ddiloco.runtime.syncer.checkpoint import has_checkpoint
         from ddiloco.runtime.syncer.run_config import syncer_server_config
         from ddiloco.runtime.syncer.server import SyncerServer
         from ddiloco.runtime.transport.auth import load_token
@@ -48,7 +48,7 @@ class SyncerActor:
         bind = ip if host in ("127.0.0.1", "localhost") else host
         self.host = ip if bind == "0.0.0.0" else bind
         ckpt = root / "checkpoint" / (f"shard_{shard}" if sharded else "")
-        resume = (ckpt / CHECKPOINT_NAME).is_file()
+        resume = has_checkpoint(ckpt)
         scfg = syncer_server_config(
             # the dashboard on shard 0
             cfg.replace(

@@ -218,7 +218,10 @@ syncer() {
   if (( k == 0 )) && [[ -n $HTTP_PORT ]]; then args+=(--http-port "$HTTP_PORT"); fi
   if (( BULK_PORT >= 0 )); then bulk=$((BULK_PORT + k)); fi
   while [[ ! -e $STOP ]]; do
-    resume=(); if [[ -f $ckpt/syncer.pt ]]; then resume=(--resume); fi
+    resume=()
+    if compgen -G "$ckpt/syncer.json*" > /dev/null || [[ -f $ckpt/syncer.pt ]]; then
+      resume=(--resume)
+    fi
     srun --overlap --nodes=1 --ntasks=1 --relative=0 --kill-on-bad-exit=0 --job-name="$name" \
       "$PYTHON" -m ddiloco.runtime.cli syncer --config "$CONFIG" --host 0.0.0.0 \
       --port $((PORT + k)) --bulk-port "$bulk" --checkpoint-dir "$ckpt" \
@@ -439,7 +442,8 @@ def _final_model(out: Path, cfg) -> dict | None:
     S = cfg.runtime.shards  # noqa: N806
     dirs = [out / "checkpoint"] if S == 1 else [out / "checkpoint" / f"shard_{k}" for k in range(S)]
     try:
-        cks = [load_checkpoint(d / CHECKPOINT_NAME) for d in dirs]
+        # lazily: only theta is read, fragment by fragment (each file verified)
+        cks = [load_checkpoint(d / CHECKPOINT_NAME, lazy=True) for d in dirs]
         spec = cks[0]["spec"]
         check_spec(spec)
         thetas = [ck["state"]["theta"] for ck in cks]

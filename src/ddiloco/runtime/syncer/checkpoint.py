@@ -1,94 +1,457 @@
-"""Checkpoint files: atomic, checksummed, finite, with the last few kept.
+"""Syncer checkpoints: streamed fragment by fragment, atomic, checksummed, finite-checked,
+with the last few kept.
 
-A checkpoint is written to a temp file in the same directory, fsynced, renamed over
-``syncer.pt`` and the directory fsynced: a reader sees the previous checkpoint or the new
-one, never a torn file, even if the writer is SIGKILLed mid-write. Before the rename the
-previous checkpoints move down one place (``syncer.pt.1``, ``syncer.pt.2``...), so the last
-``keep`` good ones stay on disk.
+Layout of a checkpoint directory (``--checkpoint-dir``)::
 
-File layout: ``MAGIC`` (8 bytes), the SHA-256 of the payload (32 bytes), the payload
-(``torch.save`` of the snapshot). ``load_checkpoint`` verifies the digest and that every
-floating-point tensor is finite; ``load_newest_valid`` falls back from a damaged newest file
-to the newest valid older one and says so loudly. Temp files left by a killed writer are
-removed by ``remove_stale_temps`` when a syncer starts.
+    syncer.json               manifest of the newest checkpoint (``CHECKPOINT_NAME``)
+    syncer.json.1, .2         manifests of the ones before it (``keep`` in all)
+    syncer-000042/            the fragment files of one checkpoint
+        fragment-0000.safetensors    theta.0 .. theta.k-1, momentum.0 .. momentum.k-1
+        fragment-0001.safetensors    of fragment p (none for a fragment with no tensors,
+        ...                          as another shard's)
+
+A fragment file is a plain safetensors file (``safetensors.safe_open`` reads it). The
+manifest is JSON: ``format`` and ``version`` (2), ``data`` (the fragment directory), one
+entry per fragment (``file``, ``bytes``, ``sha256``, the number of ``theta`` and
+``momentum`` tensors), the snapshot without its tensors (``snapshot``: spec, versions,
+ledger, counters... everything but ``state.theta`` and ``state.momentum``) and
+``manifest_sha256``, the SHA-256 of the canonical JSON of everything else.
+
+**Write** (``save_atomic``): a new fragment directory, one file per fragment, each hashed as
+its bytes go out (the tensors' own memory, in 64 MiB pieces: nothing model-sized is built)
+and fsynced; the directory fsynced; then the manifest to a temp file, fsynced, the older
+manifests moved down one place (``syncer.json`` -> ``.1`` ...), the temp file renamed to
+``syncer.json`` and the directory fsynced; last, fragment directories no kept manifest
+names are removed. A reader sees the previous complete checkpoint or the new one, never a
+torn one, even if the writer is SIGKILLed at any point: fragment files are only reachable
+through a manifest, and the manifest appears by a rename after its files are on disk. A
+failed write (disk full) removes what it wrote.
+
+**Read** (``load_checkpoint``): the manifest's checksum, format and every fragment file's
+size are checked at once; a fragment's file is verified (SHA-256) the first time one of its
+tensors is read, then its tensors are read one at a time (``safe_open``, closed after each,
+so at most one tensor's pages are mapped) and checked finite. With ``lazy=True`` fragment p
+is read when ``state["theta"][p]`` (or ``momentum``) is taken, so a resume holds the live
+state plus about one fragment. ``load_newest_valid`` falls back from a damaged newest
+checkpoint to the newest valid older one and says so loudly. Temp files, and fragment
+directories no manifest names (a killed writer's), are removed by ``remove_stale_temps``
+when a syncer starts.
+
+**Memory.** A write holds references to the live tensors, no copies: the syncer's state
+never writes theta or momentum in place (``SyncerState.state_dict``). It allocates no more
+than one non-contiguous tensor's copy (the state's tensors are contiguous).
+
+**The earlier format.** A single-file checkpoint (``syncer.pt``: ``LEGACY_MAGIC``, the
+SHA-256 of the payload, ``torch.save`` of the snapshot) is still read, whole, when no
+manifest of this format is valid; it is never written.
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
+import json
 import logging
 import os
+import re
+import shutil
+import struct
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+
+from ddiloco.algorithm.merge import all_finite
 
 __all__ = [
     "save_atomic",
     "load_checkpoint",
     "load_newest_valid",
     "remove_stale_temps",
+    "has_checkpoint",
     "CheckpointError",
     "CHECKPOINT_NAME",
-    "MAGIC",
+    "LEGACY_NAME",
+    "LEGACY_MAGIC",
+    "FORMAT_VERSION",
     "DEFAULT_KEEP",
 ]
 
 log = logging.getLogger("ddiloco.syncer")
 
-CHECKPOINT_NAME = "syncer.pt"
-MAGIC = b"DDCKPT1\n"
+CHECKPOINT_NAME = "syncer.json"
+"""The newest checkpoint's manifest in a checkpoint directory."""
+LEGACY_NAME = "syncer.pt"
+"""The single-file checkpoint of the earlier format (read, never written)."""
+LEGACY_MAGIC = b"DDCKPT1\n"
+FORMAT = "ddiloco-syncer-checkpoint"
+FORMAT_VERSION = 2
 DEFAULT_KEEP = 3
 """Checkpoints kept: the newest and the two before it."""
+TENSOR_FIELDS = ("theta", "momentum")
+"""The per-fragment tensor lists of ``snapshot["state"]`` that go to the fragment files."""
+
+_PIECE = 64 << 20  # bytes hashed and written at a time
+_DTYPES = {
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+T = TypeVar("T")
 
 
 class CheckpointError(ValueError):
-    """A checkpoint file that cannot be trusted (checksum, format or non-finite values)."""
+    """A checkpoint that cannot be trusted (checksum, format, missing file or non-finite
+    values)."""
 
 
 def _older(path: Path, i: int) -> Path:
     return path.with_name(f"{path.name}.{i}")
 
 
-def save_atomic(obj: Any, path: str | os.PathLike, keep: int = DEFAULT_KEEP) -> int:
-    """Serialise ``obj`` with ``torch.save`` to ``path`` atomically, keeping the previous
-    ``keep - 1`` checkpoints as ``path.1``...; returns bytes written."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    payload = buf.getbuffer()
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+def _stem(name: str) -> str:
+    return name.split(".", 1)[0]
+
+
+def _data_dirs(directory: Path, name: str) -> list[tuple[int, Path]]:
+    pat = re.compile(rf"^{re.escape(_stem(name))}-(\d+)$")
+    out = []
+    if directory.is_dir():
+        for d in directory.iterdir():
+            m = pat.match(d.name)
+            if m and d.is_dir():
+                out.append((int(m.group(1)), d))
+    return sorted(out)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
     try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _canonical(body: dict) -> bytes:
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), default=_not_json).encode()
+
+
+def _not_json(obj: Any) -> Any:
+    if isinstance(obj, (tuple, set, frozenset)):
+        return list(obj)
+    if hasattr(obj, "item") and callable(obj.item) and getattr(obj, "ndim", 1) == 0:
+        return obj.item()  # a 0-d tensor or numpy scalar
+    raise TypeError(
+        f"a checkpoint snapshot holds a {type(obj).__name__}: only JSON values go in the "
+        f"manifest, and tensors only in state.{' and state.'.join(TENSOR_FIELDS)}"
+    )
+
+
+# -- write --------------------------------------------------------------------------------
+def _write_fragment(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[int, str]:
+    """Write ``tensors`` as a safetensors file, hashing the bytes as they go out; returns
+    (bytes, SHA-256 hex). The data is written from the tensors' own memory (safetensors'
+    ``save_file`` cannot hash in the same pass)."""
+    assert sys.byteorder == "little", "safetensors files are little-endian"
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    flat, off = [], 0
+    for name, t in tensors.items():
+        t = t.detach()
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"tensor {name} has dtype {t.dtype}, which a checkpoint cannot hold")
+        t = t.cpu().contiguous()
+        n = t.numel() * t.element_size()
+        header[name] = {
+            "dtype": _DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [off, off + n],
+        }
+        flat.append(t.reshape(-1).view(torch.uint8))
+        off += n
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    h = hashlib.sha256()
+    with open(path, "wb") as f:
+        for prefix in (struct.pack("<Q", len(head)), head):
+            f.write(prefix)
+            h.update(prefix)
+        for b in flat:
+            mv = memoryview(b.numpy())  # type: ignore[arg-type]  # numpy arrays are buffers
+            for i in range(0, len(mv), _PIECE):
+                piece = mv[i : i + _PIECE]
+                f.write(piece)
+                h.update(piece)
+        f.flush()
+        os.fsync(f.fileno())
+    return 8 + len(head) + off, h.hexdigest()
+
+
+def save_atomic(
+    snapshot: dict, path: str | os.PathLike, keep: int = DEFAULT_KEEP, *, release: bool = False
+) -> int:
+    """Write ``snapshot`` as a checkpoint whose manifest is ``path`` (``dir/syncer.json``),
+    keeping the previous ``keep - 1`` as ``path.1``...; returns the bytes written.
+
+    ``snapshot["state"]["theta"]`` and ``["momentum"]`` are lists (one per fragment) of
+    tensors; everything else in ``snapshot`` must be JSON (dict keys become strings). With
+    ``release`` the tensor lists are emptied fragment by fragment as each file is written,
+    so that a fragment merged meanwhile does not keep its old tensors alive until the end."""
+    path = Path(path)
+    directory = path.parent
+    directory.mkdir(parents=True, exist_ok=True)
+    state = snapshot.get("state")
+    if not isinstance(state, dict) or not all(
+        isinstance(state.get(k), list) for k in TENSOR_FIELDS
+    ):
+        raise ValueError(
+            f"a checkpoint snapshot needs state.{' and state.'.join(TENSOR_FIELDS)}: "
+            "lists of tensors, one per fragment"
+        )
+    columns = [state[k] for k in TENSOR_FIELDS]
+    P = len(columns[0])  # noqa: N806 - the paper's symbol
+    if any(len(c) != P for c in columns):
+        raise ValueError(f"state.{' and state.'.join(TENSOR_FIELDS)} differ in fragment count")
+    body = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "snapshot": {
+            **snapshot,
+            "state": {k: v for k, v in state.items() if k not in TENSOR_FIELDS},
+        },
+    }
+    # a snapshot that is not JSON fails before anything is written; its keys become strings
+    clean = json.loads(_canonical(body))
+    dirs = _data_dirs(directory, path.name)
+    data = directory / f"{_stem(path.name)}-{(dirs[-1][0] + 1 if dirs else 1):06d}"
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    total = 0
+    try:
+        data.mkdir()
+        entries: list[dict | None] = []
+        for p in range(P):
+            counts = {k: len(c[p]) for k, c in zip(TENSOR_FIELDS, columns)}
+            ts = {f"{k}.{j}": t for k, c in zip(TENSOR_FIELDS, columns) for j, t in enumerate(c[p])}
+            if not ts:
+                entries.append(None)
+                continue
+            name = f"fragment-{p:04d}.safetensors"
+            nbytes, digest = _write_fragment(data / name, ts)
+            del ts
+            if release:
+                for c in columns:
+                    c[p] = []
+            total += nbytes
+            entries.append({"file": name, "bytes": nbytes, "sha256": digest, **counts})
+        _fsync_dir(data)
+        _fsync_dir(directory)
+        clean["data"] = data.name
+        clean["fragments"] = entries
+        digest = hashlib.sha256(_canonical(clean)).hexdigest()
+        manifest = json.dumps({**clean, "manifest_sha256": digest}, indent=1).encode()
         with open(tmp, "wb") as f:
-            f.write(MAGIC)
-            f.write(hashlib.sha256(payload).digest())
-            f.write(payload)
+            f.write(manifest)
             f.flush()
             os.fsync(f.fileno())
+        total += len(manifest)
     except BaseException:
-        tmp.unlink(missing_ok=True)  # a failed write (disk full) leaves nothing behind
+        # a failed write (disk full) leaves nothing behind
+        tmp.unlink(missing_ok=True)
+        shutil.rmtree(data, ignore_errors=True)
         raise
     for i in range(keep - 1, 0, -1):
         src = path if i == 1 else _older(path, i - 1)
         if src.exists():
             os.replace(src, _older(path, i))
     os.replace(tmp, path)
-    dfd = os.open(path.parent, os.O_RDONLY)
+    _fsync_dir(directory)
+    _remove_unreferenced(directory, path.name, keep=keep)
+    return total
+
+
+def _manifests(directory: Path, name: str) -> list[tuple[int, Path]]:
+    """The manifests in ``directory``: (0, ``name``), (1, ``name.1``)..., oldest last."""
+    pat = re.compile(rf"^{re.escape(name)}(?:\.(\d+))?$")
+    out = []
+    if directory.is_dir():
+        for f in directory.iterdir():
+            m = pat.match(f.name)
+            if m and f.is_file():
+                out.append((int(m.group(1) or 0), f))
+    return sorted(out)
+
+
+def _data_of(manifest: Path) -> str | None:
     try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
-    return len(MAGIC) + 32 + len(payload)
+        data = json.loads(manifest.read_bytes()).get("data")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return data if isinstance(data, str) else None
+
+
+def _remove_unreferenced(directory: Path, name: str, keep: int | None = None) -> int:
+    """Remove the fragment directories no manifest names (and, with ``keep``, the
+    manifests past the last ``keep``); returns how many things were removed."""
+    n = 0
+    manifests = _manifests(directory, name)
+    if keep is not None:
+        for i, m in manifests:
+            if i >= keep:
+                m.unlink(missing_ok=True)
+                n += 1
+        manifests = [(i, m) for i, m in manifests if i < keep]
+    named = {_data_of(m) for _, m in manifests}
+    for _, d in _data_dirs(directory, name):
+        if d.name not in named:
+            shutil.rmtree(d, ignore_errors=True)
+            n += 1
+    return n
+
+
+# -- read ---------------------------------------------------------------------------------
+class _Fragments:
+    """The fragment files of one checkpoint: each verified (SHA-256) the first time one of
+    its tensors is read; tensors read one at a time and checked finite."""
+
+    def __init__(self, manifest: Path, data: Path, entries: list[dict | None]) -> None:
+        self.manifest, self.data, self.entries = manifest, data, entries
+        self._verified: set[int] = set()
+
+    def tensors(self, p: int, kind: str) -> list[torch.Tensor]:
+        from safetensors import safe_open
+
+        e = self.entries[p]
+        if e is None:
+            return []
+        file = self.data / e["file"]
+        if p not in self._verified:
+            try:
+                with open(file, "rb") as f:
+                    digest = hashlib.file_digest(f, "sha256").hexdigest()
+            except OSError as ex:
+                raise CheckpointError(f"{file} cannot be read: {ex}") from None
+            if digest != e["sha256"]:
+                raise CheckpointError(
+                    f"{file} fails its SHA-256 checksum: the file was damaged after it was written"
+                )
+            self._verified.add(p)
+        out = []
+        for j in range(int(e[kind])):
+            key = f"{kind}.{j}"
+            try:  # opened per tensor: at most one tensor's pages are mapped at a time
+                with safe_open(str(file), framework="pt") as f:
+                    t = f.get_tensor(key).clone()
+            except Exception as ex:  # noqa: BLE001 - any unreadable tensor is a bad file
+                raise CheckpointError(
+                    f"{file}: tensor {key} cannot be read: {type(ex).__name__}: {ex}"
+                ) from None
+            if not all_finite(t):
+                raise CheckpointError(f"{file} holds NaN/inf values (at {kind}[{p}][{j}])")
+            out.append(t)
+        return out
+
+
+class _Column(Sequence[list[torch.Tensor]]):
+    """``state["theta"]`` (or ``momentum``) of a lazily read checkpoint: item p reads
+    fragment p's tensors of that kind from its file."""
+
+    def __init__(self, fragments: _Fragments, kind: str) -> None:
+        self._fragments, self._kind = fragments, kind
+
+    def __len__(self) -> int:
+        return len(self._fragments.entries)
+
+    def __getitem__(self, p):  # type: ignore[override]
+        if isinstance(p, slice):
+            return [self[i] for i in range(*p.indices(len(self)))]
+        if not -len(self) <= p < len(self):
+            raise IndexError(p)
+        return self._fragments.tensors(p % len(self), self._kind)
+
+    def __iter__(self) -> Iterator[list[torch.Tensor]]:
+        return (self[p] for p in range(len(self)))
+
+
+def _not_found(path: Path) -> FileNotFoundError:
+    return FileNotFoundError(
+        f"no checkpoint at {path}; start without --resume or point --checkpoint-dir at the "
+        f"directory holding {CHECKPOINT_NAME}"
+    )
+
+
+def load_checkpoint(path: str | os.PathLike, *, lazy: bool = False) -> dict:
+    """The snapshot in the checkpoint whose manifest is ``path`` (or a single-file
+    ``syncer.pt`` of the earlier format), its fragment files verified (SHA-256) and its
+    tensors checked finite; raises ``FileNotFoundError`` or ``CheckpointError``.
+
+    With ``lazy`` the manifest and the fragment files' sizes are checked now, and
+    ``state["theta"]`` and ``state["momentum"]`` are sequences that read (and verify)
+    fragment p when item p is taken, so a caller can hold one fragment at a time; a
+    damaged fragment file then raises ``CheckpointError`` there."""
+    path = Path(path)
+    if not path.is_file():
+        raise _not_found(path)
+    raw = path.read_bytes()
+    if raw.startswith(LEGACY_MAGIC):
+        return _load_legacy(path, raw)
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        doc = None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise CheckpointError(
+            f"{path} is not a ddiloco checkpoint manifest (not JSON of format {FORMAT!r}, "
+            f"nor a {LEGACY_NAME} file): the file is damaged or from another program"
+        )
+    digest = doc.pop("manifest_sha256", None)
+    if hashlib.sha256(_canonical(doc)).hexdigest() != digest:
+        raise CheckpointError(
+            f"{path} fails its SHA-256 checksum: the manifest was damaged after it was written"
+        )
+    if doc.get("version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path} is a checkpoint of format version {doc.get('version')}; this ddiloco "
+            f"reads version {FORMAT_VERSION} (and the single-file {LEGACY_NAME}): resume it "
+            f"with the ddiloco that wrote it"
+        )
+    try:
+        data, entries, snap = path.parent / doc["data"], doc["fragments"], doc["snapshot"]
+        state = snap["state"]
+        for e in entries:
+            if e is not None:
+                file = data / e["file"]
+                size = file.stat().st_size if file.is_file() else None
+                if size is None:
+                    raise CheckpointError(f"{path}: its fragment file {file} is missing")
+                if size != int(e["bytes"]):
+                    raise CheckpointError(
+                        f"{path}: its fragment file {file} has {size} bytes, the manifest "
+                        f"says {e['bytes']} (truncated or replaced)"
+                    )
+    except (KeyError, TypeError) as e:
+        raise CheckpointError(f"{path} lacks a field of the manifest format: {e}") from None
+    fragments = _Fragments(path, data, entries)
+    for k in TENSOR_FIELDS:
+        state[k] = _Column(fragments, k)
+    if not lazy:
+        for k in TENSOR_FIELDS:
+            state[k] = list(state[k])
+    return snap
 
 
 def _nonfinite(obj: Any, where: str = "") -> str | None:
     """The path of the first non-finite floating-point tensor in ``obj``, or None."""
     if isinstance(obj, torch.Tensor):
-        if obj.is_floating_point() and not bool(torch.isfinite(obj).all()):
-            return where or "tensor"
-        return None
+        return None if all_finite(obj) else where or "tensor"
     items = (
         obj.items()
         if isinstance(obj, dict)
@@ -103,19 +466,12 @@ def _nonfinite(obj: Any, where: str = "") -> str | None:
     return None
 
 
-def load_checkpoint(path: str | os.PathLike) -> dict:
-    """Load a checkpoint after verifying its checksum and that its tensors are finite;
-    raises ``FileNotFoundError`` or ``CheckpointError``."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"no checkpoint at {path}; start without --resume or point "
-            f"--checkpoint-dir at the directory holding {CHECKPOINT_NAME}"
-        )
-    data = path.read_bytes()
-    if not data.startswith(MAGIC) or len(data) < len(MAGIC) + 32:
-        raise CheckpointError(f"{path} is not a ddiloco checkpoint (no {MAGIC!r} header)")
-    digest, payload = data[len(MAGIC) : len(MAGIC) + 32], memoryview(data)[len(MAGIC) + 32 :]
+def _load_legacy(path: Path, data: bytes) -> dict:
+    """A single-file checkpoint of the earlier format, read whole."""
+    head = len(LEGACY_MAGIC) + 32
+    if len(data) < head:
+        raise CheckpointError(f"{path} is truncated (a {LEGACY_NAME} file of {len(data)} bytes)")
+    digest, payload = data[len(LEGACY_MAGIC) : head], memoryview(data)[head:]
     if hashlib.sha256(payload).digest() != digest:
         raise CheckpointError(
             f"{path} fails its SHA-256 checksum: the file was damaged after it was written"
@@ -130,19 +486,46 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
     return ck
 
 
-def load_newest_valid(path: str | os.PathLike, keep: int = DEFAULT_KEEP) -> tuple[dict, Path]:
-    """The newest checkpoint among ``path``, ``path.1``... that passes ``load_checkpoint``,
-    and its file. A damaged newer file is logged as an error (the run goes back to an older
-    model). Raises ``FileNotFoundError`` when none exists and ``CheckpointError`` when none
-    is valid."""
+def _candidates(path: Path, keep: int) -> list[Path]:
+    legacy = path.with_name(LEGACY_NAME)
+    return (
+        [path]
+        + [_older(path, i) for i in range(1, keep)]
+        + [legacy]
+        + [_older(legacy, i) for i in range(1, keep)]
+    )
+
+
+def has_checkpoint(directory: str | os.PathLike, keep: int = DEFAULT_KEEP) -> bool:
+    """Whether ``directory`` holds a checkpoint manifest (or an earlier-format file) to
+    resume from; says nothing about its validity."""
+    return any(c.is_file() for c in _candidates(Path(directory) / CHECKPOINT_NAME, keep))
+
+
+def load_newest_valid(
+    path: str | os.PathLike,
+    keep: int = DEFAULT_KEEP,
+    use: Callable[[dict], T] | None = None,
+) -> tuple[Any, Path]:
+    """The newest checkpoint among ``path``, ``path.1``... (then ``syncer.pt``,
+    ``syncer.pt.1``... of the earlier format) that loads, and its manifest.
+
+    Without ``use``: (``load_checkpoint(cand)``, cand). With ``use``: the checkpoint is
+    loaded lazily and handed to ``use``, and (its result, cand) returned; a
+    ``CheckpointError`` raised inside ``use`` (a damaged fragment met while reading) moves
+    on to the next older checkpoint, so ``use`` must start afresh each time. A rejected
+    newer checkpoint is logged as an error (the run goes back to an older model). Raises
+    ``FileNotFoundError`` when none exists and ``CheckpointError`` when none is valid."""
     path = Path(path)
-    cands = [path] + [_older(path, i) for i in range(1, keep)]
     errors = []
-    for cand in cands:
+    for cand in _candidates(path, keep):
         if not cand.is_file():
             continue
         try:
-            ck = load_checkpoint(cand)
+            ck = load_checkpoint(cand, lazy=use is not None)
+            if cand.name.startswith(LEGACY_NAME):
+                log.warning("%s is a checkpoint of the earlier single-file format", cand)
+            out = use(ck) if use is not None else ck
         except CheckpointError as e:
             log.error("CHECKPOINT REJECTED: %s", e)
             errors.append(str(e))
@@ -154,26 +537,25 @@ def load_newest_valid(path: str | os.PathLike, keep: int = DEFAULT_KEEP) -> tupl
                 cand,
                 "; ".join(errors),
             )
-        return ck, cand
+        return out, cand
     if errors:
         raise CheckpointError(f"no valid checkpoint in {path.parent}: {'; '.join(errors)}")
-    raise FileNotFoundError(
-        f"no checkpoint at {path}; start without --resume or point "
-        f"--checkpoint-dir at the directory holding {CHECKPOINT_NAME}"
-    )
+    raise _not_found(path)
 
 
 def remove_stale_temps(directory: str | os.PathLike, name: str = CHECKPOINT_NAME) -> int:
-    """Delete temp files a killed writer left in ``directory``; returns how many."""
+    """Delete what a killed writer left in ``directory``: temp manifests (and temp files of
+    the earlier format) and fragment directories no manifest names; returns how many."""
     d = Path(directory)
     n = 0
     if d.is_dir():
-        for f in d.glob(f".{name}.tmp.*"):
+        for f in [*d.glob(f".{name}.tmp.*"), *d.glob(f".{LEGACY_NAME}.tmp.*")]:
             try:
                 f.unlink()
                 n += 1
             except OSError as e:
                 log.warning("cannot remove stale checkpoint temp file %s: %s", f, e)
+        n += _remove_unreferenced(d, name)
     if n:
-        log.info("removed %d stale checkpoint temp file(s) from %s", n, d)
+        log.info("removed %d stale checkpoint temp file(s) or directories from %s", n, d)
     return n

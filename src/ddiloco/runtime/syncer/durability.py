@@ -154,6 +154,11 @@ class Durability:
         self._timer_cv.notify_all()
 
     def _snapshot(self) -> dict:
+        """What a checkpoint holds (caller holds the lock; the write happens outside it).
+        Theta and momentum are the state's current tensors, not copies: the state never
+        writes them in place (every merge builds new tensors and swaps them in, see
+        ``SyncerState.state_dict``), so merges that commit during the write leave the
+        snapshot's tensors as they were, and a write costs no model-sized copy."""
         return {
             "format": 1,
             "spec": self.spec,
@@ -178,10 +183,11 @@ class Durability:
 
     def _write(self, snap: dict) -> None:
         t0 = time.monotonic()
-        n = save_atomic(
+        n = save_atomic(  # releases each fragment's tensors once they are on disk
             snap,
             Path(self.config.checkpoint_dir) / CHECKPOINT_NAME,
             keep=self.config.checkpoint_keep,
+            release=True,
         )
         self.counters["checkpoints"] += 1
         self.counters["checkpoint_bytes"] = n
@@ -217,9 +223,7 @@ class Durability:
                     self._publish_merged(mg, merged_seq)
 
     def _load(self, path: Path) -> None:
-        ck, path = load_newest_valid(path, self.config.checkpoint_keep)
-        self._setup(ck["spec"])
-        self.state.load_state_dict(ck["state"])
+        ck, path = load_newest_valid(path, self.config.checkpoint_keep, use=self._load_state)
         for p in range(len(self._pub)):
             self._publish(p, self.state.version(p), self.state.frags[p].theta)
         self._merged_seq = {
@@ -252,6 +256,17 @@ class Durability:
             self.state.versions(),
             self.state.merges,
         )
+
+    def _load_state(self, ck: dict) -> dict:
+        """The state of checkpoint ``ck`` (read lazily), built fragment by fragment: zeros
+        for its spec, then each fragment's tensors, read and verified as they are taken, in
+        place of the zeros, so a resume peaks at the live state plus about one fragment. A
+        damaged fragment raises ``CheckpointError`` and ``load_newest_valid`` calls this
+        again with an older checkpoint."""
+        self.state = None  # let an earlier attempt's state go before the next is built
+        self._setup(ck["spec"])
+        self.state.load_state_dict(ck["state"])
+        return ck
 
     def _setup(self, spec: dict, initial: dict[str, torch.Tensor] | None = None) -> None:
         """The state for ``spec``: from ``initial`` (handed over, not copied), or zeros that

@@ -47,6 +47,7 @@ from ddiloco.algorithm.schedule import SlotClock
 from ddiloco.algorithm.syncer_state import Merged, SyncerConfig, SyncerState
 from ddiloco.config.sections import RuntimeConfig, SyncConfig
 from ddiloco.metrics.sinks import open_sinks, parse_sinks
+from ddiloco.runtime.syncer.allocator import return_freed_memory
 from ddiloco.runtime.syncer.checkpoint import CHECKPOINT_NAME, DEFAULT_KEEP, remove_stale_temps
 from ddiloco.runtime.syncer.common import LearnerInfo, Reject
 from ddiloco.runtime.syncer.control import ControlHandlers
@@ -104,16 +105,17 @@ class SyncerServerConfig:
     """The learners' heartbeat interval: a re-timing of the slot clock is announced
     ``max(CLOCK_LEAD_S, 4 x interval)`` ahead, so that every learner hears it first."""
     checkpoint_dir: str | None = None
-    """Where ``syncer.pt`` is written; None disables checkpoints."""
+    """Where checkpoints are written (``syncer.json`` and its fragment files, see
+    ``checkpoint``); None disables checkpoints."""
     checkpoint_every: int = _RUNTIME.checkpoint_every
     """1: every merge is durable before it is published. N > 1: a checkpoint every N merges,
     published at once (a SIGKILL may lose up to N - 1 merges)."""
     resume: bool = False
-    """Load ``checkpoint_dir/syncer.pt`` at start (or, if it is damaged or holds NaN, the
+    """Load ``checkpoint_dir/syncer.json`` at start (or, if it is damaged or holds NaN, the
     newest valid one of those kept)."""
     checkpoint_keep: int = DEFAULT_KEEP
-    """Checkpoints kept on disk (``syncer.pt``, ``syncer.pt.1``...): the fallbacks when the
-    newest is damaged."""
+    """Checkpoints kept on disk (``syncer.json``, ``syncer.json.1``... and their fragment
+    directories): the fallbacks when the newest is damaged."""
     tls_cert: str | None = None
     tls_key: str | None = None
     bulk_port: int | None = _RUNTIME.bulk_port
@@ -317,6 +319,7 @@ class SyncerServer(ControlHandlers, DataHandlers, Durability, Liveness):
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> int:
+        return_freed_memory()  # merges free fragment-sized tensors: let them go back
         handlers = {
             "Join": grpc.unary_unary_rpc_method_handler(self._join),
             "Init": grpc.stream_unary_rpc_method_handler(self._init),
