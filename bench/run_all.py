@@ -62,7 +62,20 @@ def write_markdown(res: dict, path: Path) -> None:
         lines += ["", "## Profiles", ""]
         lines += [f"- [`{p.name}`](profiles/{p.name})" for p in profiles]
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + "\n")
+    path.write_text("\n".join(lines) + "\n" + _other_sections(path))
+
+
+_GENERATED = ("## Notes per target", "## Profiles")
+
+
+def _other_sections(path: Path) -> str:
+    """The ``## `` sections of ``path`` that ``write_markdown`` does not write (figures of
+    other benches, each with its command), to be kept after the ones it writes."""
+    if not path.is_file():
+        return ""
+    parts = path.read_text().split("\n## ")[1:]
+    kept = ["## " + p.rstrip("\n") for p in parts if not ("## " + p).startswith(_GENERATED)]
+    return "".join("\n" + k + "\n" for k in kept)
 
 
 def main(argv: list[str] | None = None) -> dict:
