@@ -384,6 +384,27 @@ def measure(params: float = 2e7, learners: int = 4, **kw) -> dict:
     return run_case(Case(params=int(params), learners=learners, **kw))
 
 
+def formula_x4N(case: Case) -> float:  # noqa: N802 - 4N, the unit
+    """The syncer's steady memory (all shards) in units of 4N by the budget of
+    ``docs/architecture.md`` ("Memory"): Theta and the outer momentum; with a delta-coded
+    downlink the chain's copy; the published downlink bytes; one pending push per learner
+    (each keeps one in flight), encoded; a merge's new Theta and momentum of one fragment;
+    for a delta push codec one past version of every fragment, as bf16 steps."""
+    from ddiloco.algorithm.codecs import get_codec
+
+    up, down = get_codec(case.codec), get_codec(case.down_codec)
+    x = 2.0
+    if case.down_delta:
+        x += 1.0
+    if not down.lossless:
+        x += down.bits_per_element / 32
+    x += case.learners * up.bits_per_element / 32 / case.fragments
+    x += 2 / case.fragments
+    if up.delta:
+        x += 0.5
+    return x
+
+
 # -- the report -------------------------------------------------------------------------------
 def _gb(x: float | None) -> str:
     return "-" if x is None else f"{x / 1e9:.2f}"
@@ -396,9 +417,9 @@ def _x(x: float | None) -> str:
 def markdown(results: list[dict]) -> str:
     """A short table of the results: per case, the sum over shards and each shard."""
     head = (
-        "| case | N | M | P | push | down | ckpt | history | start GB | steady x4N | peak x4N | "
-        "per shard peak x4N | merges | pushes | wall s | CPU s |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "| case | N | M | P | push | down | ckpt | history | start GB | formula x4N | steady x4N | "
+        "peak x4N | per shard peak x4N | merges | pushes | wall s | CPU s |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     rows = []
     for r in results:
@@ -408,7 +429,7 @@ def markdown(results: list[dict]) -> str:
             rows.append(
                 f"| {r['label']} | {r['N']:.3g} | {c['learners']} | {c['fragments']} | "
                 f"{c['codec']} | {down} | {'on' if c['checkpoint'] else 'off'} | "
-                f"- | {r['error']} |  |  |  |  |  | {r['times_s']['wall']} |  |"
+                f"- | {r['error']} |  |  |  |  |  |  | {r['times_s']['wall']} |  |"
             )
             continue
         mem = r["memory"]
@@ -416,7 +437,7 @@ def markdown(results: list[dict]) -> str:
         rows.append(
             f"| {r['label']} | {r['N']:.3g} | {c['learners']} | {c['fragments']} | {c['codec']} | "
             f"{down} | {'on' if c['checkpoint'] else 'off'} | {r['history']} | "
-            f"{_gb(mem['sum']['start_bytes'])} | "
+            f"{_gb(mem['sum']['start_bytes'])} | {_x(formula_x4N(Case(**c)))} | "
             f"{_x(mem['sum']['x4N']['steady_above_start'])} | "
             f"{_x(mem['sum']['x4N']['peak_above_start'])} | {per} | {sum(r['merges'])} | "
             f"{sum(r['pushes_accepted'])} | {r['times_s']['wall']} | {sum(r['cpu_s']):.1f} |"

@@ -47,6 +47,7 @@ from ddiloco.algorithm.schedule import SlotClock
 from ddiloco.algorithm.syncer_state import Merged, SyncerConfig, SyncerState
 from ddiloco.config.sections import RuntimeConfig, SyncConfig
 from ddiloco.metrics.sinks import open_sinks, parse_sinks
+from ddiloco.runtime.syncer.allocator import return_freed_memory
 from ddiloco.runtime.syncer.checkpoint import CHECKPOINT_NAME, DEFAULT_KEEP, remove_stale_temps
 from ddiloco.runtime.syncer.common import LearnerInfo, Reject
 from ddiloco.runtime.syncer.control import ControlHandlers
@@ -318,6 +319,7 @@ class SyncerServer(ControlHandlers, DataHandlers, Durability, Liveness):
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> int:
+        return_freed_memory()  # merges free fragment-sized tensors: let them go back
         handlers = {
             "Join": grpc.unary_unary_rpc_method_handler(self._join),
             "Init": grpc.stream_unary_rpc_method_handler(self._init),
