@@ -10,7 +10,7 @@ M = 4 to M = 16, divided by 12 learners, is the memory per extra learner: O(frag
 about one fragment (or less), O(model) would mean one model.
 
 The syncer process makes glibc serve all threads from one heap
-(``ddiloco.runtime.syncer.server.tune_malloc``): without it, multi-megabyte push buffers freed by many
+(``ddiloco.runtime.syncer.allocator.tune_malloc``): without it, multi-megabyte push buffers freed by many
 connection threads stay in per-thread heaps and the peak grows like M x model even though
 the live data does not.
 

@@ -393,7 +393,7 @@ def merge_step_ms(spec: dict, repeats: int = 40) -> dict:
 
     from ddiloco.algorithm import kernels
     from ddiloco.algorithm.merge import OuterNesterov
-    from ddiloco.runtime.syncer.server import tune_malloc
+    from ddiloco.runtime.syncer.allocator import tune_malloc
     from ddiloco.runtime.transport.spec import fragmentation_from_spec
 
     tune_malloc()

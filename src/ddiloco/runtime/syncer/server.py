@@ -47,7 +47,7 @@ from ddiloco.algorithm.schedule import SlotClock
 from ddiloco.algorithm.syncer_state import Merged, SyncerConfig, SyncerState
 from ddiloco.config.sections import RuntimeConfig, SyncConfig
 from ddiloco.metrics.sinks import open_sinks, parse_sinks
-from ddiloco.runtime.syncer.allocator import return_freed_memory
+from ddiloco.runtime.syncer.allocator import tune_malloc
 from ddiloco.runtime.syncer.checkpoint import CHECKPOINT_NAME, DEFAULT_KEEP, remove_stale_temps
 from ddiloco.runtime.syncer.common import LearnerInfo, Reject
 from ddiloco.runtime.syncer.control import ControlHandlers
@@ -211,41 +211,6 @@ class SyncerServerConfig:
             )
 
 
-def tune_malloc() -> bool:
-    """Set glibc's allocator for a syncer: one heap shared by all threads, buffers up to
-    32 MiB served from it, and up to 256 MiB of free heap kept instead of returned.
-
-    - ``M_ARENA_MAX = 1``: by default each thread that allocates gets its own heap, and a
-      heap keeps its peak: with M learners pushing at once through M connection threads
-      resident memory grows like M x model although what the syncer holds is O(model) +
-      O(M x fragment) (bench/perf_memory.py). One heap reuses a freed push buffer for the
-      next push, whichever thread receives it.
-    - ``M_MMAP_THRESHOLD`` / ``M_TRIM_THRESHOLD``: otherwise every multi-megabyte tensor
-      a merge creates is a fresh mapping whose pages fault in one by one, and freed ones
-      are unmapped: a merge of a cold 2.4 MB fragment took 5.2 ms that way and 0.86 ms
-      from reused heap memory (bench/perf_syncer.py measures the syncer end to end).
-
-    Process-wide; a no-op off glibc. Returns whether every setting applied."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    if not name:
-        return False
-    try:
-        libc = ctypes.CDLL(name)
-        m_trim_threshold, m_mmap_threshold, m_arena_max = -1, -3, -8
-        return all(
-            [
-                bool(libc.mallopt(m_arena_max, 1)),
-                bool(libc.mallopt(m_mmap_threshold, 32 << 20)),
-                bool(libc.mallopt(m_trim_threshold, 256 << 20)),
-            ]
-        )
-    except (OSError, AttributeError):
-        return False
-
-
 class SyncerServer(ControlHandlers, DataHandlers, Durability, Liveness):
     """The gRPC syncer. ``start()`` binds and serves; ``close()`` checkpoints and stops."""
 
@@ -319,7 +284,6 @@ class SyncerServer(ControlHandlers, DataHandlers, Durability, Liveness):
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> int:
-        return_freed_memory()  # merges free fragment-sized tensors: let them go back
         handlers = {
             "Join": grpc.unary_unary_rpc_method_handler(self._join),
             "Init": grpc.stream_unary_rpc_method_handler(self._init),
