@@ -5,7 +5,7 @@ reads its peak RSS (VmHWM).
 A write holds references to the live tensors and streams them out: it adds about nothing.
 A resume builds the state for the spec and replaces it fragment by fragment: it peaks at
 the live state (theta and momentum, 2 x 4N bytes) plus about one fragment (2 x 4N / P at
-P = 4), plus what the allocator keeps of the freed tensors. The single-file format before
+P = 4). The single-file format before
 it (``torch.save`` of cloned tensors into a BytesIO) measured 4.26 x 4N above the live
 state for a write and 4.01 x 4N for a resume on this test's settings, so each bound below
 fails for it."""
@@ -24,7 +24,7 @@ BENCH = Path(__file__).resolve().parents[3] / "bench" / "checkpoint_stream.py"
 WRITE_MAX_X_MODEL = 0.5
 """A write's peak RSS above the live state, in units of 4N bytes (measured: 0.01)."""
 RESUME_MAX_X_MODEL = 1.5
-"""A resume's peak RSS above the live state, in units of 4N (measured: 0.96 to 1.09)."""
+"""A resume's peak RSS above the live state, in units of 4N (measured: 0.62)."""
 
 
 @pytest.mark.timeout(300)
