@@ -175,8 +175,7 @@ class ControlHandlers:
         params = {}
         off = 0
         for n, s, k in zip(spec["names"], spec["shapes"], numels):
-            # views of the received buffer, handed to the state (never written: merges build
-            # new tensors), so the model is held once
+            # views of the received buffer: the state copies them one tensor at a time
             params[n] = torch.frombuffer(buf, dtype=torch.float32, count=k, offset=off).view(s)
             off += 4 * k
         if not all(all_finite(t) for t in params.values()):

@@ -269,17 +269,21 @@ class Durability:
         return ck
 
     def _setup(self, spec: dict, initial: dict[str, torch.Tensor] | None = None) -> None:
-        """The state for ``spec``: from ``initial`` (handed over, not copied), or zeros that
-        a resume replaces. A shard holds only the fragments it owns."""
+        """The state for ``spec``: from ``initial`` (views of the received model: each
+        tensor is copied into its own memory, one at a time, so that a merge frees the one it
+        replaces; the received buffer goes when the caller returns), or zeros that a resume
+        replaces. A shard holds only the fragments it owns."""
         check_spec(spec)
         frag = fragmentation_from_spec(spec)
         owned = {p for p in range(frag.P) if self._owns(p)}
         if initial is None:
             shapes = dict(zip(spec["names"], spec["shapes"]))
             initial = {n: torch.zeros(shapes[n]) for p in owned for n in frag.fragments[p].names}
-        elif len(owned) < frag.P:  # copies of its own, so that the whole model is let go
-            initial = {n: initial[n].clone() for p in owned for n in frag.fragments[p].names}
-        self.state = SyncerState(frag, initial, self.config.syncer, owned=owned, copy=False)
+            copy = False
+        else:
+            initial = {n: initial[n] for p in owned for n in frag.fragments[p].names}
+            copy = True
+        self.state = SyncerState(frag, initial, self.config.syncer, owned=owned, copy=copy)
         self.state.unlocked = self._unlocked
         self.spec = spec
         self._fp = spec_fingerprint(spec)
