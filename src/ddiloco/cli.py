@@ -186,6 +186,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C where a command has nothing to clean up: no traceback
+        print(f"ddiloco{' ' + argv[0] if argv else ''}: interrupted", file=sys.stderr)
+        return 130  # 128 + SIGINT, as a shell reports an interrupted command
     except BrokenPipeError:
         # the reader went away (`ddiloco train --help | head`): stop quietly, and keep the
         # interpreter's final flush of stdout from failing too

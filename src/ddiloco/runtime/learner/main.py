@@ -200,16 +200,24 @@ def run_learner(
     images = data.task == "image"
     tokens = cfg.data.batch_size * (1 if images else cfg.data.block_size) * world
     dl = DecoupledLearner(model, **learner_kwargs(cfg, learner, syncer, group, heartbeat_s))
-    leave = threading.Event()
+    leave, joined = threading.Event(), threading.Event()
+
+    def on_sigterm(*_) -> None:
+        if not joined.is_set():  # still waiting for the syncer: nothing to leave yet
+            raise SystemExit(128 + signal.SIGTERM)
+        leave.set()
+
     if world == 1 and threading.current_thread() is threading.main_thread():
         # SIGTERM: leave the run gracefully (finish the step, flush the pushes, Leave), as a
-        # member of an elastic run does when its capacity is taken back
-        signal.signal(signal.SIGTERM, lambda *_: leave.set())
+        # member of an elastic run does when its capacity is taken back; before the learner
+        # has joined, stop waiting for the syncer and exit
+        signal.signal(signal.SIGTERM, on_sigterm)
         # SIGUSR1 / SIGUSR2: cut / restore the link to the syncer (chaos ``link_cut``)
         signal.signal(signal.SIGUSR1, lambda *_: LINK_CUT.cut())
         signal.signal(signal.SIGUSR2, lambda *_: LINK_CUT.restore())
     t_start = time.time()
     with dl:
+        joined.set()
         if resume is None:  # the syncer's choice of id is known now
             learner = dl.learner
             resume = _resume_point(run_dir, learner, rank)
