@@ -553,6 +553,10 @@ def summarise(out: str | os.PathLike) -> dict:
     return RunSummary.from_dict(summary).write(out)
 
 
+def _loss(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.4f}"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m ddiloco.runtime.launch.slurm",
@@ -576,7 +580,7 @@ def main(argv: list[str] | None = None) -> int:
     codes = [pl["exit_code"] for pl in summary["per_learner"]]
     print(
         f"ddiloco: {'done' if summary['ok'] else 'FAILED'}: eval loss "
-        f"{summary['initial_eval_loss']:.4f} -> {summary['final_eval_loss']}, merges "
+        f"{summary['initial_eval_loss']:.4f} -> {_loss(summary['final_eval_loss'])}, merges "
         f"{summary['merges']}, learners' exit codes {codes}, summary in "
         f"{Path(args.out) / 'summary.json'}"
     )

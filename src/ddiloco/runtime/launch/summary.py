@@ -318,8 +318,13 @@ def write_summary(
     if c.progress:
         print(
             f"ddiloco: {'done' if summary['ok'] else 'FAILED'} in {summary['wall_s']:.1f} s: "
-            f"eval loss {init_loss:.4f} -> {final_loss}, goodput {summary['goodput']:.3f}, "
+            f"eval loss {init_loss:.4f} -> {_loss(final_loss)}, goodput {summary['goodput']:.3f}, "
             f"merges {summary['merges']}, summary in {out / 'summary.json'}",
             file=sys.stderr,
         )
     return summary
+
+
+def _loss(x: float | None) -> str:
+    """An eval loss for the console: 4 decimals, or n/a where there is none."""
+    return "n/a" if x is None else f"{x:.4f}"
