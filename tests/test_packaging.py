@@ -4,11 +4,18 @@ test extra."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -24,3 +31,20 @@ def test_the_wheel_runs_without_extras() -> None:
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     assert "wheel smoke: ok" in r.stdout
     assert "goodput" in r.stdout  # the simulator's report
+
+
+@pytest.mark.timeout(30)
+def test_the_readme_names_every_dependency_and_extra() -> None:
+    """README's install paragraph lists what ``pip install`` brings: every dependency of
+    pyproject.toml, every package of the ``[test]`` extra, and every extra by name."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    readme = (ROOT / "README.md").read_text()
+    text = readme[readme.index("Python >= 3.10. Dependencies:") :].split("\n\n", 1)[0]
+
+    def name(requirement: str) -> str:
+        return re.split(r"[<>=;\[ ]", requirement, maxsplit=1)[0]
+
+    wanted = [name(r) for r in project["dependencies"] + project["optional-dependencies"]["test"]]
+    missing = [n for n in wanted if n not in text]
+    missing += [f"[{x}]" for x in project["optional-dependencies"] if f"`[{x}]`" not in text]
+    assert not missing, f"README.md's install paragraph does not name {missing}"
