@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from runtime_helpers import max_gap_ratio, read_jsonl, step_walls, tiny_config
@@ -185,8 +186,8 @@ TINY_FLAGS += ["--batch-size", "8", "--eval-batches", "4", "--no-progress"]
 @pytest.mark.parametrize(
     "flags,error",
     [
-        (["--data", "text:/nonexistent"], "text path /nonexistent does not exist"),
         (["-P", "35", "-H", "40"], "P=35 fragments but the model has only 29 tensors"),
+        (["--data", "text:{empty}"], "no .txt/.md files under "),  # a folder without text
     ],
 )
 def test_a_learner_crashing_at_start_up_ends_the_run_with_its_error(tmp_path, capsys, flags, error):
@@ -194,6 +195,8 @@ def test_a_learner_crashing_at_start_up_ends_the_run_with_its_error(tmp_path, ca
 
     from ddiloco.cli import main
 
+    (tmp_path / "empty").mkdir()
+    flags = [f.format(empty=tmp_path / "empty") for f in flags]
     t0 = time.monotonic()
     argv = ["train", *TINY_FLAGS, "-M", "2", "--steps", "50", "--out", str(tmp_path), *flags]
     assert main(argv) == 2
@@ -230,6 +233,13 @@ def test_a_busy_or_foreign_syncer_address_is_one_line(tmp_path, capsys):
     assert capsys.readouterr().err.startswith(
         "ddiloco train: error: runtime.host '192.0.2.1' is not an address of this host"
     )
+    # a data path that is not here: refused before any learner starts, as in-process
+    assert main(["train", "--data", "text:/nonexistent", "--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (
+        "ddiloco train: error: data.source 'text:/nonexistent': /nonexistent does not exist; "
+        f"check the path (relative paths are resolved from {Path.cwd()})\n"
+    )
+    assert not (tmp_path / "logs").exists()
 
 
 @pytest.mark.timeout(120)

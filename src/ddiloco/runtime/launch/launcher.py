@@ -161,6 +161,19 @@ def _check_bind(host: str, port: int) -> None:
         ) from None
 
 
+def _check_data(config) -> None:
+    """Raise ValueError, in one line, unless the run's data path is on this host: the local
+    launcher starts every learner here, and each would fail at start-up without it."""
+    from ddiloco.data import parse_data_spec
+
+    spec = parse_data_spec(config.data.source)
+    if spec.source.needs_path and spec.path and not Path(spec.path).exists():
+        raise ValueError(
+            f"data.source {config.data.source!r}: {spec.path} does not exist; check the path "
+            f"(relative paths are resolved from {Path.cwd()})"
+        )
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -175,6 +188,7 @@ class Launcher:
 
         config = check_runnable(config, "local")
         _check_bind(config.runtime.host, config.runtime.port if config.runtime.shards == 1 else 0)
+        _check_data(config)
         self.cfg = config
         self.opts = options or LaunchOptions()
         from ddiloco.rundir import fresh_run_dir
