@@ -1,5 +1,5 @@
-"""A torchrun script of your own that is one Decoupled DiLoCo learner, its model plain or
-wrapped in DDP (``--wrap``). Learners wrapped differently train one
+"""A torchrun script of your own that is one Decoupled DiLoCo learner, its model plain,
+wrapped in DDP or sharded by FSDP2 (``--wrap``). Learners wrapped differently train one
 model: the syncer knows every tensor by its name in the unwrapped module.
 
 Start a syncer, then learners of any layout (each on its own machines, or all on one):
@@ -8,12 +8,14 @@ Start a syncer, then learners of any layout (each on its own machines, or all on
     ddiloco syncer --port 50051 &
     python examples/torchrun_learner.py --syncer 127.0.0.1:50051 --learner 0 &
     torchrun --nproc-per-node 2 examples/torchrun_learner.py --syncer 127.0.0.1:50051 \\
-        --learner 1 --wrap ddp
+        --learner 1 --wrap ddp &
+    torchrun --nproc-per-node 2 examples/torchrun_learner.py --syncer 127.0.0.1:50051 \\
+        --learner 2 --wrap fsdp
 
 The model is ddiloco's small built-in GPT and the data are counting sequences made here,
 so nothing is downloaded. The lines that add Decoupled DiLoCo are marked. Every rank prints
-one JSON line at the end: its rank, steps, first and last loss, and what it sent and
-received.
+one JSON line at the end: its rank, steps, first and last loss, what it sent, and the sum
+of the parameters it holds (the replicas of an island hold the same).
 """
 
 from __future__ import annotations
@@ -43,10 +45,24 @@ def counting_batches(seed: int):
 
 
 def wrap(model: torch.nn.Module, how: str) -> torch.nn.Module:
-    """The model as this rank trains it: plain, or DDP over the world."""
+    """The model as this rank trains it: plain, DDP over the world, or FSDP2-sharded over
+    it (``hsdp``: a 2 x (world / 2) mesh, replicas of shards)."""
     if how == "plain":
         return model
-    return torch.nn.parallel.DistributedDataParallel(model)
+    if how == "ddp":
+        return torch.nn.parallel.DistributedDataParallel(model)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    world = dist.get_world_size()
+    if how == "hsdp":
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (world,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
 
 
 def main() -> None:
@@ -54,7 +70,7 @@ def main() -> None:
     ap.add_argument("--syncer", required=True)
     ap.add_argument("--learner", type=int, required=True)
     ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--wrap", choices=("plain", "ddp"), default="plain")
+    ap.add_argument("--wrap", choices=("plain", "ddp", "fsdp", "hsdp"), default="plain")
     ap.add_argument("--codec", default="bf16")
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -68,7 +84,7 @@ def main() -> None:
     losses = []
     with DecoupledLearner(  # Decoupled DiLoCo: the island's ranks are found by the hook
         model, opt, syncer=args.syncer, learner=args.learner, P=4, H=8, tau=2,
-        codec=args.codec, tokens_per_step=BATCH * SEQ * world,
+        codec=args.codec, tokens_per_step=BATCH * SEQ * world, load_global_on_exit=True,
     ) as dl:  # fmt: skip
         for _ in range(args.steps):
             x, y = next(data)
@@ -80,7 +96,7 @@ def main() -> None:
             if dl.should_stop:
                 break
     report = dl.report()
-    keys = ("bytes_sent", "bytes_received", "pushes", "pushes_accepted", "installs")
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in model.parameters()]
     print(
         json.dumps(
             {
@@ -90,7 +106,14 @@ def main() -> None:
                 "steps": len(losses),
                 "first_loss": losses[0],
                 "last_loss": sum(losses[-10:]) / len(losses[-10:]),
-                **{k: report[k] for k in keys},
+                # this rank's own traffic (rank 0's report sums its island's ranks)
+                "bytes_sent": dl.stats["bytes_sent"],
+                "pushes": dl.stats["pushes"],
+                "pushes_accepted": dl.stats["pushes_accepted"],
+                "installs": report["installs"],
+                "loaded_global": dl.loaded_global_on_exit,
+                "rank_bytes_sent": report.get("rank_bytes_sent"),
+                "local_sum": float(sum(t.detach().double().sum() for t in local)),
             }
         ),
         flush=True,

@@ -53,6 +53,7 @@ from ddiloco.algorithm.policy import (
     WaitForMore,
     WaitUntil,
 )
+from ddiloco.algorithm.slices import SlicedParams
 
 __all__ = [
     "SyncerConfig",
@@ -332,6 +333,15 @@ class SyncerState:
         if not s.history.holds(version, s.version):
             return None
         return s.history.version(s.theta, version)
+
+    def received(self, learner: int, p: int, seq: int) -> bool:
+        """Push ``seq`` of fragment p from ``learner`` (or a later one) was submitted."""
+        return self._seen_seq.get((learner, p), -1) >= seq
+
+    def target_version(self, p: int) -> int:
+        """The version a push of fragment p accepted now would be merged into."""
+        s = self.frags[p]
+        return s.version + 1 + int(s.merging)
 
     def holds(self, p: int, version: int) -> bool:
         """Version ``version`` of fragment p can be rebuilt (a delta push against it)."""
@@ -630,6 +640,8 @@ class SyncerState:
 
     def _pushed(self, p: int, c: Contribution, j: int) -> torch.Tensor:
         """Tensor j of theta_{m,p} as pushed (a delta push added to its base version)."""
+        if isinstance(c.params, SlicedParams):  # a sharded island's pieces, some deltas
+            return c.params.pushed(j, lambda: self._reference(p, c.base_version, j))
         x = c.params[j]
         if getattr(c.params, "delta", False):
             return self._reference(p, c.base_version, j).add(x)
@@ -665,7 +677,7 @@ class SyncerState:
         theta = self.frags[c.fragment].theta
         if len(c.params) != len(theta):
             return f"fragment {c.fragment} has {len(theta)} tensors, push has {len(c.params)}"
-        if isinstance(c.params, EncodedParams):  # fp32 when read; the caller checked values
+        if isinstance(c.params, (EncodedParams, SlicedParams)):  # fp32 when read, checked
             for j, (shape, ref) in enumerate(zip(c.params.shapes, theta)):
                 if shape != tuple(ref.shape):
                     return (

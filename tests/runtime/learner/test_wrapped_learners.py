@@ -82,3 +82,82 @@ def test_wrappers_are_unwrapped_to_the_users_module():
     assert unwrap_model(torch.compile(dp)) is inner  # compile's _orig_mod, then DP's module
     assert unwrap_model(inner) is inner
     assert island_group(inner) is None and island_group(dp) is None
+
+
+def _wait_initialised(syncer, timeout_s: float = 60.0) -> None:
+    import time
+
+    from ddiloco.runtime.learner.client import SyncerClient
+
+    c = SyncerClient(syncer.address, syncer.token)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not c.status().get("initialised"):
+            assert time.monotonic() < deadline, "the syncer got no initial model"
+            time.sleep(0.2)
+    finally:
+        c.close()
+
+
+def _model_numel() -> int:
+    from ddiloco.models import build_model
+
+    return sum(
+        t.numel() for t in build_model("gpt_tiny", vocab_size=64, block_size=32).parameters()
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_an_fsdp_island_pushes_and_installs_its_shards_beside_a_plain_learner(
+    syncer_factory, tmp_path
+):
+    """Each rank of an FSDP2 island pushes its own shard of every fragment (about the
+    fragment's bytes / R each, no gather) and installs only its shard of every merged one."""
+    s = syncer_factory()
+    procs = [start_learner(s, 0, "plain", 1, tmp_path, 150)]
+    _wait_initialised(s)  # the island's uplink is then its pushes alone
+    procs.append(start_learner(s, 1, "fsdp", 2, tmp_path, 60))
+    plain, fsdp = finish(procs, 260)
+    assert [r["rank"] for r in fsdp] == [0, 1]
+    for r in [*plain, *fsdp]:
+        assert r["installs"] > 0 and r["pushes_accepted"] > 0 and r["loaded_global"], r
+    for r in fsdp:
+        assert r["steps"] == 60 and r["last_loss"] < 0.8 * r["first_loss"], r
+    # every rank pushes every fragment's shard: about a whole fragment (bf16) over R
+    whole = 2 * _model_numel() / 4  # bf16, P = 4
+    per_push = [r["bytes_sent"] / r["pushes"] for r in fsdp]
+    for b in per_push:
+        assert 0.35 * whole < b < 0.65 * whole, (per_push, whole)
+    assert fsdp[0]["pushes"] == fsdp[1]["pushes"]
+    assert fsdp[0]["rank_bytes_sent"] == [r["bytes_sent"] for r in fsdp]
+    assert merged_learners(s) == {0, 1}
+    joins = [r for r in read_jsonl(s.tmp / "syncer.jsonl") if r["kind"] == "join"]
+    assert sorted(r["learner"] for r in joins) == [0, 1]  # rank 0 joins for the island
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_an_hsdp_island_initialises_the_syncer_and_its_replicas_stay_identical(
+    syncer_factory, tmp_path
+):
+    """A 2 x 2 HSDP island (two replicas of two shards) uploads the initial model from its
+    ranks' shards, pushes each shard once (the replicas take turns by fragment) and
+    installs the same values in both replicas; a plain learner trains beside it."""
+    s = syncer_factory()
+    procs = [start_learner(s, 1, "hsdp", 4, tmp_path, 60)]
+    _wait_initialised(s, 120)
+    procs.append(start_learner(s, 0, "plain", 1, tmp_path, 60))
+    hsdp, plain = finish(procs, 260)
+    inits = [r for r in read_jsonl(s.tmp / "syncer.jsonl") if r["kind"] == "init"]
+    assert len(inits) == 1 and inits[0]["learner"] == 1
+    assert [r["rank"] for r in hsdp] == [0, 1, 2, 3]
+    for r in hsdp:
+        assert r["steps"] == 60 and r["pushes_accepted"] > 0 and r["loaded_global"], r
+    # the mesh is [[0, 1], [2, 3]]: ranks 0 and 2 hold one shard, 1 and 3 the other
+    for a, b in ((0, 2), (1, 3)):
+        assert hsdp[a]["local_sum"] == hsdp[b]["local_sum"]
+        # the replicas take turns: each pushes its shard of every other fragment
+        assert hsdp[a]["pushes"] > 0 and abs(hsdp[a]["pushes"] - hsdp[b]["pushes"]) <= 2
+    assert plain[0]["installs"] > 0
+    assert merged_learners(s) == {0, 1}

@@ -184,6 +184,24 @@ class SyncerClient:
             self.data = BulkClient(host, int(port), self._token, ssl_context=ctx)
             self.data_fetch = BulkClient(host, int(port), self._token, ssl_context=ctx)
 
+    def credentials(self) -> dict:
+        """What another rank of this learner's island needs to push and fetch as it: the
+        session this client's Join opened and the data port it uses."""
+        sess = self.session
+        return {
+            "session": None if sess is None else [sess[0], sess[1].hex()],
+            "data": None if self.data is None else [self.data.host, self.data.port],
+        }
+
+    def adopt(self, creds: dict) -> None:
+        """Act as the learner whose root rank's client gave ``credentials()``."""
+        sess = creds.get("session")
+        self.session = None if sess is None else (int(sess[0]), bytes.fromhex(sess[1]))
+        data = creds.get("data")
+        self.use_data_port(
+            None if data is None else int(data[1]), None if data is None else data[0]
+        )
+
     def sign(self, header: dict) -> dict:
         """``header`` with the MAC of this client's session when it acts as the learner that
         joined through it (``transport.session``); unchanged otherwise."""
@@ -264,17 +282,25 @@ class SyncerClient:
         timeout_s: float = 60.0,
         learner: int | None = None,
         exact: bool = False,
+        slices: list[list[int]] | None = None,
     ) -> dict[int, tuple[int, list[torch.Tensor], int]]:
         """Published fragments: p -> (version, flat fp32 tensors, wire bytes), through the
         downlink codec. ``learner``: who fetches, so that a syncer with a delta-coded
         downlink (``sync.down_delta``) sends each fragment as a delta against the copy this
         client holds. ``exact``: the published fp32 values themselves (an export or an
-        evaluation of the global model, not a learner's install)."""
+        evaluation of the global model, not a learner's install). ``slices``: only these
+        ``[fragment, j, offset, numel]`` runs (a rank of a sharded island), one flat tensor
+        per run, in the order given."""
         with self._fetch_lock:
-            return self._fetch(fragments, timeout_s, learner, exact)
+            return self._fetch(fragments, timeout_s, learner, exact, slices)
 
     def _fetch(
-        self, fragments: list[int] | None, timeout_s: float, learner: int | None, exact: bool
+        self,
+        fragments: list[int] | None,
+        timeout_s: float,
+        learner: int | None,
+        exact: bool,
+        slices: list[list[int]] | None = None,
     ) -> dict[int, tuple[int, list[torch.Tensor], int]]:
         out: dict[int, tuple[int, list[torch.Tensor], int]] = {}
 
@@ -314,6 +340,8 @@ class SyncerClient:
 
         LINK_CUT.check(self.address)
         req: dict = {"fragments": fragments}
+        if slices is not None:
+            req["slices"] = slices
         if exact:
             req["exact"] = True
         elif learner is not None:

@@ -47,11 +47,18 @@ from ddiloco.algorithm.schedule import ClockTrack, FragmentSchedule, StepTimer
 from ddiloco.config.sections import RuntimeConfig, SyncConfig
 from ddiloco.runtime.learner.client import LinkLimits, SyncerError, rpc_details
 from ddiloco.runtime.learner.device import DeviceCopier
-from ddiloco.runtime.learner.events import InboxMixin
+from ddiloco.runtime.learner.events import InboxMixin, Received
 from ddiloco.runtime.learner.island import IslandMixin
-from ddiloco.runtime.learner.layout import island_group, unwrap_model
+from ddiloco.runtime.learner.layout import (
+    IslandPlan,
+    island_group,
+    local_runs,
+    mesh_group,
+    unwrap_model,
+)
 from ddiloco.runtime.learner.links import LinksMixin
 from ddiloco.runtime.learner.session import DUPLICATE_WAIT_S, SessionMixin
+from ddiloco.runtime.learner.shard_island import ShardIslandMixin
 from ddiloco.runtime.learner.sharded import SendQueues, ShardedClient
 from ddiloco.runtime.transport.auth import load_token
 from ddiloco.runtime.transport.spec import fragmentation_from_spec, model_spec, spec_fingerprint
@@ -66,7 +73,7 @@ _RUNTIME = RuntimeConfig()
 (compared in tests/config/test_defaults.py)."""
 
 
-class DecoupledLearner(InboxMixin, SessionMixin, LinksMixin, IslandMixin):
+class DecoupledLearner(InboxMixin, SessionMixin, LinksMixin, IslandMixin, ShardIslandMixin):
     """One Decoupled DiLoCo learner bound to a user's model (and optionally optimizer).
 
     Parameters name the paper's symbols: P fragments, each synchronised every H inner
@@ -149,16 +156,27 @@ class DecoupledLearner(InboxMixin, SessionMixin, LinksMixin, IslandMixin):
         self.step_offset = 0
         """Steps this learner id did in earlier processes (the syncer's record, from the
         latest report of its previous incarnation): ``global_step`` counts from it."""
-        if process_group is None:  # a DDP wrapper's group: the island the user set up
-            process_group = island_group(model)
+        local = local_runs(self.model)
+        self.sharded = local is not None
+        """An FSDP2 or HSDP island: every rank syncs its own shards (``shard_island``)."""
+        if process_group is None:  # the island the user set up: a DDP wrapper's, a mesh's
+            process_group = mesh_group(self.model) if self.sharded else island_group(model)
         self.group = process_group
         self._control_group = process_group
         self.rank = 0
+        self._root_rank = 0
         if process_group is not None:
             import torch.distributed as dist
 
             self.rank = dist.get_rank(process_group)
-            if dist.get_backend(process_group) == "nccl":
+            self._root_rank = dist.get_global_rank(process_group, 0)
+            if self.sharded:
+                # the step-boundary exchange has a Gloo group of its own (small Python
+                # objects; never interleaved with the sharded model's own collectives)
+                self._control_group = dist.new_group(
+                    dist.get_process_group_ranks(process_group), backend="gloo"
+                )
+            elif dist.get_backend(process_group) == "nccl":
                 # NCCL takes device tensors only: the island's small control messages (install
                 # mask, stop flag, budget) go over a Gloo group beside it, so reading them
                 # never synchronises the device; parameters still travel over NCCL
@@ -172,7 +190,18 @@ class DecoupledLearner(InboxMixin, SessionMixin, LinksMixin, IslandMixin):
         self.fingerprint = spec_fingerprint(self.spec)
         self.fragmentation = fragmentation_from_spec(self.spec)
         self.schedule = FragmentSchedule(P, H, tau)
-        self.params = dict(model.named_parameters())
+        self.params = dict(model.named_parameters()) if local is None else local[0]
+        """Name -> the tensor this process syncs: the parameter, or (sharded) its local
+        shard, which installs write in place."""
+        self.plan: IslandPlan | None = None
+        if local is not None:
+            runs = [local[1]]
+            if self.group is not None:
+                import torch.distributed as dist
+
+                runs = [{}] * dist.get_world_size(self.group)
+                dist.all_gather_object(runs, local[1], group=self._control_group)
+            self.plan = IslandPlan(self.fragmentation, runs, self.rank)
         self.copier = DeviceCopier.for_params(list(self.params.values()))
         self.time_driven = schedule == "time"
         # time-driven: ``after_step`` gets the time in nominal steps of the syncer's clock
@@ -191,7 +220,7 @@ class DecoupledLearner(InboxMixin, SessionMixin, LinksMixin, IslandMixin):
         self._heard_clock: dict | None = None  # the heartbeat thread's last announcement
         self._is_root = self.rank == 0
         self._token = None
-        if self._is_root:
+        if self._is_root or self.sharded:  # every rank of a sharded island moves its runs
             self._token = token or load_token(token_file)
             # one syncer or a sharded one: the map comes with the first Join
             self.client = ShardedClient(syncer, self._token, tls_ca, tls)
@@ -247,6 +276,14 @@ class DecoupledLearner(InboxMixin, SessionMixin, LinksMixin, IslandMixin):
         self._stop_seen = False
         self._thread_error: BaseException | None = None
         self._leaving = threading.Event()
+        # a sharded island's step-boundary exchange (``shard_island``)
+        self._held_recv: dict[int, Received] = {}  # the newest version of p fetched
+        self._verdicts: dict[tuple[int, int], dict[int, tuple]] = {}  # (p, seq) -> rank's
+        self._island_boot: dict[int, str] = {}  # seq -> the boot that accepted every part
+        self._fed: list[int] = [-1] * P  # the newest version of p every rank holds
+        self._creds_sent: tuple[int, str] | None = None
+        self._island_report: dict = {}
+        self._upload_id = ""
 
     # -- lifecycle ------------------------------------------------------------------------
     def __enter__(self) -> DecoupledLearner:
@@ -260,26 +297,26 @@ class DecoupledLearner(InboxMixin, SessionMixin, LinksMixin, IslandMixin):
         """Join the syncer (initialising it if it has no model yet), fetch the current global
         parameters and install them before the first step. Blocks until done or
         ``connect_timeout``; retries with backoff while the syncer is unreachable."""
-        if self._is_root:
+        if self.sharded:
+            self._start_sharded()
+            self._creds_sent = (self.incarnation, self.boot_id)
+        elif self._is_root:
             versions, params = self._join_and_fetch(initial=True)
             self.sync.load_global(params, versions)
             if self._joined_clock:
                 self._hear_clock(self._joined_clock)
             self._base_versions = list(versions)
             self._stop_seen = self._stop.is_set()  # later, only `step` changes it
-        if self.group is not None:
+        if self.group is not None and not self.sharded:
             self._broadcast_start()
-        if self._is_root:
+        if self._is_root or self.sharded:
             self._sendq = SendQueues(self.client.n_shards, self.client.shard_of)
             senders = [
                 (lambda k=k: self._sender(k), f"ddiloco-send-{k}")
                 for k in range(self.client.n_shards)
             ]
-            for target, name in (
-                *senders,
-                (self._receiver, "ddiloco-recv"),
-                (self._heartbeater, "ddiloco-hb"),
-            ):
+            heartbeat = [(self._heartbeater, "ddiloco-hb")] if self._is_root else []
+            for target, name in (*senders, (self._receiver, "ddiloco-recv"), *heartbeat):
                 th = threading.Thread(target=self._guarded, args=(target,), name=name, daemon=True)
                 th.start()
                 self._threads.append(th)
@@ -295,8 +332,12 @@ class DecoupledLearner(InboxMixin, SessionMixin, LinksMixin, IslandMixin):
     ) -> dict[str, torch.Tensor]:
         """The syncer's current global model as a ``state_dict`` (copies in the model's
         dtypes; ``model`` is not touched). Blocks on the network; every rank of an island
-        calls it."""
-        _, params = self._global_everywhere(timeout.total_seconds())
+        calls it. A rank of a sharded island gets its own shard of each tensor (shaped as
+        its local tensor)."""
+        if self.sharded:
+            _, params = self._agreed_global(timeout.total_seconds())
+        else:
+            _, params = self._global_everywhere(timeout.total_seconds())
         return {n: params[n].to(self.params[n].dtype).clone() for n in self.params}
 
     def load_global(self, timeout: timedelta = timedelta(seconds=60)) -> list[int]:
@@ -304,6 +345,15 @@ class DecoupledLearner(InboxMixin, SessionMixin, LinksMixin, IslandMixin):
         from it, as a restarted learner does; returns the installed fragment versions. The
         local steps not yet pushed are discarded (counted lost). Call it from the training
         thread, between steps (every rank of an island)."""
+        if self.sharded:
+            versions, params = self._agreed_global(timeout.total_seconds())
+            self.sync.fail()
+            self.sync.load_global(params, versions)
+            self._fed = list(versions)
+            with self._lock:
+                self._base_versions = list(versions)
+                self._wanted = set()
+            return versions
         versions, params = self._global_everywhere(timeout.total_seconds())
         if self._is_root:
             self.sync.fail()  # steps since each fragment's last push are overwritten
@@ -338,7 +388,9 @@ class DecoupledLearner(InboxMixin, SessionMixin, LinksMixin, IslandMixin):
         if self._hook is not None:
             self._hook.remove()
         exit_params: dict[str, torch.Tensor] | None = None
-        if self._is_root and self._started:
+        if self.sharded and self._started:
+            exit_params = self._close_sharded()
+        elif self._is_root and self._started:
             finals = []
             for o in self.sync.flush():
                 if o.c_steps < 1:  # installed since its last push: nothing left to contribute
@@ -372,6 +424,7 @@ class DecoupledLearner(InboxMixin, SessionMixin, LinksMixin, IslandMixin):
                         self.sync.step,
                         rpc_details(e),
                     )
+        if self._is_root and self._started:
             self._leaving.set()  # the heartbeat thread must not rejoin after the Leave
             try:
                 self.client.unary(
@@ -387,20 +440,28 @@ class DecoupledLearner(InboxMixin, SessionMixin, LinksMixin, IslandMixin):
             except grpc.RpcError:
                 pass
         if self.load_global_on_exit and self._started:
-            self._install_at_exit(exit_params)
+            if self.sharded:
+                if exit_params is not None:
+                    with torch.no_grad():
+                        for n, t in self.params.items():
+                            t.copy_(exit_params[n])
+                    self.loaded_global_on_exit = True
+            else:
+                self._install_at_exit(exit_params)
         self._closed.set()
         self._sendq.stop()
         for th in self._threads:
             th.join(timeout=3.0)
-        if self._is_root:
+        if self._is_root or self.sharded:
             self.client.close()
 
     # -- the training thread ----------------------------------------------------------------
     def step(self, tokens: int) -> list[int]:
         """Record one inner step of ``tokens`` tokens (the island's total); send the
         fragments due; install merged fragments whose install step has come. Returns the
-        installed fragment indices. Never blocks on the network."""
-        if self._thread_error is not None:
+        installed fragment indices. Never blocks on the network (a sharded island's ranks
+        exchange one small message: every rank calls it)."""
+        if self._thread_error is not None and not self.sharded:
             raise SyncerError(
                 f"[learner {self.learner}] communication thread failed: {self._thread_error!r}"
             ) from self._thread_error
@@ -412,6 +473,10 @@ class DecoupledLearner(InboxMixin, SessionMixin, LinksMixin, IslandMixin):
         self._last_step_t = now
         self.tokens += tokens
         installed: list[int] = []
+        if self.sharded:
+            installed, stop = self._sharded_step(tokens)
+            self._stop_seen = self._stop_seen or stop
+            return installed
         if self._is_root:
             self._drain()
             outs = self.sync.after_step(tokens, self._nominal_now())
@@ -500,7 +565,9 @@ class DecoupledLearner(InboxMixin, SessionMixin, LinksMixin, IslandMixin):
         return installed
 
     def report(self) -> dict:
-        """What the heartbeat carries: progress, timing, ledger, traffic."""
+        """What the heartbeat carries: progress, timing, ledger, traffic (of a sharded
+        island: its ranks' traffic summed, and each rank's bytes in ``rank_bytes_sent`` and
+        ``rank_bytes_received``, as of the last step)."""
         return {
             "step": self.sync.step,
             "incarnation": self.incarnation,
@@ -513,6 +580,7 @@ class DecoupledLearner(InboxMixin, SessionMixin, LinksMixin, IslandMixin):
             "fetch_s": self.stats["fetch_s"],
             "global_step": self.global_step,
             **self.stats,
+            **self._island_report,
             **self.extra_report,
         }
 

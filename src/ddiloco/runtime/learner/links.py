@@ -60,7 +60,14 @@ class LinksMixin:
         if self.codec.delta:
             with self._lock:
                 base = self._base_params.get(o.fragment, {}).get(o.base_version)
-        return encode_push(self.codec, o.params, base)
+        plan = getattr(self, "plan", None)
+        if plan is None:
+            return encode_push(self.codec, o.params, base)
+        # a sharded island's rank: the runs it pushes (each a whole local tensor, flat)
+        pieces = plan.pushes(o.fragment)
+        runs = [o.params[pc.j].reshape(-1) for pc in pieces]
+        bases = None if base is None else [base[pc.j].reshape(-1) for pc in pieces]
+        return encode_push(self.codec, runs, bases)
 
     def _sender(self, k: int = 0) -> None:
         """Send the pushes of syncer shard k's fragments."""
@@ -71,9 +78,12 @@ class LinksMixin:
             if o.ready is not None:
                 o.ready()  # the snapshot's device-to-host copy has landed
             with self._lock:
-                if self._latest_seq.get(o.fragment, o.seq) > o.seq:
+                # superseded: a newer push of this fragment carries its progress (a sharded
+                # island's ranks send every push: a part skipped by one alone would never
+                # complete at the syncer)
+                if not self.sharded and self._latest_seq.get(o.fragment, o.seq) > o.seq:
                     self.sync.release(o.fragment, o.params)
-                    continue  # superseded: a newer push of this fragment carries its progress
+                    continue
             data, delta = self._encode(o)
             self.sync.release(o.fragment, o.params)  # encoded: the snapshot buffer is free
             backoff = 0.1
@@ -97,6 +107,10 @@ class LinksMixin:
                     "final": o.seq in self._final_seqs,
                     "final_fragments": (self._final_fragments if o.seq in self._final_seqs else []),
                 }
+                if self.plan is not None:
+                    header["slices"] = [
+                        [pc.j, pc.offset, pc.numel] for pc in self.plan.pushes(o.fragment)
+                    ]
                 boot = self.boot_id
                 try:
                     d = self.link.delay_s(len(data))
@@ -122,18 +136,26 @@ class LinksMixin:
                         self._inbox.put(
                             PushResult(o.fragment, o.seq, ok, r.get("target_version", -1))
                         )
+                    elif self.sharded:  # a retried part: the island's verdict needs every part
+                        self._inbox.put(PushResult(o.fragment, o.seq, True, -1))
                     break
                 except grpc.RpcError as e:
                     code, msg = rpc_code(e), rpc_details(e)
                     if code == grpc.StatusCode.FAILED_PRECONDITION and (
                         "E_UNKNOWN_LEARNER" in msg or "E_SESSION" in msg
                     ):
-                        self._joined.clear()  # the heartbeat thread rejoins
+                        if self._is_root:
+                            self._joined.clear()  # the heartbeat thread rejoins
+                            continue
+                        # another rank: rank 0 rejoins, and hands on the new session at a
+                        # step boundary
+                        time.sleep(backoff)
+                        backoff = min(backoff * 2, 2.0)
                         continue
                     if code in RETRYABLE:
                         self.stats["push_errors"] += 1
                         with self._lock:
-                            if self._latest_seq.get(o.fragment, o.seq) > o.seq:
+                            if not self.sharded and self._latest_seq.get(o.fragment, o.seq) > o.seq:
                                 break  # superseded while the syncer was away
                         time.sleep(backoff)
                         backoff = min(backoff * 2, 2.0)
@@ -172,11 +194,17 @@ class LinksMixin:
                 with self._lock:
                     self._merged_seq = {int(k): v for k, v in r.get("merged_seq", {}).items()}
                     need = [
-                        p for p in self._wanted if versions[p] > max(got[p], self._base_versions[p])
+                        p
+                        for p in self._wanted
+                        if versions[p] > max(got[p], self._base_versions[p])
+                        and (self.plan is None or self.plan.own(p))
                     ]
                 if need:
                     t0 = time.monotonic()
-                    res = self.client.fetch(sorted(need), learner=self.learner)
+                    if self.plan is None:
+                        res = self.client.fetch(sorted(need), learner=self.learner)
+                    else:  # this rank's runs, shaped as its local tensors
+                        res = self._fetch_runs(sorted(need))
                     nbytes = sum(v[2] for v in res.values())
                     d = self.link.delay_s(nbytes)
                     if d > 0:
@@ -199,7 +227,7 @@ class LinksMixin:
             except grpc.RpcError as e:
                 if self._closed.is_set():
                     return
-                if rpc_code(e) == grpc.StatusCode.FAILED_PRECONDITION:
+                if rpc_code(e) == grpc.StatusCode.FAILED_PRECONDITION and self._is_root:
                     self._joined.clear()
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)

@@ -54,7 +54,18 @@ class SessionMixin:
             try:
                 fresh = self.incarnation < 0
                 r = self._join()
-                if r.get("need_init"):
+                if r.get("need_init") and self.sharded:
+                    # every rank uploads its runs; the model is set up once they tile it
+                    self._upload_runs()
+                    while r.get("need_init") and time.monotonic() < deadline:
+                        time.sleep(0.1)
+                        r = self._join()
+                    if r.get("need_init"):
+                        raise SyncerError(
+                            f"[learner {self.learner}] the island's ranks did not upload the "
+                            f"whole initial model within {self.connect_timeout_s:.0f} s"
+                        )
+                elif r.get("need_init"):
                     self._upload_initial()
                     r = self._join()
                 if fresh:  # a new process of this learner id carries on its step count
@@ -64,7 +75,10 @@ class SessionMixin:
                 self._merged_seq = {int(k): v for k, v in r.get("merged_seq", {}).items()}
                 self._note_budget(r)
                 self._joined_clock = r.get("clock")
-                versions, params = self._fetch_all()
+                if self.sharded:  # every rank fetches its runs (``_agreed_global``)
+                    versions, params = list(r["versions"]), {}
+                else:
+                    versions, params = self._fetch_all()
                 self._joined.set()
                 log.info(
                     "[learner %d] joined syncer %s (incarnation %d), versions %s",
@@ -210,6 +224,12 @@ class SessionMixin:
                 ) from None
             raise
         if r.get("need_init"):
+            if self.sharded:
+                raise SyncerError(
+                    f"[learner {self.learner}] syncer {self.client.address} restarted without "
+                    f"its model: a sharded island's ranks upload one together only at start "
+                    f"(restart the syncer with --resume, or restart the island)"
+                )
             # a fresh syncer without a checkpoint: give it our current parameters
             self._upload_initial()
             r = self._join()

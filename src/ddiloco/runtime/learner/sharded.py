@@ -283,20 +283,32 @@ class ShardedClient:
         timeout_s: float = 60.0,
         learner: int | None = None,
         exact: bool = False,
+        slices: list[list[int]] | None = None,
     ) -> dict:
         """Published fragments, each from its owner. ``None``: every fragment (every shard
         must answer); a list: those the reachable shards hold (a dead shard's are left
-        out, to be asked again)."""
+        out, to be asked again). ``slices``: ``SyncerClient.fetch``'s, each run asked of
+        its fragment's owner."""
         if self.map is None:
-            return self.primary.fetch(fragments, timeout_s, learner, exact)
+            return self.primary.fetch(fragments, timeout_s, learner, exact, slices)
         by_shard: dict[int, list[int] | None] = {}
         if fragments is None:
             by_shard = {k: None for k in range(self.map.S)}
         else:
             for p in fragments:
                 by_shard.setdefault(self.shard_of(p), []).append(p)
+        runs: dict[int, list[list[int]]] = {}
+        for r in slices or ():
+            runs.setdefault(self.shard_of(r[0]), []).append(r)
         futs = {
-            k: self._pool.submit(self.clients[k].fetch, want, timeout_s, learner, exact)
+            k: self._pool.submit(
+                self.clients[k].fetch,
+                want,
+                timeout_s,
+                learner,
+                exact,
+                None if slices is None else runs.get(k, []),
+            )
             for k, want in by_shard.items()
         }
         out, errors = {}, []
@@ -308,6 +320,25 @@ class ShardedClient:
         if errors and (fragments is None or not out):
             raise errors[0]
         return out
+
+    def credentials(self) -> dict:
+        """What another rank of this learner's island needs to push and fetch as it: the
+        shard map, and each shard's session, incarnation and data port."""
+        return {
+            "map": None if self.map is None else list(self.map.addresses),
+            "clients": [c.credentials() for c in self.clients],
+            "inc": {str(k): v for k, v in self._inc.items()},
+        }
+
+    def adopt(self, creds: dict) -> None:
+        """Act as the learner whose root rank's client gave ``credentials()``."""
+        if creds["map"] and self.map is None:
+            addresses = tuple(creds["map"])
+            idx = addresses.index(self.address) if self.address in addresses else None
+            self._use_map(ShardMap(addresses), idx)
+        for c, cred in zip(self.clients, creds["clients"]):
+            c.adopt(cred)
+        self._inc = {int(k): int(v) for k, v in creds["inc"].items()}
 
     def status(self, timeout_s: float = 5.0) -> dict:
         """The syncer's Status; over every shard (``aggregate_status``) when sharded. A

@@ -11,6 +11,7 @@ import torch
 
 from ddiloco.algorithm.merge import all_finite
 from ddiloco.algorithm.schedule import measured_slot_s, next_clock
+from ddiloco.algorithm.slices import InitUpload, Piece, PieceError
 from ddiloco.algorithm.syncer_state import vars_of
 from ddiloco.runtime.syncer.accounting import fold, goodput_of
 from ddiloco.runtime.syncer.common import LearnerInfo, Reject, handler
@@ -24,7 +25,12 @@ from ddiloco.runtime.transport.schema import (
     Report,
     WatchRequest,
 )
-from ddiloco.runtime.transport.spec import check_spec, fragmentation_from_spec, spec_diff
+from ddiloco.runtime.transport.spec import (
+    check_spec,
+    fragmentation_from_spec,
+    spec_diff,
+    spec_fingerprint,
+)
 from ddiloco.runtime.transport.wire import ErrorCode as E
 
 __all__ = ["ControlHandlers"]
@@ -35,6 +41,8 @@ CLOCK_LEAD_S = 1.0
 """A new slot length applies this long after the syncer announces it (several heartbeats)."""
 CLOCK_MIN_INTERVAL_S = 2.0
 """Re-timings of the slot clock are at least this far apart."""
+MAX_UPLOADS = 4
+"""Sharded islands' initial models being put together at once (each the model's size)."""
 
 
 class ControlHandlers:
@@ -171,7 +179,15 @@ class ControlHandlers:
                 E.OVERSIZE,
                 f"initial model of {expected} bytes exceeds the limit",
             )
-        buf = self._read_stream(payload, it, expected)
+        if h.pieces is not None:  # one rank of a sharded island: its runs of the tensors
+            pieces = [Piece(*r) for r in h.pieces]
+            part = self._read_stream(payload, it, 4 * sum(pc.numel for pc in pieces))
+            got = self._add_upload(h.upload or "", spec, numels, pieces, part)
+            if got is None:
+                return wire.pack({"accepted": False, "partial": True, "fingerprint": self._fp})
+            buf = got
+        else:
+            buf = self._read_stream(payload, it, expected)
         params = {}
         off = 0
         for n, s, k in zip(spec["names"], spec["shapes"], numels):
@@ -197,6 +213,31 @@ class ControlHandlers:
             )
             self._event("init", learner=h.learner, nbytes=expected)
             return wire.pack({"accepted": True, "fingerprint": self._fp})
+
+    def _add_upload(
+        self, upload: str, spec: dict, numels: list[int], pieces: list[Piece], data: bytearray
+    ) -> bytearray | None:
+        """Add a sharded island's rank's runs to its upload ``upload`` (the island's id):
+        the whole model's buffer once the island's uploads tile it, else None. At most
+        ``MAX_UPLOADS`` are kept (the oldest goes), none once the model is set up."""
+        key = f"{upload}/{spec_fingerprint(spec)}"
+        with self._lock:
+            if self.state is not None:
+                self._uploads.clear()
+                return None
+            up = self._uploads.get(key)
+            if up is None:
+                while len(self._uploads) >= MAX_UPLOADS:
+                    del self._uploads[next(iter(self._uploads))]
+                up = self._uploads[key] = InitUpload(numels)
+            try:
+                up.add(pieces, memoryview(data))
+            except PieceError as e:
+                raise Reject(grpc.StatusCode.INVALID_ARGUMENT, E.SHAPE, str(e)) from None
+            if not up.complete:
+                return None
+            del self._uploads[key]
+            return up.buf
 
     def _read_stream(self, payload: memoryview, it, nbytes: int) -> bytearray:
         buf = bytearray(payload)

@@ -14,6 +14,7 @@ import grpc
 from ddiloco.algorithm.codecs import Codec, get_codec
 from ddiloco.algorithm.merge import all_finite
 from ddiloco.algorithm.payload import EncodedParams
+from ddiloco.algorithm.slices import Piece, PieceError, SlicedParams, check_pieces
 from ddiloco.algorithm.syncer_state import Contribution, Status
 from ddiloco.runtime.syncer.common import Reject, handler
 from ddiloco.runtime.transport import wire
@@ -46,6 +47,8 @@ class PushCheck:
     who: str
     final: bool = False
     final_fragments: tuple[int, ...] = ()
+    pieces: tuple[Piece, ...] | None = None
+    """A sharded island's rank: its runs of the fragment's tensors, in payload order."""
 
 
 class DataHandlers:
@@ -90,7 +93,16 @@ class DataHandlers:
                 E.SHAPE,
                 f"fragment {p} has tensors of {list(fr.numels)} elements, push declares {shown}",
             )
-        expected = sum(codec.nbytes(n) for n in fr.numels)
+        pieces = None
+        if h.slices is not None:  # a rank of a sharded island: its runs of the tensors
+            pieces = tuple(Piece(*r) for r in h.slices)
+            try:
+                check_pieces(pieces, fr.numels)
+            except PieceError as e:
+                raise Reject(grpc.StatusCode.INVALID_ARGUMENT, E.SHAPE, str(e)) from None
+            expected = sum(codec.nbytes(pc.numel) for pc in pieces)
+        else:
+            expected = sum(codec.nbytes(n) for n in fr.numels)
         if nbytes != expected:
             raise Reject(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -115,6 +127,7 @@ class DataHandlers:
             who=self._push_who(raw),
             final=h.final,
             final_fragments=tuple(h.final_fragments),
+            pieces=pieces,
         )
 
     def _push_apply(self, pc: PushCheck, buf: bytearray) -> dict:
@@ -122,7 +135,9 @@ class DataHandlers:
         t_wall = time.perf_counter()
         codec, p = pc.codec, pc.p
         # kept encoded until its round merges (the merge decodes one tensor at a time)
-        params = EncodedParams(codec, buf, pc.shapes, delta=pc.delta)
+        params: EncodedParams | SlicedParams | None = None
+        if pc.pieces is None:
+            params = EncodedParams(codec, buf, pc.shapes, delta=pc.delta)
         if pc.delta:
             with self._lock:
                 held = self._require_ready().holds(p, pc.base)
@@ -135,11 +150,14 @@ class DataHandlers:
                 )
         # fp32 pushes: one check of the whole payload, tensor by tensor only to name a culprit
         # (a delta's values are finite if the delta is: the version it is added to is)
-        if not (
+        if pc.pieces is not None:
+            parts = self._piece_bytes(pc, buf)
+        elif not (
             codec.name == "fp32"
             and not pc.delta
             and all_finite(codec.decode(memoryview(buf), sum(pc.numels)))
         ):
+            assert params is not None
             for name, j in zip(pc.names, range(len(params))):
                 if not all_finite(params[j]):
                     raise Reject(
@@ -148,19 +166,26 @@ class DataHandlers:
                         f"tensor {name} has NaN/inf values",
                     )
         m, seq = pc.m, pc.seq
-        c = Contribution(
-            learner=m,
-            fragment=p,
-            params=params,
-            c_steps=pc.c_steps,
-            c_tokens=pc.c_tokens,
-            base_version=pc.base,
-            seq=seq,
-            final=pc.final,
-            final_fragments=pc.final_fragments,
-        )
         with self._lock:
             st = self._require_live(m, pc.inc)
+            if pc.pieces is not None:
+                got = self._add_pieces(st, pc, parts)
+                if isinstance(got, dict):  # more pieces to come, or a retried push
+                    self.counters["push_apply_s"] += time.perf_counter() - t_wall
+                    return got
+                params = got
+            assert params is not None
+            c = Contribution(
+                learner=m,
+                fragment=p,
+                params=params,
+                c_steps=pc.c_steps,
+                c_tokens=pc.c_tokens,
+                base_version=pc.base,
+                seq=seq,
+                final=pc.final,
+                final_fragments=pc.final_fragments,
+            )
             t0 = time.monotonic()
             res = st.submit(c, t0, finite_checked=True)
             self.counters["push_apply_s"] += time.perf_counter() - t_wall
@@ -183,6 +208,55 @@ class DataHandlers:
             "message": res.message,
             "target_version": res.target_version,
         }
+
+    def _piece_bytes(self, pc: PushCheck, buf: bytearray) -> list:
+        """(piece, codec, its bytes, delta) of each run a push carries, each checked finite
+        (a delta is finite if its values are: the version it is added to is)."""
+        parts, off = [], 0
+        view = memoryview(buf)
+        for piece in pc.pieces or ():
+            nb = pc.codec.nbytes(piece.numel)
+            b = view[off : off + nb]
+            off += nb
+            if not all_finite(pc.codec.decode(b, piece.numel)):
+                raise Reject(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    E.NONFINITE,
+                    f"tensor {pc.names[piece.j]} has NaN/inf values in "
+                    f"[{piece.offset}, {piece.offset + piece.numel})",
+                )
+            parts.append((piece, pc.codec, b, pc.delta))
+        return parts
+
+    def _add_pieces(self, st, pc: PushCheck, parts: list) -> SlicedParams | dict:
+        """Add a sharded island's push to its contribution (the caller holds the lock): the
+        assembled push once the island's pushes tile the fragment, else the reply (the
+        target version it will be merged into if the rest arrives now; a retried push of
+        a contribution already submitted answers ``duplicate``)."""
+        if st.received(pc.m, pc.p, pc.seq):
+            self.counters["push_duplicate"] += 1
+            return {"status": "duplicate", "message": "", "target_version": -1}
+        if self._slices.newer(pc.m, pc.p, pc.seq):
+            self.counters["push_rejected-stale"] += 1
+            return {
+                "status": "rejected-stale",
+                "message": f"a later push of fragment {pc.p} is in progress",
+                "target_version": -1,
+            }
+        counters = (pc.c_steps, pc.c_tokens, pc.base, pc.final, pc.final_fragments)
+        try:
+            got = self._slices.add(pc.m, pc.p, pc.seq, pc.shapes, counters, parts)
+        except PieceError as e:
+            raise Reject(grpc.StatusCode.INVALID_ARGUMENT, E.SHAPE, str(e)) from None
+        if got is None:
+            self.counters["push_pieces"] += 1
+            return {
+                "status": "accepted",
+                "partial": True,
+                "message": "",
+                "target_version": st.target_version(pc.p),
+            }
+        return got
 
     @handler("push", bulk=True)
     def _push(self, it, ctx: grpc.ServicerContext) -> bytes:
@@ -216,7 +290,9 @@ class DataHandlers:
         """(fragment, version, downlink byte pieces, the rest of its header) of the published
         fragments asked for."""
         req = self._validate(FetchRequest, raw, "fetch")
-        if req.exact:
+        if req.slices is not None:
+            items = self._fetch_slices(req)
+        elif req.exact:
             fp32 = get_codec("fp32")
             items = [
                 (p, v, fp32.encode_many(ts), {"codec": "fp32", "numels": [t.numel() for t in ts]})
@@ -237,6 +313,41 @@ class DataHandlers:
                 ]
         with self._lock:
             self.counters["bytes_out"] += sum(len(b) for _, _, d, _ in items for b in d)
+        return items
+
+    def _fetch_slices(self, req: FetchRequest) -> list[tuple[int, int, list[memoryview], dict]]:
+        """A sharded island's rank fetches its runs of the published fragments, each
+        encoded by itself through the downlink codec (fp32: views of the published tensors,
+        no copy). The delta-coded downlink sends whole fragments only: refused."""
+        if self.config.downlink_delta and not req.exact:
+            raise Reject(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                E.SPEC,
+                "a rank of a sharded island fetches its slices of each fragment, which the "
+                "delta-coded downlink (sync.down_delta) does not send: run the syncer "
+                "without --down-delta, or this learner as one process or a DDP island",
+            )
+        runs: dict[int, list[Piece]] = {}
+        for p, j, off, n in req.slices or ():
+            runs.setdefault(p, []).append(Piece(j, off, n))
+        codec = get_codec("fp32" if req.exact else self.config.downlink_codec)
+        with self._lock:
+            frags = self._require_ready().fragmentation.fragments
+        got = self._published_f32(sorted(runs))
+        for p in got:
+            try:
+                check_pieces(runs[p], frags[p].numels)
+            except PieceError as e:
+                raise Reject(grpc.StatusCode.INVALID_ARGUMENT, E.SHAPE, str(e)) from None
+        items = []
+        for p, (v, ts) in got.items():  # published tensors are never written: no lock
+            flat = [ts[pc.j].reshape(-1)[pc.offset : pc.offset + pc.numel] for pc in runs[p]]
+            head = {
+                "codec": codec.name,
+                "numels": [pc.numel for pc in runs[p]],
+                "slices": [[pc.j, pc.offset, pc.numel] for pc in runs[p]],
+            }
+            items.append((p, v, codec.encode_many(flat), head))
         return items
 
     def _published_f32(self, want: list[int] | None) -> dict[int, tuple[int, list]]:
@@ -261,10 +372,11 @@ class DataHandlers:
 
     def _forget_copies(self, m: int) -> None:
         """Learner m left or was declared dead: its copies no longer hold steps of the
-        delta-coded downlink (a returning learner gets whole fragments again). Caller holds
-        the lock."""
+        delta-coded downlink (a returning learner gets whole fragments again), and the
+        pieces of its incomplete sharded pushes go. Caller holds the lock."""
         for k in [k for k in self._held if k[0] == m]:
             del self._held[k]
+        self._slices.forget(m)
         for p in list(self._chains):
             self._trim_chain(p)
 

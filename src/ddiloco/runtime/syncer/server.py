@@ -44,6 +44,7 @@ from pydantic import BaseModel
 from ddiloco.algorithm.codecs import downlink_codec_names
 from ddiloco.algorithm.downlink import DeltaChain
 from ddiloco.algorithm.schedule import SlotClock
+from ddiloco.algorithm.slices import InitUpload, SliceAssembler
 from ddiloco.algorithm.syncer_state import Merged, SyncerConfig, SyncerState
 from ddiloco.config.sections import RuntimeConfig, SyncConfig
 from ddiloco.metrics.sinks import open_sinks, parse_sinks
@@ -238,6 +239,8 @@ class SyncerServer(ControlHandlers, DataHandlers, Durability, Liveness):
         # chain's copy of p that learner holds (ddiloco.algorithm.downlink)
         self._chains: dict[int, DeltaChain] = {}
         self._held: dict[tuple[int, int], int] = {}
+        self._slices = SliceAssembler()  # the incomplete pushes of sharded islands
+        self._uploads: dict[str, InitUpload] = {}  # sharded islands' initial models, by id
         self._bulk_slots = threading.BoundedSemaphore(config.max_workers - config.control_reserve)
         self._pushing: Counter = Counter()  # learner -> gRPC pushes in progress
         self._unpublished: dict[int, Merged] = {}  # merged, waiting for durability

@@ -33,6 +33,7 @@ __all__ = [
     "MAX_COUNT",
     "MAX_SECONDS",
     "MAX_JSON_DEPTH",
+    "MAX_PIECES",
     "SchemaError",
     "loads",
     "parse",
@@ -121,11 +122,23 @@ class JoinRequest(BaseModel):
     session: ShortStr | None = None
 
 
+MAX_PIECES = 1 << 20
+"""Most pieces (runs of a tensor) one push, fetch or initial upload may name."""
+
+Run = Annotated[list[Count], Field(min_length=3, max_length=3)]
+"""``[tensor, offset, numel]``: elements ``[offset, offset + numel)`` of a tensor, flat."""
+
+
 class InitHeader(BaseModel):
     model_config = _CONFIG
     spec: dict[str, Any]
     learner: LearnerId | None = None
     nbytes: Count | None = None
+    pieces: Annotated[list[Run], Field(max_length=MAX_PIECES)] | None = None
+    """A sharded island's rank uploads its runs (``[tensor index in the spec, offset,
+    numel]``, fp32 in that order); the model is set up once the island's uploads tile it."""
+    upload: ShortStr | None = None
+    """With ``pieces``: the id of the island's upload (its uploads are put together)."""
 
 
 class PushHeader(BaseModel):
@@ -150,6 +163,11 @@ class PushHeader(BaseModel):
         list[Annotated[int, Field(ge=0, lt=MAX_FRAGMENTS)]], Field(max_length=MAX_FRAGMENTS)
     ] = []
     """With ``final``: every fragment the finishing learner sends a final push of."""
+    slices: Annotated[list[Run], Field(max_length=MAX_PIECES)] | None = None
+    """A rank of a sharded island pushes its runs of the fragment's tensors
+    (``[j, offset, numel]``, in payload order, j the tensor's index in the fragment); the
+    push is merged once the island's pushes of this ``seq`` tile the fragment
+    (``ddiloco.algorithm.slices``). Unset: the whole fragment."""
 
     @model_validator(mode="after")
     def _seq_of_this_incarnation(self) -> PushHeader:
@@ -185,6 +203,15 @@ class FetchRequest(BaseModel):
     ) = None
     """``[fragment, token]`` pairs: the copies the learner holds, by the token the syncer
     gave each."""
+    slices: (
+        Annotated[
+            list[Annotated[list[Count], Field(min_length=4, max_length=4)]],
+            Field(max_length=MAX_PIECES),
+        ]
+        | None
+    ) = None
+    """``[fragment, j, offset, numel]`` runs: a rank of a sharded island fetches only its
+    runs of the fragments it asks for (``fragments`` then lists them)."""
 
     @model_validator(mode="after")
     def _no_duplicates(self) -> FetchRequest:
