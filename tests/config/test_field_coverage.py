@@ -271,6 +271,21 @@ ROWS: dict[str, tuple[list[str], Probe, Probe]] = {
     "max_push_bytes": (["1000"], None, lambda p: p.server.max_push_bytes),
     "step_budget": (["0"], None, lambda p: p.server.step_budget),
     "island_size": (["2"], None, lambda p: p.learner_cmd[:6]),
+    "island_sharding": (
+        ["fsdp", "--island-size", "2"],
+        None,
+        lambda p: (p.learner_cmd[:6], p.run.runtime.island(1).sharding),
+    ),
+    "island_replicas": (
+        ["4", "--island-size", "8", "--island-sharding", "hsdp"],
+        None,
+        lambda p: str(p.run.runtime.island(1)),
+    ),
+    "islands": (
+        ["single,fsdp:2,ddp:2,hsdp:2x2"],
+        None,
+        lambda p: (p.learner_cmd[:6], str(p.run.runtime.island(1))),
+    ),
     "shards": (["2"], None, lambda p: p.server.shards),
     "connect_timeout_s": (["10"], None, lambda p: p.learner["connect_timeout"]),
     "launcher": (["ray"], None, lambda p: launcher_class(p.launcher.cfg).__name__),

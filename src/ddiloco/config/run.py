@@ -105,6 +105,12 @@ class TrainConfig:
             raise ValueError(
                 f"world.speeds has {len(self.world.speeds)} entries for {self.learners} learners"
             )
+        n_islands = len(self.runtime.layouts())
+        if n_islands and n_islands != self.learners:
+            raise ValueError(
+                f"runtime.islands has {n_islands} layouts for {self.learners} learners: give "
+                f"one per learner"
+            )
 
     # -- derived values -------------------------------------------------------------------
     def lr_at(self, step: int) -> float:

@@ -11,7 +11,7 @@ file form (``ddiloco.config.files``) has one table per section.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from ddiloco.algorithm.codecs import codec_names, downlink_codec_names, get_codec
 from ddiloco.algorithm.fragments import STRATEGIES
@@ -30,6 +30,8 @@ __all__ = [
     "WorldConfig",
     "ChaosConfig",
     "RuntimeConfig",
+    "IslandLayout",
+    "ISLAND_SHARDINGS",
     "SECTIONS",
     "METHODS",
     "ENGINES",
@@ -374,7 +376,21 @@ class RuntimeConfig:
     --config``), none for a bare ``ddiloco syncer``; 0: none (each learner runs its own
     steps)."""
     island_size: int = 1
-    """Ranks per learner; > 1 runs each learner as a torchrun island (DDP inside)."""
+    """Ranks per learner; > 1 runs each learner as a torchrun island (``island_sharding``
+    inside)."""
+    island_sharding: Literal["ddp", "fsdp", "hsdp"] = "ddp"
+    """How an island's ranks hold the model: ddp (each rank the whole model; rank 0 talks
+    to the syncer and broadcasts installs), fsdp (FSDP2 over the island's ranks: each rank
+    holds, pushes and installs its own shard of every tensor; ``docs/sharding.md``) or hsdp
+    (FSDP2 on a 2-D mesh: ``island_replicas`` replicas of island_size / island_replicas
+    shards)."""
+    island_replicas: int = 2
+    """HSDP's replicas per island (must divide island_size); read with island_sharding
+    hsdp only."""
+    islands: str = ""
+    """Learners of different layouts: one per learner, comma-separated, each single,
+    ddp:R, fsdp:R or hsdp:AxB (A replicas of B shards, A x B ranks), e.g.
+    fsdp:2,ddp:2,single; empty: every learner is island_size ranks of island_sharding."""
     shards: int = 1
     """Syncer processes S under ``ddiloco train``, each owning the fragments p with
     p % S == its index (``ddiloco.runtime.transport.shards``), each checkpointed to
@@ -432,6 +448,10 @@ class RuntimeConfig:
         if self.step_budget is not None:
             at_least("runtime.step_budget", self.step_budget, 0)
         at_least("runtime.island_size", self.island_size, 1)
+        one_of("runtime.island_sharding", self.island_sharding, ISLAND_SHARDINGS)
+        at_least("runtime.island_replicas", self.island_replicas, 1)
+        self.island(0)  # the uniform layout is valid
+        self.islands = ",".join(str(x) for x in self.layouts())
         at_least("runtime.shards", self.shards, 1)
         positive("runtime.connect_timeout_s", self.connect_timeout_s)
         one_of("runtime.launcher", self.launcher, backend_names("launcher"))
@@ -449,6 +469,75 @@ class RuntimeConfig:
             raise ValueError(f"runtime.metrics_sinks: {e}") from None
         one_of("runtime.device", self.device, ("auto", "cpu", "cuda"))
         one_of("runtime.autocast", self.autocast, ("none", "bf16"))
+
+    def layouts(self) -> tuple[IslandLayout, ...]:
+        """The learners' layouts of ``islands`` (empty when every learner has the uniform
+        one)."""
+        return tuple(
+            IslandLayout.parse(x, "runtime.islands") for x in self.islands.split(",") if x.strip()
+        )
+
+    def island(self, m: int | None) -> IslandLayout:
+        """Learner m's layout: its entry of ``islands``, else ``island_size`` ranks of
+        ``island_sharding`` (also for a learner beyond the list, or without an id)."""
+        per = self.layouts()
+        if m is not None and 0 <= m < len(per):
+            return per[m]
+        if self.island_size == 1:
+            return IslandLayout(1, "single")
+        replicas = self.island_replicas if self.island_sharding == "hsdp" else 1
+        if self.island_size % replicas:
+            raise ValueError(
+                f"runtime.island_replicas {replicas} does not divide runtime.island_size "
+                f"{self.island_size} (an HSDP island is replicas x shards ranks)"
+            )
+        return IslandLayout(self.island_size, self.island_sharding, replicas)
+
+    @property
+    def max_island_size(self) -> int:
+        """The most ranks of any learner's island."""
+        return max([self.island(None).size, *(x.size for x in self.layouts())])
+
+
+ISLAND_SHARDINGS = ("ddp", "fsdp", "hsdp")
+"""How an island's ranks hold the model (``runtime.island_sharding``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class IslandLayout:
+    """One learner's ranks and how they hold the model: ``single`` (one process), ``ddp``,
+    ``fsdp``, or ``hsdp`` with ``replicas`` replicas of size / replicas shards."""
+
+    size: int
+    sharding: Literal["single", "ddp", "fsdp", "hsdp"]
+    replicas: int = 1
+
+    @classmethod
+    def parse(cls, text: str, name: str = "layout") -> IslandLayout:
+        """``single``, ``ddp:R``, ``fsdp:R`` or ``hsdp:AxB``; a ValueError naming ``name``
+        and the forms otherwise."""
+        t = text.strip().lower()
+        forms = "single, ddp:R, fsdp:R or hsdp:AxB (A replicas of B shards)"
+        kind, _, n = t.partition(":")
+        try:
+            if t == "single":
+                return cls(1, "single")
+            if kind in ("ddp", "fsdp") and int(n) >= 1:
+                return cls(int(n), "single" if int(n) == 1 else cast(Any, kind))
+            if kind == "hsdp":
+                a, b = (int(x) for x in n.split("x"))
+                if a >= 1 and b >= 1:
+                    return cls(a * b, "hsdp", a)
+        except ValueError:
+            pass
+        raise ValueError(f"{name}: {text!r} is no layout; each is {forms}")
+
+    def __str__(self) -> str:
+        if self.sharding == "single":
+            return "single"
+        if self.sharding == "hsdp":
+            return f"hsdp:{self.replicas}x{self.size // self.replicas}"
+        return f"{self.sharding}:{self.size}"
 
 
 SECTIONS: dict[str, type] = {

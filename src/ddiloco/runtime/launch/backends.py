@@ -64,6 +64,10 @@ class Backend:
     """It carries out the chaos faults that a launcher injects (``INJECTED_FAULTS``)."""
     instead: str = ""
     """What to do with a run whose chaos asks for faults it does not inject."""
+    layouts: bool = False
+    """It runs sharded islands (``runtime.island_sharding`` fsdp or hsdp) and learners of
+    different layouts (``runtime.islands``); without it, every learner is one process or a
+    DDP island of ``runtime.island_size`` ranks."""
     options: str | None = None
     """Jobs: the options dataclass in ``module``, one ``ddiloco launch`` flag per field."""
     flag_aliases: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
@@ -129,6 +133,14 @@ def check_runnable(config, name: str):
             f"sync.down_codec {config.sync.down_codec!r}: the syncer sends merged fragments "
             f"as one of {', '.join(downlink_codec_names())}"
         )
+    rt = config.runtime
+    if not b.layouts and (rt.islands or rt.island(None).sharding in ("fsdp", "hsdp")):
+        raise ValueError(
+            f"{b.title} runs every learner as one process or a DDP island of "
+            f"runtime.island_size ranks; sharded islands (runtime.island_sharding "
+            f"{rt.island_sharding}) and learners of different layouts (runtime.islands "
+            f"{rt.islands!r}) run under the local launcher (runtime.launcher = local)"
+        )
     faults = chaos_for_run(config).injected_faults()
     if faults and not b.injects_faults:
         raise ValueError(
@@ -148,6 +160,7 @@ register_backend(
         title="the local launcher",
         help="processes on this host, supervised by the built-in launcher",
         injects_faults=True,
+        layouts=True,
     )
 )
 register_backend(

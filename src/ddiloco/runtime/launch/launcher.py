@@ -196,7 +196,7 @@ class Launcher:
         self.out = fresh_run_dir(config.out)  # nothing of an earlier run in OUT
         (self.out / "logs").mkdir(exist_ok=True)
         self.chaos = chaos_for_run(config)
-        if self.chaos.link_cut and config.runtime.island_size > 1:
+        if self.chaos.link_cut and config.runtime.max_island_size > 1:
             raise ValueError(
                 "chaos link_cut needs single-process learners (island_size 1): "
                 "the cut is signalled to the learner process"
@@ -288,7 +288,7 @@ class Launcher:
 
     def _learner_cmd(self, m: int | None) -> list[str]:
         """Learner m's command; m None: a learner that joins without an id (elastic)."""
-        head = cli_command(self.cfg.runtime.island_size)
+        head = cli_command(self.cfg.runtime.island(m).size)
         ident = [] if m is None else ["--learner", str(m)]
         cmd = head + [
             "learner",
@@ -309,7 +309,8 @@ class Launcher:
         # the syncer and single-process learners fork from the warm server; islands are
         # started by torchrun
         forked = self._forkserver is not None and (
-            p.name.startswith("syncer") or self.cfg.runtime.island_size == 1
+            p.name.startswith("syncer")
+            or p.cmd[:3] == [sys.executable, "-m", "ddiloco.runtime.cli"]
         )
         with open(p.log_path, "ab") as log:
             log.write(

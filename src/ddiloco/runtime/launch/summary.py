@@ -222,7 +222,7 @@ def write_summary(
                 "stops": member.stops if member else 0,
                 "ledger_steps": {k: round(v, 4) + 0.0 for k, v in ledger.items()},
                 "ledger_tokens": {
-                    k: round(v * per_step * c.runtime.island_size) for k, v in ledger.items()
+                    k: round(v * per_step * c.runtime.island(m).size) for k, v in ledger.items()
                 },
                 "ledger_balance_error": bal,
                 "install_delay_steps": (final or info.get("report", {})).get("install_delay_steps"),
@@ -246,9 +246,10 @@ def write_summary(
             k: (st.get("membership") or {}).get(k, 0) for k in ("join", "leave", "dead")
         },
         "island_size": c.runtime.island_size,
+        "islands": [str(c.runtime.island(m)) for m in range(c.learners)],
         "steps": c.steps,
         "shards": c.runtime.shards,
-        "tokens": c.learners * c.steps * per_step * c.runtime.island_size,
+        "tokens": c.steps * per_step * sum(c.runtime.island(m).size for m in range(c.learners)),
         "final_eval_loss": final_loss,
         "entropy_floor": floor,
         "gap_to_floor": None if final_loss is None or floor is None else final_loss - floor,

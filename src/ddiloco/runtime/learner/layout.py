@@ -36,7 +36,15 @@ import torch
 from ddiloco.algorithm.fragments import Fragmentation
 from ddiloco.algorithm.slices import Piece
 
-__all__ = ["IslandPlan", "Run", "island_group", "local_runs", "mesh_group", "unwrap_model"]
+__all__ = [
+    "IslandPlan",
+    "Run",
+    "island_group",
+    "local_runs",
+    "mesh_group",
+    "shard_model",
+    "unwrap_model",
+]
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -210,3 +218,31 @@ class IslandPlan:
     def pushes(self, p: int) -> list[Piece]:
         """The runs of fragment p this rank pushes (empty: another rank pushes them)."""
         return self._push[p]
+
+
+def shard_model(
+    model: torch.nn.Module, replicas: int = 1, device_type: str = "cpu"
+) -> torch.nn.Module:
+    """Shard ``model`` with FSDP2 over every rank of the default group, in place: each
+    block of its top-level ``ModuleList`` s, then the rest. ``replicas > 1``: HSDP, a
+    (replicas, world / replicas) mesh (shards within a replica, replicas of them). Make
+    the optimizer after this (its parameters become DTensors)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    world = dist.get_world_size()
+    if world % replicas:
+        raise ValueError(f"{replicas} replicas do not divide an island of {world} ranks")
+    if replicas > 1:
+        mesh = init_device_mesh(
+            device_type, (replicas, world // replicas), mesh_dim_names=("replicate", "shard")
+        )
+    else:
+        mesh = init_device_mesh(device_type, (world,))
+    for child in model.children():
+        if isinstance(child, torch.nn.ModuleList):
+            for block in child:
+                fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model

@@ -25,12 +25,15 @@ from pathlib import Path
 import torch
 
 from ddiloco.config import TrainConfig
+from ddiloco.config.sections import IslandLayout
 from ddiloco.data import build_stream
 from ddiloco.metrics.sinks import open_sinks, parse_sinks
 from ddiloco.recipe import data_config, new_model, new_optimizer, set_lr
 from ddiloco.runtime.learner.client import LINK_CUT, LinkLimits
 from ddiloco.runtime.learner.device import learner_device
 from ddiloco.runtime.learner.hook import DecoupledLearner
+from ddiloco.runtime.learner.layout import shard_model
+from ddiloco.runtime.learner.shard_state import dcp_step, load_dcp, save_dcp
 
 __all__ = ["run_learner", "learner_kwargs", "learner_slowdown"]
 
@@ -81,7 +84,38 @@ def _resume_point(run_dir: str | None, learner: int, rank: int):
     saved = load_learner_state(state_path) if state_path is not None else None
     if saved is not None:  # written just before progress.json: it may be 10 steps ahead
         start_step = max(start_step, saved["step"])
+    sharded_step = dcp_step(out)  # a sharded island's (``shard_state``), as learner_state.pt
+    if sharded_step is not None:
+        start_step = max(start_step, sharded_step)
     return out, progress_path, state_path, start_step, saved
+
+
+def island_for(cfg: TrainConfig, learner: int | None, world: int) -> IslandLayout:
+    """How learner ``learner``'s ``world`` ranks hold the model: its layout in the run file
+    (``runtime.islands``, ``island_size``, ``island_sharding``), or, started with another
+    number of ranks (an island restarted on fewer hosts), the same kind on the ranks it has
+    (a sharded island resumes its checkpoint resharded; HSDP becomes FSDP where its
+    replicas do not divide the ranks), with a warning."""
+    layout = cfg.runtime.island(learner)
+    if layout.size == world:
+        return layout
+    if world == 1:
+        now = IslandLayout(1, "single")
+    elif layout.sharding == "hsdp" and world % layout.replicas == 0 and world > layout.replicas:
+        now = IslandLayout(world, "hsdp", layout.replicas)
+    elif layout.sharding in ("fsdp", "hsdp"):
+        now = IslandLayout(world, "fsdp")
+    else:
+        now = IslandLayout(world, "ddp")
+    log.warning(
+        "[learner %s] laid out as %s (runtime.islands, island_size, island_sharding) but "
+        "started with %d rank(s): it runs as %s",
+        learner,
+        layout,
+        world,
+        now,
+    )
+    return now
 
 
 def learner_kwargs(
@@ -175,25 +209,35 @@ def run_learner(
         dist.init_process_group(backend, timeout=timedelta(minutes=5))
         group = dist.group.WORLD
     torch.set_num_threads(1)
+    layout = island_for(cfg, learner, world)
+    sharded = layout.sharding in ("fsdp", "hsdp")
     resume = _resume_point(run_dir, learner, rank) if learner is not None else None
     data = data_config(cfg)
     model = new_model(cfg).to(device)
     train_model = model
-    if group is not None:
+    if sharded:  # FSDP2 (HSDP: a 2-D mesh): each rank holds and syncs its own shards
+        shard_model(model, layout.replicas, device.type)
+    elif group is not None:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         train_model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     opt = new_optimizer(cfg, model)
     resumed_optimizer = False
 
-    def resume_opt(saved: dict | None, start_step: int) -> bool:
-        if saved is not None and resume_optimizer and saved["step"] == start_step:
+    def resume_opt(out: Path | None, saved: dict | None, start_step: int) -> bool:
+        if not resume_optimizer:
+            return False
+        if dcp_step(out) == start_step and out is not None:
+            # a sharded island's checkpoint, whatever number of ranks wrote it (every rank
+            # of this island loads: all read the same directory, so all take this branch)
+            return load_dcp(out, model, opt) == start_step
+        if saved is not None and saved["step"] == start_step and not sharded:
             opt.load_state_dict(saved["optimizer"])  # moved to the parameters' device
             return True
         return False
 
     if resume is not None:
-        resumed_optimizer = resume_opt(resume[4], resume[3])
+        resumed_optimizer = resume_opt(resume[0], resume[4], resume[3])
     autocast = torch.autocast(
         device.type, dtype=torch.bfloat16, enabled=cfg.runtime.autocast == "bf16"
     )
@@ -221,15 +265,17 @@ def run_learner(
         if resume is None:  # the syncer's choice of id is known now
             learner = dl.learner
             resume = _resume_point(run_dir, learner, rank)
-            resumed_optimizer = resume_opt(resume[4], resume[3])
+            resumed_optimizer = resume_opt(resume[0], resume[4], resume[3])
         out, progress_path, state_path, start_step, _ = resume
         slowdown = learner_slowdown(cfg, learner)  # its world speed, once its id is known
-        # an elastic run may have more learners than configured: ids beyond M get streams
-        # of their own too
+        # every rank of every learner its own stream: learner m's ranks follow the ranks of
+        # the learners before it (islands of different sizes included); an elastic run may
+        # have more learners than configured: ids beyond M get streams of their own too
+        sizes = [cfg.runtime.island(k).size for k in range(max(cfg.learners, learner + 1))]
         stream = build_stream(
             data,
-            learner=learner * world + rank,
-            n_learners=max(cfg.learners, learner + 1) * world,
+            learner=sum(sizes[:learner]) + rank,
+            n_learners=sum(sizes),
             batch_size=cfg.data.batch_size,
             block_size=cfg.data.block_size,
             seed=cfg.seed,
@@ -300,12 +346,19 @@ def run_learner(
                         "installed": {p: dl.sync.frags[p].base_version for p in installed},
                     }
                 )
-                if step % 10 == 0 or step == limit or dl.should_stop or leave.is_set():
+            if step % 10 == 0 or step == limit or dl.should_stop or leave.is_set():
+                if sharded and out is not None:  # every rank its shards (a collective)
+                    save_dcp(out, step, model, opt)
+                if metrics:
                     metrics.flush()
-                    save_learner_state(state_path, step, opt)
+                    if not sharded:
+                        save_learner_state(state_path, step, opt)
                     _write_json_atomic(progress_path, {"step": step})
     report = dl.report()
-    if group is not None:  # every rank of the island must hold the same parameters
+    report["island_layout"] = str(layout)
+    if group is not None:
+        report["island_size"] = world
+    if group is not None and not sharded:  # every rank of the island holds the same model
         import torch.distributed as dist
 
         with torch.no_grad():
@@ -315,7 +368,6 @@ def run_learner(
                 dist.broadcast(ref, src=0, group=group)
                 diff = torch.maximum(diff, (ref - t.detach()).abs().max())
             dist.all_reduce(diff, op=dist.ReduceOp.MAX, group=group)
-        report["island_size"] = world
         report["island_max_param_diff"] = float(diff)
     if metrics:
         metrics.write(
