@@ -12,7 +12,12 @@ import pytest
 pytest.importorskip("tokenizers", reason="the hf extra (tokenizers) is not installed")
 
 from ddiloco.cli import main  # noqa: E402
-from ddiloco.data import build_eval_batches, build_stream, parse_data_spec  # noqa: E402
+from ddiloco.data import (  # noqa: E402
+    DataConfig,
+    build_eval_batches,
+    build_stream,
+    parse_data_spec,
+)
 from ddiloco.data.prepare import EOT, prepare  # noqa: E402
 from ddiloco.data.text import ShardedTokens, load_token_bin  # noqa: E402
 
@@ -221,3 +226,52 @@ def test_prepare_errors_say_what_to_do(tmp_path, capsys):
         )
     with pytest.raises(ValueError, match="without meta.json"):
         load_token_bin(tmp_path / "c")
+
+
+def test_held_out_sources_are_the_eval_tail_and_no_learner_reads_them(tmp_path, capsys):
+    train_docs = write_corpus(tmp_path / "train", n_files=6, seed=0)
+    held_docs = write_corpus(tmp_path / "held", n_files=2, seed=1)
+    tok, out = tmp_path / "tok.json", tmp_path / "s"
+    argv = ["prepare", str(tmp_path / "train"), "--held-out", str(tmp_path / "held")]
+    assert main([*argv, "--tokenizer", str(tok), "--vocab-size", "300", "--out", str(out)]) == 0
+    assert "held out" in capsys.readouterr().out
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["held_out_sources"] == [str(tmp_path / "held")]
+    assert decode_documents(out, tok) == train_docs + held_docs  # held-out documents last
+    tokens = np.asarray(load_token_bin(out))
+    assert np.count_nonzero(tokens[-meta["eval_tokens"] :] == 0) == len(held_docs)  # their EOTs
+
+    # The tokenizer saw the training sources only: the same as one trained on them alone.
+    alone = prepare(
+        [str(tmp_path / "train")],
+        tokenizer=tmp_path / "alone.json",
+        out=tmp_path / "a",
+        vocab_size=300,
+        progress=False,
+    )
+    assert alone.eval_tokens == 0 and "eval_tokens" not in json.loads(
+        (tmp_path / "a" / "meta.json").read_text()
+    )
+    assert (tmp_path / "alone.json").read_text() == tok.read_text()
+
+    # bin: holds out exactly that tail: learners' windows end before it, eval windows lie in it.
+    cfg = parse_data_spec(f"bin:{out}")
+    assert cfg.held_out_tokens == meta["eval_tokens"]
+    start = len(tokens) - meta["eval_tokens"]
+    for m in range(3):
+        stream = build_stream(cfg, learner=m, n_learners=3, batch_size=8, block_size=16, seed=m)
+        assert stream.shard[1] == start * (m + 1) // 3 <= start  # type: ignore[attr-defined]
+    tail = tokens[start:]
+    for x, y in build_eval_batches(cfg, n_batches=4, batch_size=8, block_size=16):
+        for row in np.concatenate([x.numpy(), y.numpy()[:, -1:]], axis=1):
+            hits = np.flatnonzero(
+                np.all(np.lib.stride_tricks.sliding_window_view(tail, 17) == row, 1)
+            )
+            assert len(hits), "an eval window outside the held-out documents"
+    # An explicit eval_fraction overrides the declared tail.
+    frac = DataConfig(kind="bin", path=str(out), eval_fraction=0.5)
+    assert frac.held_out_tokens is None
+    assert build_stream(frac, learner=0, n_learners=1, batch_size=1, block_size=16).shard == (
+        0,
+        len(tokens) - int(len(tokens) * 0.5),
+    )

@@ -7,7 +7,8 @@ builds one from a :class:`DataConfig` or a short spec string:
   ``synthetic``        Markov language with a known entropy floor (``data.synthetic``)
   ``text:PATH``        bytes of a text file or folder of .txt/.md files (``data.text``)
   ``bin:PATH``         nanoGPT-style token file, uint16 by default, or a folder of token
-                       shards written by ``ddiloco prepare`` (``data.text``, ``data.prepare``)
+                       shards written by ``ddiloco prepare`` (``data.text``, ``data.prepare``),
+                       whose held-out sources, if any, are its eval set
   ``hf:PATH``          Hugging Face dataset saved on disk, one text column (``data.hf``)
   ``digits``           sklearn's bundled 8x8 digits (``data.images``)
   ``images:PATH``      class-per-subfolder PNG/JPEG folder (``data.images``)
@@ -67,6 +68,9 @@ class DataSource:
     """Held-out share when ``DataConfig.eval_fraction`` is unset."""
     vocab_size: Callable[[DataConfig], int | None] = lambda cfg: None
     """The token vocabulary the source implies, or None."""
+    eval_tokens: Callable[[DataConfig], int | None] = lambda cfg: None
+    """The length of a held-out tail the data itself declares (a ``ddiloco prepare``
+    folder's held-out sources), or None: the eval fraction applies."""
 
 
 DATA_SOURCES: dict[str, DataSource] = {}
@@ -93,7 +97,8 @@ class DataConfig:
     """The synthetic language (kind "synthetic")."""
     eval_fraction: float | None = None
     """Held-out share of the data (not used by "synthetic", whose eval set is sampled
-    afresh); None means 0.05 for token data, 0.2 for images."""
+    afresh); None means the held-out sources of a ``ddiloco prepare`` folder that has
+    them (``--held-out``), else 0.05 for token data, 0.2 for images."""
     dtype: str = "uint16"
     """Token id type of a .bin file (kind "bin")."""
     all_files: bool = False
@@ -140,6 +145,14 @@ class DataConfig:
         if self.eval_fraction is not None:
             return self.eval_fraction
         return self.source.eval_fraction
+
+    @property
+    def held_out_tokens(self) -> int | None:
+        """Length of the held-out tail the data declares (a ``ddiloco prepare`` folder
+        written with ``--held-out``), used when ``eval_fraction`` is unset; else None."""
+        if self.eval_fraction is not None:
+            return None
+        return self.source.eval_tokens(self)
 
     @property
     def vocab_size(self) -> int | None:
@@ -205,12 +218,16 @@ def _token_source(name: str, load: Callable[[DataConfig], Any], **kw: Any) -> Da
     def stream(cfg: DataConfig, **args: Any) -> BatchStream:
         from ddiloco.data.text import TokenStream
 
-        return TokenStream(load(cfg), eval_fraction=cfg.held_out, **args)
+        return TokenStream(
+            load(cfg), eval_fraction=cfg.held_out, eval_tokens=cfg.held_out_tokens, **args
+        )
 
     def held_out(cfg: DataConfig, **args: Any) -> Batches:
         from ddiloco.data.text import token_eval_batches
 
-        return token_eval_batches(load(cfg), eval_fraction=cfg.held_out, **args)
+        return token_eval_batches(
+            load(cfg), eval_fraction=cfg.held_out, eval_tokens=cfg.held_out_tokens, **args
+        )
 
     return DataSource(name, "text", stream, held_out, eval_fraction=0.05, **kw)
 
@@ -253,6 +270,15 @@ def _bin_vocab(cfg: DataConfig) -> int | None:
     return None
 
 
+def _bin_eval_tokens(cfg: DataConfig) -> int | None:
+    if cfg.path and Path(cfg.path).is_dir():
+        from ddiloco.data.text import read_meta
+
+        n = read_meta(cfg.path).get("eval_tokens")
+        return int(n) if n else None
+    return None
+
+
 def _hf_bytes(cfg: DataConfig) -> Any:
     from ddiloco.data.hf import load_hf_text_bytes
 
@@ -290,7 +316,9 @@ register_source(
     )
 )
 register_source(_token_source("text", _text_bytes, vocab_size=lambda cfg: 256))
-register_source(_token_source("bin", _token_bin, vocab_size=_bin_vocab))
+register_source(
+    _token_source("bin", _token_bin, vocab_size=_bin_vocab, eval_tokens=_bin_eval_tokens)
+)
 register_source(_token_source("hf", _hf_bytes, vocab_size=lambda cfg: 256))
 register_source(_image_source("digits", _digits, needs_path=False))
 register_source(_image_source("images", _image_folder))

@@ -1,6 +1,7 @@
 """``ddiloco prepare``: text to nanoGPT-style token shards, with a BPE tokenizer.
 
-    ddiloco prepare corpus/ notes.txt --tokenizer tok.json --vocab-size 8192 --out data/tok
+    ddiloco prepare corpus/ notes.txt --held-out heldout/ --tokenizer tok.json \
+        --vocab-size 8192 --out data/tok
     ddiloco train --data bin:data/tok
 
 Sources are text files, folders (their ``.txt``/``.md`` files, as ``text:`` reads them)
@@ -8,12 +9,19 @@ and ``hf:PATH`` datasets saved on disk (one text column). Each document (a file,
 row of a dataset) is streamed: read, tokenized in batches and written, never joined in
 memory. The tokenizer (Hugging Face ``tokenizers``, byte-level BPE with an
 ``<|endoftext|>`` token between documents) is loaded from ``--tokenizer`` when that file
-exists, else trained offline on the same sources and saved there.
+exists, else trained offline on the training sources (not the held-out ones) and saved
+there.
+
+Held-out sources (``--held-out``) are tokenized after the training sources, into the same
+shards, and ``meta.json`` records their length as ``eval_tokens``: ``bin:FOLDER`` then holds
+out exactly that tail for evaluation, so no learner trains on a held-out document and the
+eval set is whole documents (say, whole books) that the tokenizer did not see either.
 
 The output folder holds ``tokens_000.bin``, ``tokens_001.bin``... (flat arrays of token
 ids, uint16 when the vocabulary fits, else uint32, as nanoGPT's ``prepare.py`` writes
 them; each at most ``shard_tokens`` long) and ``meta.json`` (vocabulary size, dtype, shard
-names and sizes, the tokenizer's path). ``bin:FOLDER`` reads it back
+names and sizes, the tokenizer's path, ``eval_tokens`` where there are held-out sources).
+``bin:FOLDER`` reads it back
 (:func:`ddiloco.data.text.load_token_bin`), memory-mapped.
 
 Needs ``tokenizers`` (``pip install ddiloco[hf]``); ``hf:`` sources need ``datasets``.
@@ -23,7 +31,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -176,6 +184,8 @@ class PrepareResult:
     dtype: str
     shards: list[str]
     tokenizer_trained: bool
+    eval_tokens: int = 0
+    """Tokens of the held-out sources: the last of ``n_tokens``, held out by ``bin:``."""
 
 
 class _ShardWriter:
@@ -211,16 +221,18 @@ class _ShardWriter:
 
 
 def write_shards(
-    documents: Iterator[str],
+    documents: Iterable[str],
     tokenizer: Any,
     out: str | Path,
     *,
     shard_tokens: int = 1 << 28,
     total_bytes: int | None = None,
     progress: bool = True,
-) -> tuple[int, int, str, list[tuple[str, int]]]:
-    """Tokenize ``documents`` in batches (``EOT`` after each) into shards under ``out``;
-    returns (tokens, documents, dtype, [(shard, tokens)])."""
+    held_out: Iterable[str] = (),
+) -> tuple[int, int, str, list[tuple[str, int]], int, int]:
+    """Tokenize ``documents``, then ``held_out``, in batches (``EOT`` after each) into shards
+    under ``out``; returns (tokens, documents, dtype, [(shard, tokens)], held-out tokens,
+    held-out documents), the held-out ones being the last of those counted."""
     if shard_tokens < 1:
         raise ValueError(f"shard_tokens must be >= 1, got {shard_tokens}")
     folder = Path(out)
@@ -231,25 +243,36 @@ def write_shards(
     dtype = np.dtype(np.uint16 if vocab <= 1 << 16 else np.uint32)
     eot = tokenizer.token_to_id(EOT)
     writer = _ShardWriter(folder, dtype, shard_tokens)
-    n_tokens = n_docs = 0
+    counts = []  # (tokens, documents) of the training, then the held-out documents
     bar = tqdm(
         total=total_bytes, unit="B", unit_scale=True, desc="tokenizing", disable=not progress
     )
     try:
-        batch: list[str] = []
-        for doc in documents:
-            batch.append(doc)
-            if len(batch) == _BATCH:
+        for docs in (documents, held_out):
+            n_tokens = n_docs = 0
+            batch: list[str] = []
+            for doc in docs:
+                batch.append(doc)
+                if len(batch) == _BATCH:
+                    n_tokens += _encode(batch, tokenizer, eot, writer, bar)
+                    n_docs += len(batch)
+                    batch = []
+            if batch:
                 n_tokens += _encode(batch, tokenizer, eot, writer, bar)
                 n_docs += len(batch)
-                batch = []
-        if batch:
-            n_tokens += _encode(batch, tokenizer, eot, writer, bar)
-            n_docs += len(batch)
+            counts.append((n_tokens, n_docs))
     finally:
         writer.close()
         bar.close()
-    return n_tokens, n_docs, dtype.name, writer.shards
+    (train_tokens, train_docs), (eval_tokens, eval_docs) = counts
+    return (
+        train_tokens + eval_tokens,
+        train_docs + eval_docs,
+        dtype.name,
+        writer.shards,
+        eval_tokens,
+        eval_docs,
+    )
 
 
 def _encode(batch: list[str], tokenizer: Any, eot: int, writer: _ShardWriter, bar: Any) -> int:
@@ -272,23 +295,31 @@ def prepare(
     text_column: str = "text",
     split: str | None = None,
     progress: bool = True,
+    held_out: Sequence[str] = (),
 ) -> PrepareResult:
-    """Load or train the tokenizer, then write the token shards and ``meta.json`` of
-    ``sources`` into ``out`` (see the module docstring)."""
+    """Load or train the tokenizer (on ``sources``), then write the token shards of
+    ``sources`` followed by those of ``held_out``, and ``meta.json``, into ``out`` (see the
+    module docstring)."""
     _check_sources(sources)
+    if held_out:
+        _check_sources(held_out)
     tok, trained = load_or_train(
         tokenizer, sources, vocab_size=vocab_size, text_column=text_column, split=split
     )
-    n_tokens, n_docs, dtype, shards = write_shards(
+    n_tokens, n_docs, dtype, shards, eval_tokens, eval_docs = write_shards(
         iter_documents(sources, text_column=text_column, split=split),
         tok,
         out,
         shard_tokens=shard_tokens,
-        total_bytes=_source_bytes(sources),
+        total_bytes=_source_bytes([*sources, *held_out]),
         progress=progress,
+        held_out=iter_documents(held_out, text_column=text_column, split=split),
     )
-    if n_tokens == n_docs:
+    # Every document adds one EOT: as many tokens as documents means no text.
+    if n_tokens - eval_tokens == n_docs - eval_docs:
         raise ValueError(f"sources {list(sources)} hold no text")
+    if held_out and eval_tokens == eval_docs:
+        raise ValueError(f"held-out sources {list(held_out)} hold no text")
     folder = Path(out)
     meta = {
         "vocab_size": tok.get_vocab_size(),
@@ -300,6 +331,9 @@ def prepare(
         "tokenizer": str(Path(tokenizer).resolve()),
         "sources": list(sources),
     }
+    if held_out:
+        meta["held_out_sources"] = list(held_out)
+        meta["eval_tokens"] = eval_tokens
     tmp = folder / ".meta.json.tmp"
     tmp.write_text(json.dumps(meta, indent=2))
     os.replace(tmp, folder / "meta.json")
@@ -311,6 +345,7 @@ def prepare(
         dtype=dtype,
         shards=[f for f, _ in shards],
         tokenizer_trained=trained,
+        eval_tokens=eval_tokens,
     )
 
 
@@ -332,6 +367,15 @@ def add_prepare_parser(subparsers: Any) -> Any:
         nargs="+",
         metavar="SOURCE",
         help="text file, folder of .txt/.md files, or hf:PATH",
+    )
+    p.add_argument(
+        "--held-out",
+        nargs="+",
+        default=[],
+        metavar="SOURCE",
+        help="sources held out for evaluation: written after the training sources, not "
+        "used to train the tokenizer, and the eval set of --data bin:OUT (no learner "
+        "trains on them)",
     )
     p.add_argument(
         "--tokenizer",
@@ -362,13 +406,15 @@ def cmd_prepare(args: Any) -> int:
             text_column=args.text_column,
             split=args.split,
             progress=not args.no_progress,
+            held_out=args.held_out,
         )
     except (ValueError, FileNotFoundError, ImportError) as e:
         print(f"ddiloco prepare: error: {e}", file=sys.stderr)
         return 2
     how = "trained and saved to" if r.tokenizer_trained else "loaded from"
+    held = f", the last {r.eval_tokens:,} held out" if r.eval_tokens else ""
     print(
-        f"ddiloco prepare: {r.n_tokens:,} tokens from {r.n_documents:,} documents "
+        f"ddiloco prepare: {r.n_tokens:,} tokens from {r.n_documents:,} documents{held} "
         f"(vocabulary {r.vocab_size}, {r.dtype}, tokenizer {how} {args.tokenizer}) in "
         f"{len(r.shards)} shard(s) under {r.out}; train with --data bin:{r.out}"
     )

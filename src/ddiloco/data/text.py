@@ -11,9 +11,10 @@ Sources (both become a 1-D array of token ids):
     (``meta.json`` naming its shards, their dtype and the vocabulary), its shards
     memory-mapped and served as one array.
 
-Layout of the N tokens for M learners: the last ``eval_fraction`` of the array is held out
-for evaluation; the rest is cut into M contiguous, disjoint shards of equal length (up to
-one token). Learner m's batch b takes ``batch_size`` windows of ``block_size + 1`` tokens
+Layout of the N tokens for M learners: the tail of the array is held out for evaluation,
+``eval_tokens`` long when given (a ``ddiloco prepare`` folder whose meta.json names held-out
+sources: their documents, written last), else the last ``eval_fraction`` of it; the rest is
+cut into M contiguous, disjoint shards of equal length (up to one token). Learner m's batch b takes ``batch_size`` windows of ``block_size + 1`` tokens
 at offsets drawn from the random stream keyed (seed, TRAIN, m, b) within its shard; the
 eval set takes windows from the held-out tail with the stream keyed (seed, EVAL).
 """
@@ -150,21 +151,36 @@ def load_token_bin(
 
 
 def token_layout(
-    n_tokens: int, *, n_learners: int, block_size: int, eval_fraction: float
+    n_tokens: int,
+    *,
+    n_learners: int,
+    block_size: int,
+    eval_fraction: float,
+    eval_tokens: int | None = None,
 ) -> tuple[list[tuple[int, int]], tuple[int, int]]:
     """([start, end) of each learner's shard, [start, end) of the held-out tail), checking
-    that every piece holds at least one window of block_size + 1 tokens."""
-    if not 0.0 <= eval_fraction < 1.0:
-        raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
+    that every piece holds at least one window of block_size + 1 tokens. The tail is
+    ``eval_tokens`` long when given (``eval_fraction`` is then not read), else
+    ``int(n_tokens * eval_fraction)``."""
     if block_size < 1 or n_learners < 1:
         raise ValueError(f"block_size and n_learners must be >= 1, got {block_size}, {n_learners}")
-    n_eval = int(n_tokens * eval_fraction)
+    if eval_tokens is not None:
+        if not 0 < eval_tokens < n_tokens:
+            raise ValueError(
+                f"eval_tokens must be in (0, {n_tokens}) (the held-out tail of {n_tokens} "
+                f"tokens), got {eval_tokens}; run `ddiloco prepare` again"
+            )
+        n_eval, what = eval_tokens, "the held-out sources of meta.json"
+    else:
+        if not 0.0 <= eval_fraction < 1.0:
+            raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
+        n_eval, what = int(n_tokens * eval_fraction), f"eval_fraction={eval_fraction}"
     n_train = n_tokens - n_eval
-    if eval_fraction > 0 and n_eval < block_size + 1:
+    if n_eval > 0 and n_eval < block_size + 1:
         raise ValueError(
-            f"held-out tail of {n_eval} tokens (eval_fraction={eval_fraction} of "
-            f"{n_tokens}) is shorter than block_size + 1 = {block_size + 1}; use "
-            f"more data, a larger eval_fraction or a smaller block_size"
+            f"held-out tail of {n_eval} tokens ({what} of {n_tokens}) is shorter than "
+            f"block_size + 1 = {block_size + 1}; use more data, a larger eval_fraction "
+            f"(or more held-out text) or a smaller block_size"
         )
     bounds = [
         (m * n_train // n_learners, (m + 1) * n_train // n_learners) for m in range(n_learners)
@@ -203,6 +219,7 @@ class TokenStream:
         block_size: int,
         seed: int = 0,
         eval_fraction: float = 0.05,
+        eval_tokens: int | None = None,
     ) -> None:
         check_learner(learner, n_learners)
         if batch_size < 1:
@@ -213,7 +230,11 @@ class TokenStream:
         self.learner, self.n_learners = learner, n_learners
         self.batch_size, self.block_size, self.seed = batch_size, block_size, seed
         bounds, _ = token_layout(
-            len(tokens), n_learners=n_learners, block_size=block_size, eval_fraction=eval_fraction
+            len(tokens),
+            n_learners=n_learners,
+            block_size=block_size,
+            eval_fraction=eval_fraction,
+            eval_tokens=eval_tokens,
         )
         self.shard = bounds[learner]
         """[start, end) of this learner's tokens."""
@@ -261,15 +282,21 @@ def token_eval_batches(
     block_size: int,
     seed: int = 0,
     eval_fraction: float = 0.05,
+    eval_tokens: int | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """A fixed held-out set: ``n_batches`` batches of windows from the tail of ``tokens``
-    that no learner's shard contains."""
+    that no learner's shard contains (``eval_tokens`` long when given, see
+    :func:`token_layout`)."""
     if n_batches < 1 or batch_size < 1:
         raise ValueError(f"n_batches and batch_size must be >= 1, got {n_batches}, {batch_size}")
-    if eval_fraction <= 0:
+    if eval_tokens is None and eval_fraction <= 0:
         raise ValueError("eval_fraction is 0: there is no held-out set; use eval_fraction > 0")
     _, (start, end) = token_layout(
-        len(tokens), n_learners=1, block_size=block_size, eval_fraction=eval_fraction
+        len(tokens),
+        n_learners=1,
+        block_size=block_size,
+        eval_fraction=eval_fraction,
+        eval_tokens=eval_tokens,
     )
     rng = rng_for(seed, EVAL)
     return [
