@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from runtime_helpers import tiny_config
+from runtime_helpers import read_jsonl, tiny_config
 
 from ddiloco.config import TrainConfig
 from ddiloco.config.sections import IslandLayout
@@ -54,12 +54,16 @@ def test_other_backends_refuse_sharded_and_mixed_layouts():
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_an_fsdp_island_and_a_single_process_from_the_config_file(tmp_path):
+@pytest.mark.parametrize("shards", [1, 2])
+def test_an_fsdp_island_and_a_single_process_from_the_config_file(tmp_path, shards):
+    """With S = 2 syncer shards, each rank's parts of fragment p go to p's owner."""
     from ddiloco.cli import main
     from ddiloco.config.files import dump_config
 
     run = tmp_path / "run"
-    cfg = tiny_config(run, learners=2, steps=40, islands="fsdp:2,single", step_budget=0)
+    cfg = tiny_config(
+        run, learners=2, steps=40, islands="fsdp:2,single", step_budget=0, shards=shards
+    )
     path = dump_config(cfg, tmp_path / "run.toml")
     assert 'islands = "fsdp:2,single"' in path.read_text()
     assert main(["train", "--config", str(path)]) == 0
@@ -74,3 +78,10 @@ def test_an_fsdp_island_and_a_single_process_from_the_config_file(tmp_path):
     assert len(final["rank_bytes_sent"]) == 2 and min(final["rank_bytes_sent"]) > 0
     # a step counts the island's tokens: 2 ranks' batches
     assert s["tokens"] == 40 * 8 * 32 * (2 + 1)
+    if shards == 2:  # every shard merged the island's pushes of the fragments it owns
+        for k in range(2):
+            merges = [
+                r for r in read_jsonl(run / f"syncer_{k}.metrics.jsonl") if r["kind"] == "merge"
+            ]
+            assert {r["fragment"] % 2 for r in merges} == {k}
+            assert 0 in {m for r in merges for m in r["learners"]}
