@@ -109,23 +109,28 @@ def _model_numel() -> int:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("codec", ["bf16", "int8"])
 def test_an_fsdp_island_pushes_and_installs_its_shards_beside_a_plain_learner(
-    syncer_factory, tmp_path
+    syncer_factory, tmp_path, codec
 ):
     """Each rank of an FSDP2 island pushes its own shard of every fragment (about the
-    fragment's bytes / R each, no gather) and installs only its shard of every merged one."""
+    fragment's bytes / R each, no gather) and installs only its shard of every merged one.
+    int8 pushes are deltas: each rank's against its own installed shard."""
     s = syncer_factory()
-    procs = [start_learner(s, 0, "plain", 1, tmp_path, 150)]
+    extra = ("--codec", codec)
+    procs = [start_learner(s, 0, "plain", 1, tmp_path, 150, *extra)]
     _wait_initialised(s)  # the island's uplink is then its pushes alone
-    procs.append(start_learner(s, 1, "fsdp", 2, tmp_path, 60))
+    procs.append(start_learner(s, 1, "fsdp", 2, tmp_path, 60, *extra))
     plain, fsdp = finish(procs, 260)
     assert [r["rank"] for r in fsdp] == [0, 1]
     for r in [*plain, *fsdp]:
         assert r["installs"] > 0 and r["pushes_accepted"] > 0 and r["loaded_global"], r
     for r in fsdp:
         assert r["steps"] == 60 and r["last_loss"] < 0.8 * r["first_loss"], r
-    # every rank pushes every fragment's shard: about a whole fragment (bf16) over R
-    whole = 2 * _model_numel() / 4  # bf16, P = 4
+    # every rank pushes every fragment's shard: about a whole fragment over R
+    from ddiloco.algorithm.codecs import get_codec
+
+    whole = get_codec(codec).nbytes(_model_numel()) / 4  # P = 4
     per_push = [r["bytes_sent"] / r["pushes"] for r in fsdp]
     for b in per_push:
         assert 0.35 * whole < b < 0.65 * whole, (per_push, whole)
