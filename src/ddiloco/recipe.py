@@ -92,20 +92,19 @@ def evaluate(model: torch.nn.Module, batches) -> float:
 
 @torch.no_grad()
 def evaluate_metrics(model: torch.nn.Module, batches) -> tuple[float, float | None]:
-    """Mean held-out loss, and accuracy for classifiers (None for language models)."""
+    """Mean held-out loss, and accuracy: of the class for classifiers, of the next token
+    (the argmax of the logits against the target) for language models."""
     was = model.training
     model.eval()
     loss = correct = count = 0.0
-    classify = False
     for x, y in batches:
         logits, batch_loss = model(x, y)
         loss += float(batch_loss)
-        if logits.dim() == 2 and y.dim() == 1:
-            classify = True
+        if logits.shape[:-1] == y.shape:  # [B, classes] or [B, T, V] against [B] or [B, T]
             correct += float((logits.argmax(-1) == y).sum())
             count += y.numel()
     model.train(was)
-    return loss / len(batches), (correct / count if classify and count else None)
+    return loss / len(batches), (correct / count if count else None)
 
 
 def fragmentation_for(
