@@ -1,0 +1,201 @@
+"""The real-text corpus (issue 27): the King James Bible, one document per book, whole books
+held out, a byte-level BPE trained by ``ddiloco prepare`` on the training books only.
+
+    python bench/real_text/prepare.py --out data/kjv          # from Debian's bible-kjv
+    python bench/real_text/prepare.py --books bench/real_text/sample --out /tmp/kjv_sample \\
+        --vocab-size 512                                       # the checked-in sample
+    ddiloco train --config bench/real_text/run.toml --data bin:data/kjv [--method dp]
+
+The text comes from ``bible "Gen1:1-Rev22:21"`` (Debian's ``bible-kjv``, installed here
+with apt-get when it is missing and this process is root), or from ``--books DIR``, a folder
+of book files as this script writes them (``bench/real_text/sample`` is one). Each book
+becomes one document: its chapter headings (``Genesis 1``) kept, each verse on a line of its
+own without its verse number (the package wraps verses at 80 columns and numbers them; the
+numbers are a counter, not language).
+
+The books of ``HELD_OUT`` (5.5% of the text) are held out: the tokenizer is trained without
+them and no learner trains on them. They are passed to ``ddiloco prepare --held-out``, which
+writes them last and records their length in ``meta.json``, so ``--data bin:OUT`` evaluates
+on exactly those books. They span the kinds of text of the rest (narrative, wisdom, poetry,
+prophecy, a gospel, letters); Mark is not among them, since most of it is also in Matthew
+and Luke.
+
+OUT gets ``books/train/*.txt`` and ``books/held_out/*.txt`` (two-digit canonical order
+first, so sorted order is the Bible's), ``tokenizer.json`` and the shards with
+``meta.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+if str(ROOT / "src") not in sys.path:
+    sys.path.append(str(ROOT / "src"))
+
+BOOKS = (
+    "Genesis|Exodus|Leviticus|Numbers|Deuteronomy|Joshua|Judges|Ruth|1 Samuel|2 Samuel|"
+    "1 Kings|2 Kings|1 Chronicles|2 Chronicles|Ezra|Nehemiah|Esther|Job|Psalms|Proverbs|"
+    "Ecclesiastes|Song of Solomon|Isaiah|Jeremiah|Lamentations|Ezekiel|Daniel|Hosea|Joel|Amos|"
+    "Obadiah|Jonah|Micah|Nahum|Habakkuk|Zephaniah|Haggai|Zechariah|Malachi|Matthew|Mark|Luke|"
+    "John|Acts|Romans|1 Corinthians|2 Corinthians|Galatians|Ephesians|Philippians|Colossians|"
+    "1 Thessalonians|2 Thessalonians|1 Timothy|2 Timothy|Titus|Philemon|Hebrews|James|1 Peter|"
+    "2 Peter|1 John|2 John|3 John|Jude|Revelation"
+).split("|")
+"""The 66 books in the order ``bible`` prints them."""
+
+HELD_OUT = ("Ruth", "Ecclesiastes", "Lamentations", "Jonah", "John", "Romans", "James")
+"""Books no learner trains on: 227 KB of the corpus's 4.15 MB (5.5%; 65,041 of its
+1,161,721 tokens at the default vocabulary)."""
+
+VOCAB_SIZE = 2048
+"""The BPE vocabulary of the full corpus, chosen by ``bench/real_text/vocab_size.py``
+(``docs/results/real_text.md``)."""
+
+PASSAGE = "Gen1:1-Rev22:21"
+_HEADING = re.compile(r"^(.+) (\d+)$")
+_VERSE = re.compile(r"^ {2}(\d+) (.*)$")
+
+
+def bible_text(passage: str = PASSAGE) -> str:
+    """What ``bible PASSAGE`` prints, installing Debian's ``bible-kjv`` first where it is
+    missing and this process may (root, apt-get present)."""
+    if shutil.which("bible") is None:
+        if os.geteuid() == 0 and shutil.which("apt-get"):
+            print("installing Debian's bible-kjv (apt-get install -y bible-kjv)", file=sys.stderr)
+            env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+            r = subprocess.run(["apt-get", "install", "-y", "bible-kjv"], env=env)
+            if r.returncode != 0:  # a stale package list: refresh once
+                subprocess.run(["apt-get", "update"], env=env, check=False)
+                subprocess.run(["apt-get", "install", "-y", "bible-kjv"], env=env, check=False)
+        if shutil.which("bible") is None:
+            raise SystemExit(
+                "the `bible` command (Debian package bible-kjv) is not installed: run "
+                "`sudo apt-get install bible-kjv` (Debian, Ubuntu), or pass --books "
+                f"{HERE / 'sample'} to prepare the checked-in sample instead"
+            )
+    r = subprocess.run(["bible", passage], capture_output=True, text=True, check=True)
+    return r.stdout
+
+
+def split_books(text: str) -> dict[str, str]:
+    """``bible``'s output as {book: document}: chapter headings kept, each verse joined onto
+    one line and its number dropped."""
+    books: dict[str, list[str]] = {}
+    lines: list[str] | None = None
+    for raw in text.splitlines():
+        line = raw.rstrip()
+        heading = _HEADING.match(line)
+        if heading and heading.group(1) in BOOKS:
+            lines = books.setdefault(heading.group(1), [])
+            if lines:
+                lines.append("")
+            lines.append(line)
+            continue
+        if lines is None or not line:
+            continue
+        verse = _VERSE.match(line)
+        if verse:
+            lines.append(verse.group(2))
+        else:  # a verse's continuation, wrapped by the package
+            lines[-1] += " " + line.strip()
+    missing = [b for b in BOOKS if b not in books]
+    if missing:
+        raise ValueError(f"`bible {PASSAGE}` printed no {', '.join(missing)}")
+    return {b: "\n".join(ls) + "\n" for b, ls in books.items()}
+
+
+def book_file(book: str) -> str:
+    """``08_Ruth.txt``: canonical order first."""
+    return f"{BOOKS.index(book) + 1:02d}_{book.replace(' ', '_')}.txt"
+
+
+def read_books(folder: Path) -> dict[str, str]:
+    """The book files of ``folder`` (as :func:`book_file` names them), by book."""
+    books = {}
+    for f in sorted(folder.glob("*.txt")):
+        name = f.stem.split("_", 1)[-1].replace("_", " ")
+        if name not in BOOKS:
+            raise ValueError(f"{f}: not a book file (NN_Book.txt with a book of the Bible)")
+        books[name] = f.read_text(encoding="utf-8")
+    if not books:
+        raise ValueError(f"no book files (NN_Book.txt) in {folder}")
+    return books
+
+
+def write_split(
+    books: dict[str, str], out: Path, held_out: tuple[str, ...]
+) -> tuple[Path, Path, list[str]]:
+    """OUT/books/train and OUT/books/held_out, one file per book; returns both folders and
+    the held-out books present."""
+    unknown = sorted(set(held_out) - set(BOOKS))
+    if unknown:
+        raise ValueError(f"--held-out: {unknown} are not books of the Bible")
+    present = [b for b in books if b in held_out]
+    if not present or len(present) == len(books):
+        raise ValueError(
+            f"the held-out books {list(held_out)} leave no held-out or no training book "
+            f"among {list(books)}"
+        )
+    train, test = out / "books" / "train", out / "books" / "held_out"
+    for d in (train, test):
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir(parents=True)
+    for book, text in books.items():
+        ((test if book in held_out else train) / book_file(book)).write_text(text, encoding="utf-8")
+    return train, test, present
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--out", type=Path, default=Path("data/kjv"), help="output folder (--data bin:OUT)"
+    )
+    ap.add_argument(
+        "--books", type=Path, default=None, help="folder of NN_Book.txt files (default: `bible`)"
+    )
+    ap.add_argument("--vocab-size", type=int, default=VOCAB_SIZE, help="BPE vocabulary")
+    ap.add_argument(
+        "--held-out", nargs="+", default=list(HELD_OUT), metavar="BOOK", help="held-out books"
+    )
+    ap.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    args = ap.parse_args(argv)
+
+    from ddiloco.data.prepare import prepare
+
+    t0 = time.perf_counter()
+    books = read_books(args.books) if args.books else split_books(bible_text())
+    train, test, present = write_split(books, args.out, tuple(args.held_out))
+    tok = args.out / "tokenizer.json"
+    tok.unlink(missing_ok=True)  # trained afresh on these training books
+    r = prepare(
+        [str(train)],
+        held_out=[str(test)],
+        tokenizer=tok,
+        out=args.out,
+        vocab_size=args.vocab_size,
+        progress=not args.no_progress,
+    )
+    n_bytes = sum(len(t.encode("utf-8")) for t in books.values())
+    print(
+        f"{len(books)} books ({n_bytes:,} bytes), held out: {', '.join(present)}; "
+        f"{r.n_tokens:,} tokens ({n_bytes / r.n_tokens:.2f} bytes per token), the last "
+        f"{r.eval_tokens:,} held out; vocabulary {r.vocab_size}; "
+        f"{time.perf_counter() - t0:.1f} s\n"
+        f"(ddiloco prepare {train} --held-out {test} --tokenizer {tok} "
+        f"--vocab-size {args.vocab_size} --out {args.out})\n"
+        f"train: ddiloco train --config {HERE / 'run.toml'} --data bin:{args.out}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

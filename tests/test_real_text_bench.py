@@ -1,0 +1,134 @@
+"""The real-text benchmark's whole path (bench/real_text): the checked-in KJV sample is
+prepared (books split, the held-out books written last, a BPE trained on the rest), trained
+on with ``bench/real_text/run.toml`` as it stands but for the model and budget, and
+evaluated on the held-out books; and the recipe's own parts: splitting ``bible``'s output
+into books, and the message where the package is missing and cannot be installed."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("tokenizers", reason="the hf extra (tokenizers) is not installed")
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench" / "real_text"
+
+
+def _recipe():
+    spec = importlib.util.spec_from_file_location("real_text_prepare", BENCH / "prepare.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+recipe = _recipe()
+
+
+@pytest.mark.timeout(120)
+def test_sample_prepares_trains_and_evaluates_on_held_out_books(tmp_path, capsys):
+    from tokenizers import Tokenizer
+
+    from ddiloco.cli import main
+
+    data = tmp_path / "kjv"
+    argv = ["--books", str(BENCH / "sample"), "--out", str(data), "--vocab-size", "512"]
+    assert recipe.main([*argv, "--no-progress"]) == 0
+    assert "held out: Ruth, Jonah, James" in capsys.readouterr().out
+    meta = json.loads((data / "meta.json").read_text())
+    assert meta["vocab_size"] == 512
+    # The held-out tail is exactly those three books, as the tokenizer encodes them.
+    tok = Tokenizer.from_file(str(data / "tokenizer.json"))
+    held = sorted((data / "books" / "held_out").glob("*.txt"))
+    assert [p.name for p in held] == ["08_Ruth.txt", "32_Jonah.txt", "59_James.txt"]
+    n_held = sum(len(tok.encode(p.read_text(encoding="utf-8")).ids) + 1 for p in held)
+    assert meta["eval_tokens"] == n_held
+    trained = {p.name for p in (data / "books" / "train").glob("*.txt")}
+    assert trained.isdisjoint(p.name for p in held) and len(trained) == 4
+
+    out = tmp_path / "run"
+    rc = main(
+        [
+            "train",
+            "--config",
+            str(BENCH / "run.toml"),
+            "--data",
+            f"bin:{data}",
+            "--model",
+            "gpt_tiny",
+            "--steps",
+            "40",
+            "--batch-size",
+            "8",
+            "--block-size",
+            "64",
+            "--eval-every",
+            "40",
+            "--eval-batches",
+            "4",
+            "--out",
+            str(out),
+            "--no-progress",
+        ]
+    )
+    assert rc == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["method"] == "decoupled" and s["merges"] > 0
+    assert math.isfinite(s["final_eval_loss"])
+    assert s["final_eval_loss"] < s["initial_eval_loss"] - 0.5, s  # ln 512 = 6.24 at the start
+    assert 0.0 < s["eval_accuracy"] < 1.0  # next-token accuracy on the held-out books
+
+
+def test_bible_output_splits_into_books_one_verse_a_line():
+    body = "\n".join(f"\n{b} 1\n\n  1 Word of {b}.\n" for b in recipe.BOOKS)
+    genesis = (
+        "\nGenesis 1\n\n  1 In the beginning God created the heaven and the earth.\n"
+        "  2 And the earth was without form, and void; and darkness was upon the face of\n"
+        "the deep.\n\nGenesis 2\n\n  1 Thus the heavens\n"
+    )
+    books = recipe.split_books(genesis + body)
+    assert list(books) == recipe.BOOKS
+    assert books["Genesis"] == (
+        "Genesis 1\nIn the beginning God created the heaven and the earth.\n"
+        "And the earth was without form, and void; and darkness was upon the face of the deep."
+        "\n\nGenesis 2\nThus the heavens\n\nGenesis 1\nWord of Genesis.\n"
+    )
+    assert books["1 John"] == "1 John 1\nWord of 1 John.\n"
+    assert recipe.book_file("Song of Solomon") == "22_Song_of_Solomon.txt"
+    with pytest.raises(ValueError, match="printed no"):
+        recipe.split_books(genesis)
+
+
+@pytest.mark.skipif(shutil.which("bible") is None, reason="Debian's bible-kjv is not installed")
+def test_the_whole_bible_splits_and_the_held_out_books_are_a_twentieth():
+    books = recipe.split_books(recipe.bible_text())
+    verses = sum(len([ln for ln in t.splitlines() if ln]) for t in books.values())
+    chapters = sum(t.count("\n\n") + 1 for t in books.values())
+    assert len(books) == 66 and chapters == 1189 and verses - chapters == 31102
+    size = {b: len(t.encode()) for b, t in books.items()}
+    share = sum(size[b] for b in recipe.HELD_OUT) / sum(size.values())
+    assert 0.05 < share < 0.06, share
+
+
+def test_a_missing_package_without_root_says_what_to_do(monkeypatch):
+    monkeypatch.setattr(recipe.shutil, "which", lambda name: None)
+    monkeypatch.setattr(recipe.os, "geteuid", lambda: 1000)
+    with pytest.raises(SystemExit, match="apt-get install bible-kjv.*--books"):
+        recipe.bible_text()
+
+
+def test_held_out_books_must_leave_both_splits(tmp_path):
+    books = recipe.read_books(BENCH / "sample")
+    with pytest.raises(ValueError, match="no held-out or no training book"):
+        recipe.write_split(books, tmp_path, ("Genesis",))
+    with pytest.raises(ValueError, match="not books of the Bible"):
+        recipe.write_split(books, tmp_path, ("Ruth", "Hezekiah"))
+    assert list(books) == ["Ruth", "Esther", "Hosea", "Jonah", "Philippians", "Colossians", "James"]
