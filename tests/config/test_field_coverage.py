@@ -316,6 +316,14 @@ def test_the_table_names_every_field():
     assert set(ROWS) == set(top) | set(FLAT)
 
 
+def _with_files(v: str, files: dict[str, Path]) -> str:
+    """``v`` with a placeholder file name replaced, alone or after a kind (``text:TEXT``)."""
+    kind, sep, rest = v.rpartition(":")
+    if sep and rest in files:
+        return f"{kind}:{files[rest]}"
+    return str(files.get(v, v))
+
+
 def _argv(name: str, tmp: Path, values: list[str], canonical: bool) -> list[str]:
     files = {
         "OUT": tmp / "out-changed",
@@ -328,7 +336,7 @@ def _argv(name: str, tmp: Path, values: list[str], canonical: bool) -> list[str]
     (tmp / "token").write_text("secret-from-file\n")
     for f in ("cert.pem", "key.pem"):
         (tmp / f).write_text("pem")
-    values = [str(files.get(v, v)) for v in values]
+    values = [_with_files(v, files) for v in values]
     if name in FLAT:
         sec, field = FLAT[name]
         flag = f"--{sec}.{field.replace('_', '-')}" if canonical else flag_names(name)[-1]
