@@ -9,6 +9,7 @@ pending pushes is their wire bytes plus one tensor.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import overload
 
@@ -55,9 +56,7 @@ class EncodedParams(Sequence[torch.Tensor]):
         self.delta = delta
         spans, off = [], 0
         for s in self.shapes:
-            k = 1
-            for d in s:
-                k *= d
+            k = math.prod(s)
             nb = codec.nbytes(k)
             spans.append((off, nb, k))
             off += nb
