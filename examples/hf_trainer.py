@@ -71,22 +71,27 @@ def main() -> None:
         H=8,
         tau=2,
     )  # token from $DDILOCO_TOKEN
+    data = CountingData(4096, seed=args.learner)
     trainer = transformers.Trainer(
-        model=model,
-        args=training_args,
-        train_dataset=CountingData(4096, seed=args.learner),
-        callbacks=[sync],
+        model=model, args=training_args, train_dataset=data, callbacks=[sync]
     )  # Decoupled DiLoCo
+    probe = data.ids[:256]  # one fixed batch, scored before and after training
+
+    def probe_loss() -> float:
+        model.eval()
+        with torch.no_grad():
+            return float(model(input_ids=probe, labels=probe).loss)
+
+    loss_before = probe_loss()
     trainer.train()
-    losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
     print(
         json.dumps(
             {
                 "learner": args.learner,
                 "steps": sync.learner.sync.step,
                 "installed": sync.installed,
-                "first_loss": losses[0],
-                "last_loss": losses[-1],
+                "loss_before": loss_before,
+                "loss_after": probe_loss(),
                 **{k: sync.learner.stats[k] for k in ("pushes", "pushes_accepted", "installs")},
             }
         )

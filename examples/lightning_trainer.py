@@ -31,11 +31,9 @@ class GPTModule(pl.LightningModule):
         super().__init__()
         torch.manual_seed(0)  # every learner starts from the same model
         self.model = build_model("gpt_tiny", vocab_size=VOCAB, block_size=SEQ)
-        self.losses: list[float] = []
 
     def training_step(self, batch, batch_idx):
         _, loss = self.model(*batch)
-        self.losses.append(float(loss.detach()))
         return loss
 
     def configure_optimizers(self):
@@ -75,16 +73,24 @@ def main() -> None:
         enable_progress_bar=False,
         callbacks=[sync],
     )  # Decoupled DiLoCo
-    trainer.fit(module, counting_data(4096, seed=args.learner))
-    n = min(20, len(module.losses))
+    data = counting_data(4096, seed=args.learner)
+    x, y = data.dataset[:256]  # one fixed batch, scored before and after training
+
+    def probe_loss() -> float:
+        module.eval()
+        with torch.no_grad():
+            return float(module.model(x, y)[1])
+
+    loss_before = probe_loss()
+    trainer.fit(module, data)
     print(
         json.dumps(
             {
                 "learner": args.learner,
                 "steps": sync.learner.sync.step,
                 "installed": sync.installed,
-                "first_loss": sum(module.losses[:n]) / n,
-                "last_loss": sum(module.losses[-n:]) / n,
+                "loss_before": loss_before,
+                "loss_after": probe_loss(),
                 **{k: sync.learner.stats[k] for k in ("pushes", "pushes_accepted", "installs")},
             }
         )

@@ -57,7 +57,8 @@ def test_example_runs_two_learners(script, package, tmp_path, syncer_factory):
     reports = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
     for r in reports:
         assert r["steps"] == 40 and r["installs"] > 0 and r["pushes_accepted"] > 0, r
-        assert r["last_loss"] < 0.8 * r["first_loss"], r  # one batch's loss, so a margin
+        # the same fixed batch, scored by the initial model and by the trained one
+        assert r["loss_after"] < 0.6 * r["loss_before"], r
     merged = {
         m
         for r in read_jsonl(tmp_path / "syncer.jsonl")
