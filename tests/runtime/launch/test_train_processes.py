@@ -130,8 +130,10 @@ def test_sigkill_the_syncer_and_resume_loses_no_merged_update(tmp_path):
         walls = step_walls(run, m)
         # learners keep stepping while the syncer is down ...
         assert sum(kill < w < back for w in walls) >= 3, f"learner {m} paused"
+        # (a learner that waited for the syncer would show a gap as long as its downtime;
+        # the ratio allows for a loaded machine, where one step can take a few medians)
         ratio, gap, med = max_gap_ratio(walls)
-        assert ratio <= 3.0, (
+        assert ratio <= 6.0 and gap < 0.5 * (back - kill), (
             f"learner {m}: longest gap {gap:.3f} s = {ratio:.1f}x median {med:.3f} s"
         )
         # ... the versions they install never go back ...
