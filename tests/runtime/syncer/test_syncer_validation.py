@@ -249,3 +249,39 @@ def test_the_syncer_step_budget_tells_learners_to_stop(syncer_factory):
     assert 30 <= steps <= 30 + 40, steps  # told within a few heartbeats
     st = SyncerClient(s.address, s.token).status()
     assert st["budget_spent"] and st["step_budget"] == 30
+
+
+@pytest.mark.timeout(60)
+def test_a_malformed_initial_model_is_refused_and_a_good_one_is_taken_whole(syncer_factory):
+    """The initial model is read tensor by tensor as its frames arrive (in chunks that cut
+    across tensors): short, long and non-finite uploads are refused with their typed errors
+    and leave the syncer uninitialised; then a good one is taken, bit for bit."""
+    from ddiloco.runtime.transport.spec import model_spec, spec_fingerprint
+
+    s = syncer_factory()
+    client = SyncerClient(s.address, s.token)
+    model = tiny_model()
+    spec = model_spec(model, 2)
+    fp = spec_fingerprint(spec)
+    assert client.unary("Join", {"learner": 0, "incarnation": -1, "fingerprint": fp})["need_init"]
+    data = b"".join(t.detach().float().numpy().tobytes() for t in model.parameters())
+
+    def init(payload: bytes, nbytes: int | None = None):
+        h = {"learner": 0, "spec": spec, "nbytes": len(data) if nbytes is None else nbytes}
+        return client.stream("Init", wire.chunks(h, payload, chunk_bytes=999))
+
+    code = grpc.StatusCode
+    expect_rejection(code.INVALID_ARGUMENT, "E_SIZE", lambda: init(data[:-4]))
+    expect_rejection(code.RESOURCE_EXHAUSTED, "E_OVERSIZE", lambda: init(data + b"\0" * 4))
+    nan = bytearray(data)
+    nan[4 * 1001 : 4 * 1002] = torch.tensor([float("nan")]).numpy().tobytes()
+    expect_rejection(code.INVALID_ARGUMENT, "E_NONFINITE", lambda: init(bytes(nan)))
+    assert not client.status()["initialised"]
+    assert init(data)["accepted"]
+    got, frag = client.fetch(None, exact=True), fragmentation_from_spec(spec)
+    params = dict(model.named_parameters())
+    for p, (_, tensors, _) in got.items():
+        for n, t in zip(frag.fragments[p].names, tensors, strict=True):
+            assert torch.equal(t.reshape(-1), params[n].detach().reshape(-1)), n
+    assert sorted(got) == list(range(frag.P))
+    assert_no_internal_error(client.status(), (s.tmp / "syncer.log").read_text())

@@ -7,6 +7,7 @@ import math
 import time
 
 import grpc
+import numpy as np
 import torch
 
 from ddiloco.algorithm.merge import all_finite
@@ -186,14 +187,20 @@ class ControlHandlers:
             if got is None:
                 return wire.pack({"accepted": False, "partial": True, "fingerprint": self._fp})
             buf = got
+            params, copy = {}, True
+            off = 0
+            for n, s, k in zip(spec["names"], spec["shapes"], numels):
+                # views of the uploads' buffer: the state copies them one tensor at a time
+                params[n] = torch.frombuffer(buf, dtype=torch.float32, count=k, offset=off)
+                params[n] = params[n].view(s)
+                off += 4 * k
         else:
-            buf = self._read_stream(payload, it, expected)
-        params = {}
-        off = 0
-        for n, s, k in zip(spec["names"], spec["shapes"], numels):
-            # views of the received buffer: the state copies them one tensor at a time
-            params[n] = torch.frombuffer(buf, dtype=torch.float32, count=k, offset=off).view(s)
-            off += 4 * k
+            # each tensor read into its own memory as its bytes arrive, no buffer of the
+            # whole model beside them: the state takes them as they are
+            tensors = self._read_tensors(payload, it, numels)
+            params = {n: t.view(s) for n, s, t in zip(spec["names"], spec["shapes"], tensors)}
+            del tensors
+            copy = False
         if not all(all_finite(t) for t in params.values()):
             raise Reject(
                 grpc.StatusCode.INVALID_ARGUMENT, E.NONFINITE, "initial model has NaN/inf values"
@@ -201,7 +208,8 @@ class ControlHandlers:
         with self._lock:
             if self.state is not None:
                 return wire.pack({"accepted": False, "fingerprint": self._fp})
-            self._setup(spec, params)
+            self._setup(spec, params, copy=copy)
+            del params  # a shard drops the tensors of the fragments it does not own
             for p in range(frag.P):
                 self._publish(p, 0, self.state.frags[p].theta)
             log.info(
@@ -238,6 +246,45 @@ class ControlHandlers:
                 return None
             del self._uploads[key]
             return up.buf
+
+    def _read_tensors(self, payload: memoryview, it, numels: list[int]) -> list[torch.Tensor]:
+        """The stream's fp32 tensors of ``numels`` elements, each filled in its own memory
+        as the frames arrive. The errors are ``_read_stream``'s."""
+        nbytes = 4 * sum(numels)
+        out = [torch.empty(k, dtype=torch.float32) for k in numels]
+        # one uint8 view per tensor, written at a running offset; a 4N model takes 4N bytes
+        dst = [t.numpy().view(np.uint8) for t in out]
+        i, pos, got = 0, 0, 0
+
+        def take(chunk: memoryview) -> None:
+            nonlocal i, pos, got
+            if got + len(chunk) > nbytes:
+                raise Reject(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    E.OVERSIZE,
+                    f"payload exceeds its declared {nbytes} bytes",
+                )
+            src = np.frombuffer(chunk, dtype=np.uint8)
+            a = 0
+            while a < len(src):
+                while len(dst[i]) == pos:  # a full (or empty) tensor: the next one
+                    i, pos = i + 1, 0
+                n = min(len(dst[i]) - pos, len(src) - a)
+                dst[i][pos : pos + n] = src[a : a + n]
+                pos, a = pos + n, a + n
+            got += len(chunk)
+
+        take(payload)
+        for frame in it:
+            take(self._parse(frame)[1])
+        if got != nbytes:
+            raise Reject(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                E.SIZE,
+                f"payload has {got} bytes, header declared {nbytes}",
+            )
+        self.counters["bytes_in"] += got
+        return out
 
     def _read_stream(self, payload: memoryview, it, nbytes: int) -> bytearray:
         buf = bytearray(payload)

@@ -268,11 +268,14 @@ class Durability:
         self.state.load_state_dict(ck["state"])
         return ck
 
-    def _setup(self, spec: dict, initial: dict[str, torch.Tensor] | None = None) -> None:
-        """The state for ``spec``: from ``initial`` (views of the received model: each
-        tensor is copied into its own memory, one at a time, so that a merge frees the one it
-        replaces; the received buffer goes when the caller returns), or zeros that a resume
-        replaces. A shard holds only the fragments it owns."""
+    def _setup(
+        self, spec: dict, initial: dict[str, torch.Tensor] | None = None, copy: bool = True
+    ) -> None:
+        """The state for ``spec``: from ``initial``, or zeros that a resume replaces. With
+        ``copy`` (views of one received buffer) each tensor is copied into its own memory,
+        one at a time, so that a merge frees the one it replaces; the buffer goes when the
+        caller returns. Without, the state takes the tensors themselves (each already in its
+        own memory). A shard holds only the fragments it owns."""
         check_spec(spec)
         frag = fragmentation_from_spec(spec)
         owned = {p for p in range(frag.P) if self._owns(p)}
@@ -282,7 +285,6 @@ class Durability:
             copy = False
         else:
             initial = {n: initial[n] for p in owned for n in frag.fragments[p].names}
-            copy = True
         self.state = SyncerState(frag, initial, self.config.syncer, owned=owned, copy=copy)
         self.state.unlocked = self._unlocked
         self.spec = spec
