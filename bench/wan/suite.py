@@ -124,6 +124,32 @@ RUNS: dict[str, list[str]] = {
         "--install",
         "rebase",
     ],
+    # six fragments (a push and its merge's return fit a tau = 3 overlap on these links),
+    # rebased, with rounds long enough for the bytes
+    "decoupled_dd_p6_h30_t3_rb": [
+        *DELTA,
+        *COMMON,
+        "-P",
+        "6",
+        "-H",
+        "30",
+        "--tau",
+        "3",
+        "--install",
+        "rebase",
+    ],
+    "decoupled_dd_p6_h32_t3_rb": [
+        *DELTA,
+        *COMMON,
+        "-P",
+        "6",
+        "-H",
+        "32",
+        "--tau",
+        "3",
+        "--install",
+        "rebase",
+    ],
 }
 
 
