@@ -145,7 +145,7 @@ def test_time_driven_sends_carry_more_steps_for_faster_learners():
 
 
 def test_snapshots_reuse_released_buffers_and_copy_the_current_values():
-    ls, params, fr = make()
+    ls, params, fr = make()  # two fragments of one tensor of 3 each: the same shapes
     name = fr.fragments[0].names[0]
     ls.after_step(10)
     params[name].fill_(1.0)
@@ -154,13 +154,33 @@ def test_snapshots_reuse_released_buffers_and_copy_the_current_values():
     params[name].fill_(2.0)
     assert o1.params[0].tolist() == [1.0, 1.0, 1.0]  # a snapshot, not a view
     ls.release(0, o1.params)
-    sent = [ls.after_step(10) for _ in range(4)]  # steps 3-6: fragment 0 leaves again at 6
-    (o2,) = sent[-1]
-    assert o2.fragment == 0
-    assert o2.params[0].data_ptr() == o1.params[0].data_ptr()  # the released buffer, reused
+    sent = [ls.after_step(10) for _ in range(4)]  # steps 3-6: fragment 1 at 4, 0 at 6
+    (o3,) = sent[1]  # fragment 1 has the released buffer's shapes: it takes it
+    assert o3.fragment == 1 and o3.params[0].data_ptr() == o1.params[0].data_ptr()
+    assert o3.params[0].tolist() == [0.0, 0.0, 0.0]  # fragment 1's values
+    (o2,) = sent[-1]  # fragment 0 again: nothing released since, a buffer of its own
+    assert o2.fragment == 0 and o2.params[0].data_ptr() != o3.params[0].data_ptr()
     assert o2.params[0].tolist() == [2.0, 2.0, 2.0]
-    (o3,) = [o for o in sent[1]]  # step 4, fragment 1: never released, a buffer of its own
-    assert o3.fragment == 1 and o3.params[0].data_ptr() != o2.params[0].data_ptr()
+
+
+def test_the_snapshot_pool_holds_a_few_buffers_whatever_the_number_of_fragments():
+    """Released buffers are kept over all fragments, at most ``POOLED_SNAPSHOTS``: a
+    learner with P fragments does not keep a model's worth of them."""
+    from ddiloco.algorithm.learner_state import POOLED_SNAPSHOTS
+
+    P = 8  # noqa: N806
+    names = [(f"t{i}", i + 1, 4 * (i + 1)) for i in range(P)]  # every fragment its own shape
+    params = {n: torch.zeros(k) for n, k, _ in names}
+    fr = fragment_parameters(names, P, "balanced")
+    ls = LearnerSync(params, fr, FragmentSchedule(P=P, H=P, tau=1), install="overwrite")
+    ls.load_global({n: t.clone() for n, t in params.items()}, [0] * P)
+    out = [o for _ in range(P) for o in ls.after_step(10)]
+    assert sorted(o.fragment for o in out) == list(range(P))
+    for o in out:
+        ls.release(o.fragment, o.params)
+    assert len(ls._free) == POOLED_SNAPSHOTS == 2
+    kept = {tuple(b[0].shape) for _, b in ls._free}
+    assert kept == {tuple(out[-2].params[0].shape), tuple(out[-1].params[0].shape)}  # newest
 
 
 # -- install = rebase ---------------------------------------------------------------------
@@ -194,8 +214,10 @@ def test_rebase_adds_the_progress_since_the_push_and_overwrites_nothing():
     (nxt,) = sent[-1]
     assert nxt.fragment == 0 and nxt.c_steps == 4 and nxt.covered_steps == 4
     assert nxt.params[0].tolist() == [5.5] * 3 and nxt.base_version == 1
-    # the snapshot buffer came back to the free list after the install: reused
-    assert nxt.params[0].data_ptr() == out.params[0].data_ptr()
+    # the snapshot buffer came back to the pool after the install: the next send of its
+    # shapes reused it (fragment 1's, at step 4)
+    (one,) = sent[0]
+    assert one.fragment == 1 and one.params[0].data_ptr() == out.params[0].data_ptr()
 
 
 def test_rebase_of_a_late_install_loses_nothing():

@@ -163,6 +163,10 @@ class _Anchor:
     released: bool = False  # the sender is done with the buffers
 
 
+POOLED_SNAPSHOTS = 2
+"""Released snapshot buffers a learner keeps for reuse, over all its fragments."""
+
+
 class LearnerSync:
     """Counters, sends and installs for one learner."""
 
@@ -213,7 +217,9 @@ class LearnerSync:
         self.installs = 0
         self.install_delay_steps = 0
         """Inner steps from each awaited push to its install, summed over ``installs``."""
-        self._free: list[list[list[torch.Tensor]]] = [[] for _ in range(fragmentation.P)]
+        self._free: list[tuple[tuple, list[torch.Tensor]]] = []
+        """Released snapshot buffers (their shapes, the buffers), oldest first, at most
+        ``POOLED_SNAPSHOTS`` over all fragments."""
 
     def _tensors(self, p: int) -> list[torch.Tensor]:
         return [self.params[n] for n in self.fragmentation.fragments[p].names]
@@ -313,25 +319,37 @@ class LearnerSync:
         )
 
     def _snapshot(self, p: int) -> tuple[list[torch.Tensor], Callable[[], None] | None]:
-        """Copy fragment p into fp32 host buffers: released ones when there are some (the
-        training thread then does one copy and no allocation), else new ones."""
-        try:
-            bufs = self._free[p].pop()
-        except IndexError:
-            bufs = None
-        return self.snapshot(self._tensors(p), bufs)
+        """Copy fragment p into fp32 host buffers: released ones of the same shapes when
+        there are some (the training thread then does one copy and no allocation), else new
+        ones."""
+        src = self._tensors(p)
+        want = tuple(tuple(t.shape) for t in src)
+        bufs = None
+        with self._anchor_lock:
+            for i, (shapes, _) in enumerate(self._free):
+                if shapes == want:
+                    bufs = self._free.pop(i)[1]
+                    break
+        return self.snapshot(src, bufs)
+
+    def _pool(self, bufs: list[torch.Tensor]) -> None:
+        """Keep released buffers for a later send (under ``_anchor_lock``). The pool is
+        shared by the fragments, so it holds two fragments' buffers, not two per fragment (a
+        model's worth or more); fragments of identical blocks share shapes and reuse them."""
+        self._free.append((tuple(tuple(b.shape) for b in bufs), bufs))
+        if len(self._free) > POOLED_SNAPSHOTS:
+            del self._free[0]
 
     def release(self, p: int, params: list[torch.Tensor]) -> None:
         """Give back the snapshot of an ``Outgoing`` of fragment p once it is encoded, for
-        the next send of p to reuse (any thread; optional: unreleased ones are freed). A
-        snapshot kept for a rebased install is reused once that install is done."""
+        a later send to reuse (any thread; optional: unreleased ones are freed). A snapshot
+        kept for a rebased install is reused once that install is done."""
         with self._anchor_lock:
             for a in self.frags[p].anchors.values():
                 if a.params is params:
                     a.released = True
                     return
-            if len(self._free[p]) < 2:
-                self._free[p].append(params)
+            self._pool(params)
 
     def _drop_anchors(self, p: int, seqs: Iterable[int]) -> None:
         """Forget kept snapshots of fragment p; those the sender released are reused (the
@@ -339,8 +357,8 @@ class LearnerSync:
         with self._anchor_lock:
             for seq in list(seqs):
                 a = self.frags[p].anchors.pop(seq, None)
-                if a is not None and a.released and len(self._free[p]) < 2:
-                    self._free[p].append(a.params)
+                if a is not None and a.released:
+                    self._pool(a.params)
 
     def on_push_result(self, p: int, seq: int, accepted: bool, target_version: int = -1) -> None:
         """The syncer's verdict on a push: accepted into ``target_version``, or not."""

@@ -222,6 +222,8 @@ class LinksMixin:
                         self._remember_base(p, v, shaped)
                         staged, ready = self.copier.stage(shaped)  # to the device, async
                         self._inbox.put(Received(p, v, staged, ready))
+                    # the inbox holds them now; kept here they would outlive their install
+                    res = ts = shaped = staged = None  # type: ignore[assignment]
                 cursor = versions
                 backoff = 0.1
             except grpc.RpcError as e:

@@ -316,6 +316,9 @@ class ShardIslandMixin:
             if self.plan.own(p):
                 assert rv is not None and rv.version == v
                 self.sync.receive(p, v, rv.tensors, rv.ready)
+                # the version stays (the next exchanges report it), the tensors go with the
+                # install: held here too, every fragment's would make a copy of the shard
+                self._held_recv[p] = Received(p, v, [], None)
             else:
                 self.sync.receive(p, v, self._local_tensors(p, []))
             self._fed[p] = v
