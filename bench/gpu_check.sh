@@ -2,7 +2,8 @@
 # The GPU check, in one run of under 8 minutes on one CUDA device:
 #   1. the CUDA tests (tests/runtime/learner/test_device.py: snapshot/install/alpha mixing against CPU
 #      references, a CUDA learner against a CPU syncer in fp32 and bf16 autocast, a two-rank
-#      Gloo island with its model on CUDA; the NCCL island needs 2 GPUs and says so);
+#      Gloo island with its model on CUDA; the NCCL islands, DDP and FSDP2 of 2 ranks and HSDP
+#      of 2 x 2, need 2 and 4 GPUs and say so);
 #   2. bench/gpu_throughput.py: gpt_125m, bf16 autocast, M learners sharing the GPU, tokens/s
 #      with sync on against off in adjacent block pairs;
 #   3. a profile of the snapshot's stream overlap (torch.profiler trace);
