@@ -28,13 +28,18 @@ def _faults(run) -> list[tuple[str, str]]:
 def test_a_chaos_run_replays_from_its_config_toml(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     first, again = tmp_path / "first", tmp_path / "again"
-    base = dump_config(tiny_config(first, learners=2, steps=40, seed=5), tmp_path / "base.toml")
+    base = dump_config(tiny_config(first, learners=2, steps=80, seed=5), tmp_path / "base.toml")
     chaos = tmp_path / "chaos.json"
     chaos.write_text(
         json.dumps(
             {
                 "kill_at_step": [[0, 15]],
                 "kill_downtime_s": 0.5,
+                # both learners at half speed over 80 steps: learner 0's steps after 15
+                # outlast the status poll that fires the kill, and the run outlasts its
+                # restart (40 steps at full speed raced both: a learner finished unkilled,
+                # or the budget was spent before the restart)
+                "slowdown": {"0": 2.0, "1": 2.0},
                 "stop_at_step": [[1, 10, 0.5]],
                 # a seeded schedule that fires later than the run lasts: the draws are in
                 # summary.json and must come out the same
@@ -48,6 +53,7 @@ def test_a_chaos_run_replays_from_its_config_toml(tmp_path, monkeypatch):
     assert saved.chaos == ChaosConfig(
         kill_at_step=((0, 15),),
         kill_downtime_s=0.5,
+        slowdown={"0": 2.0, "1": 2.0},
         stop_at_step=((1, 10, 0.5),),
         kill_mean_interval_s=3600.0,
         start_after_s=600.0,
