@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import time
+from collections.abc import Iterator
 
 import grpc
 import numpy as np
@@ -249,21 +251,12 @@ class ControlHandlers:
 
     def _read_tensors(self, payload: memoryview, it, numels: list[int]) -> list[torch.Tensor]:
         """The stream's fp32 tensors of ``numels`` elements, each filled in its own memory
-        as the frames arrive. The errors are ``_read_stream``'s."""
-        nbytes = 4 * sum(numels)
+        as the frames arrive. The errors are ``_chunks``'."""
         out = [torch.empty(k, dtype=torch.float32) for k in numels]
         # one uint8 view per tensor, written at a running offset; a 4N model takes 4N bytes
         dst = [t.numpy().view(np.uint8) for t in out]
-        i, pos, got = 0, 0, 0
-
-        def take(chunk: memoryview) -> None:
-            nonlocal i, pos, got
-            if got + len(chunk) > nbytes:
-                raise Reject(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    E.OVERSIZE,
-                    f"payload exceeds its declared {nbytes} bytes",
-                )
+        i, pos = 0, 0
+        for chunk in self._chunks(payload, it, 4 * sum(numels)):
             src = np.frombuffer(chunk, dtype=np.uint8)
             a = 0
             while a < len(src):
@@ -272,11 +265,29 @@ class ControlHandlers:
                 n = min(len(dst[i]) - pos, len(src) - a)
                 dst[i][pos : pos + n] = src[a : a + n]
                 pos, a = pos + n, a + n
-            got += len(chunk)
+        return out
 
-        take(payload)
-        for frame in it:
-            take(self._parse(frame)[1])
+    def _read_stream(self, payload: memoryview, it, nbytes: int) -> bytearray:
+        """The stream's payload in one buffer (the errors are ``_chunks``')."""
+        buf = bytearray()
+        for chunk in self._chunks(payload, it, nbytes):
+            buf += chunk
+        return buf
+
+    def _chunks(self, payload: memoryview, it, nbytes: int) -> Iterator[memoryview]:
+        """The payload of the first frame, then of each continuation frame of ``it``: at most
+        ``nbytes`` in all (E_OVERSIZE as soon as they exceed it), exactly ``nbytes`` once the
+        stream ends (E_SIZE), then counted in ``bytes_in``."""
+        got = 0
+        for chunk in itertools.chain([payload], (self._parse(f)[1] for f in it)):
+            got += len(chunk)
+            if got > nbytes:
+                raise Reject(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    E.OVERSIZE,
+                    f"payload exceeds its declared {nbytes} bytes",
+                )
+            yield chunk
         if got != nbytes:
             raise Reject(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -284,33 +295,6 @@ class ControlHandlers:
                 f"payload has {got} bytes, header declared {nbytes}",
             )
         self.counters["bytes_in"] += got
-        return out
-
-    def _read_stream(self, payload: memoryview, it, nbytes: int) -> bytearray:
-        buf = bytearray(payload)
-        if len(buf) > nbytes:
-            raise Reject(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                E.OVERSIZE,
-                f"payload exceeds its declared {nbytes} bytes",
-            )
-        for frame in it:
-            _, more = self._parse(frame)
-            if len(buf) + len(more) > nbytes:
-                raise Reject(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    E.OVERSIZE,
-                    f"payload exceeds its declared {nbytes} bytes",
-                )
-            buf += more
-        if len(buf) != nbytes:
-            raise Reject(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                E.SIZE,
-                f"payload has {len(buf)} bytes, header declared {nbytes}",
-            )
-        self.counters["bytes_in"] += len(buf)
-        return buf
 
     @handler("watch", bulk=True)
     def _watch(self, req: bytes, ctx: grpc.ServicerContext) -> bytes:
