@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -97,27 +98,28 @@ def main() -> None:
                 break
     report = dl.report()
     local = [t.to_local() if hasattr(t, "to_local") else t for t in model.parameters()]
-    print(
-        json.dumps(
-            {
-                "rank": rank,
-                "world": world,
-                "wrap": args.wrap,
-                "steps": len(losses),
-                "first_loss": losses[0],
-                "last_loss": sum(losses[-10:]) / len(losses[-10:]),
-                # this rank's own traffic (rank 0's report sums its island's ranks)
-                "bytes_sent": dl.stats["bytes_sent"],
-                "pushes": dl.stats["pushes"],
-                "pushes_accepted": dl.stats["pushes_accepted"],
-                "installs": report["installs"],
-                "loaded_global": dl.loaded_global_on_exit,
-                "rank_bytes_sent": report.get("rank_bytes_sent"),
-                "local_sum": float(sum(t.detach().double().sum() for t in local)),
-            }
-        ),
-        flush=True,
+    line = json.dumps(
+        {
+            "rank": rank,
+            "world": world,
+            "wrap": args.wrap,
+            "steps": len(losses),
+            "first_loss": losses[0],
+            "last_loss": sum(losses[-10:]) / len(losses[-10:]),
+            # this rank's own traffic (rank 0's report sums its island's ranks)
+            "bytes_sent": dl.stats["bytes_sent"],
+            "pushes": dl.stats["pushes"],
+            "pushes_accepted": dl.stats["pushes_accepted"],
+            "installs": report["installs"],
+            "loaded_global": dl.loaded_global_on_exit,
+            "rank_bytes_sent": report.get("rank_bytes_sent"),
+            "local_sum": float(sum(t.detach().double().sum() for t in local)),
+        }
     )
+    # one write per line: the ranks share one stdout, and print's two writes (the text,
+    # then the newline) can interleave with another rank's line
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
     if dist.is_initialized():
         dist.destroy_process_group()
 
