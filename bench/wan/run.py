@@ -81,6 +81,10 @@ def train_config(a: argparse.Namespace) -> TrainConfig:
             gamma=a.gamma,
             schedule=a.schedule,
         )
+    if a.method != "dp":
+        for k in ("outer_lr", "outer_momentum"):
+            if getattr(a, k) is not None:
+                base[k] = getattr(a, k)
     return TrainConfig(**base)
 
 
@@ -433,6 +437,10 @@ def main(argv: list[str] | None = None) -> dict:
         "--heartbeat-interval-s", type=float, default=0.25, help="the learners' heartbeats"
     )
     ap.add_argument("--gamma", type=float, default=0.8, help="grace window safety factor")
+    ap.add_argument("--outer-lr", type=float, default=None, help="default: sync.outer_lr's")
+    ap.add_argument(
+        "--outer-momentum", type=float, default=None, help="default: sync.outer_momentum's"
+    )
     ap.add_argument(
         "--schedule",
         choices=("time", "steps"),

@@ -174,6 +174,35 @@ RUNS: dict[str, list[str]] = {
         "--install",
         "rebase",
     ],
+    # the same with an outer momentum of 0.8 instead of 0.9 (chosen in-process over 3 seeds)
+    "decoupled_dd_p6_h30_t3_m08_rb": [
+        *DELTA,
+        *COMMON,
+        "-P",
+        "6",
+        "-H",
+        "30",
+        "--tau",
+        "3",
+        "--install",
+        "rebase",
+        "--outer-momentum",
+        "0.8",
+    ],
+    "decoupled_dd_p6_h32_t3_m08_rb": [
+        *DELTA,
+        *COMMON,
+        "-P",
+        "6",
+        "-H",
+        "32",
+        "--tau",
+        "3",
+        "--install",
+        "rebase",
+        "--outer-momentum",
+        "0.8",
+    ],
 }
 
 
