@@ -174,7 +174,8 @@ RUNS: dict[str, list[str]] = {
         "--install",
         "rebase",
     ],
-    # the same with an outer momentum of 0.8 instead of 0.9 (chosen in-process over 3 seeds)
+    # the same with an outer momentum of 0.8 and 0.7 instead of 0.9 (chosen in-process over
+    # 3 seeds)
     "decoupled_dd_p6_h30_t3_m08_rb": [
         *DELTA,
         *COMMON,
@@ -189,19 +190,19 @@ RUNS: dict[str, list[str]] = {
         "--outer-momentum",
         "0.8",
     ],
-    "decoupled_dd_p6_h32_t3_m08_rb": [
+    "decoupled_dd_p6_h30_t3_m07_rb": [
         *DELTA,
         *COMMON,
         "-P",
         "6",
         "-H",
-        "32",
+        "30",
         "--tau",
         "3",
         "--install",
         "rebase",
         "--outer-momentum",
-        "0.8",
+        "0.7",
     ],
 }
 
