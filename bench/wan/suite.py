@@ -53,6 +53,13 @@ chosen with the in-process engine (``bench/wan/quality.py``)."""
 
 HETERO = ["--steps", "600", "--slowdowns", "1,1,2,2"]
 
+
+def _p6(h: int, tau: int, *extra: str) -> list[str]:
+    """The delta-coded setting at P = 6 with rebased installs, H = ``h``, tau = ``tau``."""
+    run = [*DELTA, *COMMON, "-P", "6", "-H", str(h), "--tau", str(tau)]
+    return [*run, "--install", "rebase", *extra]
+
+
 RUNS: dict[str, list[str]] = {
     # in this order: the runs whose timing does not depend on the machine's load first
     # (DP is bound by its link; the unshaped DP run gives the loss at each step)
@@ -126,84 +133,14 @@ RUNS: dict[str, list[str]] = {
     ],
     # six fragments (a push and its merge's return fit a tau = 3 overlap on these links),
     # rebased, with rounds long enough for the bytes
-    "decoupled_dd_p6_h28_t2_rb": [
-        *DELTA,
-        *COMMON,
-        "-P",
-        "6",
-        "-H",
-        "28",
-        "--tau",
-        "2",
-        "--install",
-        "rebase",
-    ],
-    "decoupled_dd_p6_h28_t3_rb": [
-        *DELTA,
-        *COMMON,
-        "-P",
-        "6",
-        "-H",
-        "28",
-        "--tau",
-        "3",
-        "--install",
-        "rebase",
-    ],
-    "decoupled_dd_p6_h30_t3_rb": [
-        *DELTA,
-        *COMMON,
-        "-P",
-        "6",
-        "-H",
-        "30",
-        "--tau",
-        "3",
-        "--install",
-        "rebase",
-    ],
-    "decoupled_dd_p6_h32_t3_rb": [
-        *DELTA,
-        *COMMON,
-        "-P",
-        "6",
-        "-H",
-        "32",
-        "--tau",
-        "3",
-        "--install",
-        "rebase",
-    ],
+    "decoupled_dd_p6_h28_t2_rb": _p6(28, 2),
+    "decoupled_dd_p6_h28_t3_rb": _p6(28, 3),
+    "decoupled_dd_p6_h30_t3_rb": _p6(30, 3),
+    "decoupled_dd_p6_h32_t3_rb": _p6(32, 3),
     # the same with an outer momentum of 0.8 and 0.7 instead of 0.9 (chosen in-process over
     # 3 seeds)
-    "decoupled_dd_p6_h30_t3_m08_rb": [
-        *DELTA,
-        *COMMON,
-        "-P",
-        "6",
-        "-H",
-        "30",
-        "--tau",
-        "3",
-        "--install",
-        "rebase",
-        "--outer-momentum",
-        "0.8",
-    ],
-    "decoupled_dd_p6_h30_t3_m07_rb": [
-        *DELTA,
-        *COMMON,
-        "-P",
-        "6",
-        "-H",
-        "30",
-        "--tau",
-        "3",
-        "--install",
-        "rebase",
-        "--outer-momentum",
-        "0.7",
-    ],
+    "decoupled_dd_p6_h30_t3_m08_rb": _p6(30, 3, "--outer-momentum", "0.8"),
+    "decoupled_dd_p6_h30_t3_m07_rb": _p6(30, 3, "--outer-momentum", "0.7"),
 }
 
 
