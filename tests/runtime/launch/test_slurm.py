@@ -315,8 +315,9 @@ def test_a_run_on_slurm_trains_and_merges(slurm, tmp_path, monkeypatch, capsys):
         island_log = (out / "logs" / f"learner_{m}.log").read_text(errors="replace")[-3000:]
         assert pl["exit_code"] == 0 and pl["starts"] == 1, f"{log}\n--- learner_{m}:\n{island_log}"
         # each island trained and installed merges (one that starts late under the global
-        # step budget begins from the merged model and does fewer steps)
-        assert pl["steps"] > 0 and pl["last_loss"] < s["initial_eval_loss"] - 0.5, pl
+        # step budget begins from the merged model and does fewer steps); the median of its
+        # last steps, because one batch's loss can spike (3.73 against a median near 3.3)
+        assert pl["steps"] > 0 and pl["tail_loss"] < s["initial_eval_loss"] - 0.5, pl
         assert pl["island_size"] == 2 and pl["island_max_param_diff"] == 0.0
     assert sum(pl["steps"] for pl in s["per_learner"]) >= 2 * 60  # the step budget M x steps
     for k in (0, 1):  # both islands joined both shards, under the ids the script gave them

@@ -29,6 +29,7 @@ import os
 import re
 import shlex
 import shutil
+import statistics
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -389,6 +390,8 @@ def submit(job: SlurmJob, *, test_only: bool = False, env: dict | None = None) -
 
 # -- the job's last steps: status and summary ------------------------------------------------
 STATUS_FILE = "status.json"
+# the per-learner summary's tail_loss is the median loss of a learner's last TAIL_STEPS steps
+TAIL_STEPS = 10
 """The syncer's status once every island is done, written by the job before it stops the
 shards."""
 
@@ -515,6 +518,9 @@ def summarise(out: str | os.PathLike) -> dict:
                 "island_max_param_diff": final.get("island_max_param_diff"),
                 "first_loss": losses[0] if losses else None,
                 "last_loss": losses[-1] if losses else None,
+                # one batch's loss is noisy (a spike right after an install is common), so
+                # the median of the last TAIL_STEPS is the learner's loss at the end
+                "tail_loss": statistics.median(losses[-TAIL_STEPS:]) if losses else None,
             }
         )
     st = st or {}
