@@ -390,10 +390,11 @@ def submit(job: SlurmJob, *, test_only: bool = False, env: dict | None = None) -
 
 # -- the job's last steps: status and summary ------------------------------------------------
 STATUS_FILE = "status.json"
-# the per-learner summary's tail_loss is the median loss of a learner's last TAIL_STEPS steps
-TAIL_STEPS = 10
 """The syncer's status once every island is done, written by the job before it stops the
 shards."""
+TAIL_STEPS = 10
+"""The per-learner summary's ``tail_loss`` is the median loss of a learner's last TAIL_STEPS
+steps."""
 
 
 def launch(cfg, opts: SlurmOptions, *, submit_job: bool = False, test_only: bool = False) -> int:
