@@ -499,16 +499,9 @@ def summarise(out: str | os.PathLike) -> dict:
         rc = int(rc_path.read_text()) if rc_path.is_file() else None
         final_path = out / f"learner_{m}" / "final.json"
         final = json.loads(final_path.read_text()) if final_path.is_file() else {}
-        losses = [
-            r["loss"]
-            for r in _learner_rows(out / f"learner_{m}" / "metrics.jsonl")
-            if r.get("kind") == "step"
-        ]
-        starts = [
-            r
-            for r in _learner_rows(out / f"learner_{m}" / "metrics.jsonl")
-            if r.get("kind") == "learner_start"
-        ]
+        rows = _learner_rows(out / f"learner_{m}" / "metrics.jsonl")
+        losses = [r["loss"] for r in rows if r.get("kind") == "step"]
+        starts = [r for r in rows if r.get("kind") == "learner_start"]
         per_learner.append(
             {
                 "learner": m,
