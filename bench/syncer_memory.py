@@ -387,15 +387,17 @@ def measure(params: float = 2e7, learners: int = 4, **kw) -> dict:
 def formula_x4N(case: Case) -> float:  # noqa: N802 - 4N, the unit
     """The syncer's steady memory (all shards) in units of 4N by the budget of
     ``docs/architecture.md`` ("Memory"): Theta and the outer momentum; with a delta-coded
-    downlink the chain's copy; the published downlink bytes; one pending push per learner
-    (each keeps one in flight), encoded; a merge's new Theta and momentum of one fragment;
-    for a delta push codec one past version of every fragment, as bf16 steps."""
+    downlink the chains' encoded residuals (they reference Theta); the published downlink
+    bytes; one pending push per learner (each keeps one in flight), encoded; a merge's new
+    Theta and momentum of one fragment; for a delta push codec one past version of every
+    fragment, as bf16 steps."""
     from ddiloco.algorithm.codecs import get_codec
+    from ddiloco.algorithm.downlink import RESIDUAL_CODEC
 
     up, down = get_codec(case.codec), get_codec(case.down_codec)
     x = 2.0
     if case.down_delta:
-        x += 1.0
+        x += get_codec(RESIDUAL_CODEC).bits_per_element / 32
     if not down.lossless:
         x += down.bits_per_element / 32
     x += case.learners * up.bits_per_element / 32 / case.fragments

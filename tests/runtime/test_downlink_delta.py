@@ -1,7 +1,8 @@
 """The delta-coded downlink (``sync.down_delta``) against a real syncer process: a learner
 without a copy gets the fragment's chain copy whole in fp32, later fetches are the chain's
 encoded steps from the learner's copy (its rounding error carried forward), every learner
-lands on the same copy, a copy the syncer does not know by its token is sent whole again,
+lands on the same copy (within the rounding of the chain's int8 residual, which a copy sent
+whole carries), a copy the syncer does not know by its token is sent whole again,
 malformed copy lists are refused, and an exact fetch gets the published fp32 values."""
 
 from __future__ import annotations
@@ -55,16 +56,19 @@ def test_fetches_are_the_chains_steps_from_the_learners_copy(syncer_factory):
     assert got[0][0] == 1 and got[0][2] == step_bytes
     mine = _flat(got, 0)
     assert (mine - exact).abs().max().item() <= (exact - v0).abs().max().item() / 7 + 1e-7
-    # a learner without a copy receives the chain's copy whole: the same values exactly
+    # a learner without a copy receives the chain's copy R whole: the copy the step built,
+    # within the rounding of the chain's int8 residual (1/255 of one int4 step's rounding)
+    rounding = (exact - v0).abs().max().item() / 7
     other = SyncerClient(s.address, s.token)
     whole = other.fetch([0], learner=1)
-    assert whole[0][2] == 4 * numel[0] and torch.equal(_flat(whole, 0), mine)
+    assert whole[0][2] == 4 * numel[0]
+    assert (_flat(whole, 0) - mine).abs().max().item() <= rounding / 127
     # nothing new: nothing sent, the copy stays
     again = client.fetch([0], learner=0)
     assert again[0][2] == 0 and torch.equal(_flat(again, 0), mine)
 
-    # two more merges: learner 1's copy, two steps behind, receives both steps and lands on
-    # the chain where learner 0 is
+    # two more merges: learner 1's copy, two steps behind, receives both steps and lands
+    # where learner 0 is (the same steps: its copies differ as they did)
     behind = client._mirrors[0]
     _push_moved(client, frag, inc, 2, 1, got[0][1])
     step2 = client.fetch([0], learner=0)
@@ -72,7 +76,7 @@ def test_fetches_are_the_chains_steps_from_the_learners_copy(syncer_factory):
     ahead = client.fetch([0], learner=0)
     caught_up = other.fetch([0], learner=1)
     assert caught_up[0][0] == 3 and caught_up[0][2] == 2 * step_bytes
-    assert torch.equal(_flat(caught_up, 0), _flat(ahead, 0))
+    assert (_flat(caught_up, 0) - _flat(ahead, 0)).abs().max().item() <= rounding / 127
     # the rounding error is carried, not summed: within one step's rounding of the version
     assert (_flat(ahead, 0) - exact_of()).abs().max().item() < (exact - v0).abs().max().item() / 7
     # steps no live learner's copy needs are not kept: a copy of version 1 that learner 0

@@ -95,7 +95,12 @@ def run_decoupled(cfg: TrainConfig, ctx) -> dict:
         or with a delta-coded downlink the chains' copies (sent in fp32)."""
         if not chains:
             return syncer.global_params()
-        return {n: t for p, f in enumerate(frag.fragments) for n, t in zip(f.names, chains[p].ref)}
+        return {
+            n: t
+            for p, f in enumerate(frag.fragments)
+            for n, t in zip(f.names, chains[p].reference())
+        }
+
 
     def exact(m: int) -> None:
         """Learner m loaded the whole model (a start or a rejoin)."""
@@ -176,7 +181,7 @@ def run_decoupled(cfg: TrainConfig, ctx) -> dict:
             syncs[mm].mark_merged(mg.fragment, round_seq.pop((mm, mg.fragment)))
         if chains:  # the encoded step of the fragment's chain: every learner's copy moves
             chains[mg.fragment].advance(mg.version, mg.params)
-            params = chains[mg.fragment].ref
+            params = chains[mg.fragment].reference()
         elif world.down_codec.lossless:
             params = mg.params
         else:

@@ -21,6 +21,7 @@ from runtime_helpers import (
 
 from ddiloco.algorithm.codecs import get_codec
 from ddiloco.runtime.learner.client import SyncerClient
+from ddiloco.runtime.transport import bulk, wire
 from ddiloco.runtime.transport.bulk import BulkClient, BulkError, split_host
 from ddiloco.runtime.transport.spec import fragmentation_from_spec
 
@@ -183,6 +184,38 @@ def test_split_host():
     assert split_host("10.0.0.5:50051") == "10.0.0.5"
     assert split_host("[::1]:50051") == "::1"
     assert split_host("syncer.internal:1") == "syncer.internal"
+
+
+def test_deferred_pieces_are_made_in_their_turn():
+    """A ``wire.Deferred`` piece (a delta-coded downlink's whole copy, tensor by tensor) is
+    made when it is sent, in order, on both transports; the bytes are those of the pieces."""
+    made: list[int] = []
+
+    def piece(i: int, data: bytes) -> wire.Deferred:
+        return wire.Deferred(len(data), lambda: made.append(i) or data)
+
+    pieces = [b"ab", piece(0, b"cde"), memoryview(b"f"), b"", piece(1, b"gh"), b"ij"]
+    assert bytes(wire.joined(pieces)) == b"abcdefghij" and made == [0, 1]
+
+    class Plain:  # no sendmsg (as over TLS): one sendall per piece
+        def __init__(self) -> None:
+            self.sent: list[bytes] = []
+
+        def sendall(self, b) -> None:
+            self.sent.append(bytes(b))
+
+    plain = Plain()
+    bulk._send(plain, {"op": "x"}, pieces)  # type: ignore[arg-type]
+    assert b"".join(plain.sent[1:]) == b"abcdefghij" and made == [0, 1] * 2
+    a, b = socket.socketpair()
+    with a, b:
+        bulk._send(a, {"op": "x"}, pieces)
+        hlen, plen = struct.unpack(">IQ", b.recv(12, socket.MSG_WAITALL))
+        assert plen == 10 and b.recv(hlen, socket.MSG_WAITALL) == b'{"op":"x"}'
+        assert b.recv(plen, socket.MSG_WAITALL) == b"abcdefghij"
+    assert made == [0, 1] * 3
+    with pytest.raises(ValueError, match="deferred piece of 3 bytes made 2"):
+        wire.Deferred(3, lambda: b"ab").get()
 
 
 @pytest.mark.timeout(30)

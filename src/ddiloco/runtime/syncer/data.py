@@ -3,6 +3,7 @@ data port (``ddiloco.runtime.transport.bulk``), one validation and one apply pat
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 import grpc
 
 from ddiloco.algorithm.codecs import Codec, get_codec
+from ddiloco.algorithm.downlink import ChainCopy
 from ddiloco.algorithm.merge import all_finite
 from ddiloco.algorithm.payload import EncodedParams
 from ddiloco.algorithm.slices import Piece, PieceError, SlicedParams, check_pieces
@@ -49,6 +51,21 @@ class PushCheck:
     final_fragments: tuple[int, ...] = ()
     pieces: tuple[Piece, ...] | None = None
     """A sharded island's rank: its runs of the fragment's tensors, in payload order."""
+
+
+def _whole_copy(copy: ChainCopy, shapes: list[tuple[int, ...]]) -> list[wire.Deferred]:
+    """A chain's R (``copy``: immutable, read after the lock) in fp32 on the wire, one piece
+    per tensor, each built when it is sent."""
+
+    def tensor_bytes(j: int) -> memoryview:
+        # a view of R's new tensor, or of Theta's own where the residual is zero
+        t = copy.theta[j] if copy.residual[j] is None else copy.tensor(j)
+        return get_codec("fp32").encode_many([t])[0]
+
+    return [
+        wire.Deferred(4 * math.prod(s), functools.partial(tensor_bytes, j))
+        for j, s in enumerate(shapes)
+    ]
 
 
 class DataHandlers:
@@ -286,9 +303,10 @@ class DataHandlers:
                 )
             self._pushing[m] += 1
 
-    def _fetch_items(self, raw: dict) -> list[tuple[int, int, list[memoryview], dict]]:
+    def _fetch_items(self, raw: dict) -> list[tuple[int, int, list, dict]]:
         """(fragment, version, downlink byte pieces, the rest of its header) of the published
-        fragments asked for."""
+        fragments asked for. A piece is a byte view, or a ``wire.Deferred`` made when it is
+        sent."""
         req = self._validate(FetchRequest, raw, "fetch")
         if req.slices is not None:
             items = self._fetch_slices(req)
@@ -390,14 +408,14 @@ class DataHandlers:
 
     def _fetch_delta(
         self, want: list[int] | None, m: int, held: dict[int, int]
-    ) -> list[tuple[int, int, list[memoryview], dict]]:
+    ) -> list[tuple[int, int, list, dict]]:
         """A delta-coded fetch (``ddiloco.algorithm.downlink``): each fragment as the encoded
         steps of its chain from the copy learner m holds (``held``: fragment -> the token of
         that copy) to the published version; a copy the chain does not know by its token,
-        or one whose steps would outweigh the fragment, is replaced whole, in fp32. Each
+        or one whose steps would outweigh the fragment, is replaced whole, in fp32 (the
+        chain's R, built tensor by tensor as the reply is sent: ``wire.Deferred``). Each
         reply names the copy it leaves the learner with by its token."""
-        fp32 = get_codec("fp32")
-        items = []
+        items: list[tuple[int, int, list, dict]] = []
         with self._lock:
             ps = self._wanted(want)
             for p in ps:
@@ -408,8 +426,8 @@ class DataHandlers:
                 if steps is not None and sum(len(b) for st in steps for b in st) < whole:
                     pieces = [memoryview(b) for st in steps for b in st]
                     head = {"codec": chain.codec.name, "delta": True, "steps": len(steps)}
-                else:
-                    pieces = fp32.encode_many(chain.ref)  # views: never written in place
+                else:  # R whole, each tensor built from the chain's copy as it is sent
+                    pieces = _whole_copy(chain.copy(), chain.shapes)
                     head = {"codec": "fp32", "delta": False}
                 head["token"] = chain.token
                 head["numels"] = [math.prod(s) for s in chain.shapes]
@@ -429,7 +447,7 @@ class DataHandlers:
 
     def _fetch_frames(self, items) -> Iterator[bytes]:
         for p, version, pieces, head in items:
-            data = b"".join(pieces)
+            data = wire.joined(pieces)  # a deferred piece is made now, one at a time
             yield from wire.chunks(
                 {"fragment": p, "version": version, "nbytes": len(data), **head}, data
             )

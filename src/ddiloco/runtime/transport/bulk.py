@@ -163,7 +163,9 @@ def _recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = 
             raise TimeoutError("message not received within its deadline")
 
 
-def _send(sock: socket.socket, header: dict, payload: Sequence[bytes | memoryview] = ()) -> None:
+def _send(
+    sock: socket.socket, header: dict, payload: Sequence[bytes | memoryview | wire.Deferred] = ()
+) -> None:
     h = json.dumps(header, separators=(",", ":")).encode()
     size = sum(len(b) for b in payload)
     head = _PREFIX.pack(len(h), size) + h
@@ -171,10 +173,25 @@ def _send(sock: socket.socket, header: dict, payload: Sequence[bytes | memoryvie
         sock.sendall(head)
         for b in payload:
             if len(b):
-                sock.sendall(b)
+                sock.sendall(b.get() if isinstance(b, wire.Deferred) else b)
         return
-    # one gathering call for the header and every piece (no joins, one wake-up of the peer)
-    views = [memoryview(head)] + [memoryview(b).cast("B") for b in payload if len(b)]
+    # one gathering call for the header and every piece (no joins, one wake-up of the peer);
+    # a deferred piece is made at its turn and let go once sent, with what came before it
+    views = [memoryview(head)]
+    for b in payload:
+        if not len(b):
+            continue
+        if isinstance(b, wire.Deferred):
+            views.append(b.get())
+            _sendmsg_all(sock, views)
+            views = []
+        else:
+            views.append(memoryview(b).cast("B"))
+    _sendmsg_all(sock, views)
+
+
+def _sendmsg_all(sock: socket.socket, views: list[memoryview]) -> None:
+    """Send every byte of ``views`` (emptied), ``_IOV_MAX`` pieces per call."""
     while views:
         sent = sock.sendmsg(views[:_IOV_MAX])
         while views and sent >= len(views[0]):

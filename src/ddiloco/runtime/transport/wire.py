@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from ddiloco.runtime.transport.schema import loads
 
@@ -35,6 +35,8 @@ __all__ = [
     "unpack",
     "method",
     "chunks",
+    "Deferred",
+    "joined",
     "ErrorCode",
     "TOKEN_METADATA",
     "GRPC_OPTIONS",
@@ -123,7 +125,7 @@ def method(name: str) -> str:
 
 
 def chunks(
-    header: dict, payload: bytes | memoryview, chunk_bytes: int = CHUNK_BYTES
+    header: dict, payload: bytes | bytearray | memoryview, chunk_bytes: int = CHUNK_BYTES
 ) -> Iterator[bytes]:
     """Frames of a chunked transfer: the header rides on the first frame, continuation
     frames carry ``{"cont": i}``. An empty payload still yields one frame."""
@@ -134,3 +136,40 @@ def chunks(
     yield pack(header, mv[:chunk_bytes])
     for i, off in enumerate(range(chunk_bytes, len(mv), chunk_bytes), start=1):
         yield pack({"cont": i}, mv[off : off + chunk_bytes])
+
+
+class Deferred:
+    """A payload piece of known length whose bytes are made when it is sent (either
+    transport), so that a reply of many pieces holds one made piece at a time: e.g. a
+    delta-coded downlink's whole copy, built tensor by tensor
+    (``ddiloco.algorithm.downlink``). ``len()`` is the length it will have."""
+
+    __slots__ = ("nbytes", "make")
+
+    def __init__(self, nbytes: int, make: Callable[[], bytes | memoryview]) -> None:
+        self.nbytes = nbytes
+        self.make = make
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def get(self) -> memoryview:
+        """The bytes, made now (a byte view; they live as long as it does)."""
+        b = memoryview(self.make()).cast("B")
+        if len(b) != self.nbytes:
+            raise ValueError(f"a deferred piece of {self.nbytes} bytes made {len(b)}")
+        return b
+
+
+def joined(pieces: Sequence[bytes | memoryview | Deferred]) -> bytes | bytearray:
+    """The pieces concatenated; a ``Deferred`` one is made when its turn comes and let go
+    once copied (so the result and one piece are held, not every piece made)."""
+    if not any(isinstance(b, Deferred) for b in pieces):
+        return b"".join(pieces)  # type: ignore[arg-type]
+    out = bytearray(sum(len(b) for b in pieces))
+    off = 0
+    for b in pieces:
+        n = len(b)
+        out[off : off + n] = b.get() if isinstance(b, Deferred) else b
+        off += n
+    return out
