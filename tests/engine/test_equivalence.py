@@ -55,7 +55,10 @@ def test_decoupled_K_eq_M_P1_tau0_equals_diloco(tmp_path):
     base = TrainConfig(method="diloco", fragments=1, tau=0, quorum=3, **TINY)
     diloco = final_params(base, run_diloco, tmp_path)
     dec = final_params(base.replace(method="decoupled"), run_decoupled, tmp_path)
-    assert_same(diloco, dec)
+    # the syncer folds each push into its round as it arrives (sum of w v, divided by the
+    # summed weight at the merge) where DiLoCo averages with normalised weights: equal up to
+    # fp32 rounding, which the inner Adam steps of the later rounds grow to about 2e-5
+    assert_same(diloco, dec, atol=1e-4)
     # and it is not trivially equal: an asynchronous setting changes the result
     dec_async = final_params(
         base.replace(method="decoupled", quorum=1, grace=False, speeds=(1.0, 0.7, 0.5)),

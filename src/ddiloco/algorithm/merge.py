@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +34,8 @@ __all__ = [
     "NORM_WINDOW",
     "NORM_MIN_HISTORY",
     "clip_bound",
+    "Fold",
+    "fold_for",
 ]
 
 MergeRule = Callable[[Sequence[torch.Tensor], Sequence[float], bool], torch.Tensor]
@@ -41,15 +43,25 @@ MergeRule = Callable[[Sequence[torch.Tensor], Sequence[float], bool], torch.Tens
 the tensor is an embedding) -> the merged outer gradient``."""
 
 _RULES: dict[str, MergeRule] = {}
+_FOLDS: dict[str, Callable[[bool], bool]] = {}
 
 
-def merge_rule(name: str) -> Callable[[MergeRule], MergeRule]:
-    """Register the decorated function as the merge rule ``name`` (``sync.merge_rule``)."""
+def merge_rule(
+    name: str, *, radial: Callable[[bool], bool] | None = None
+) -> Callable[[MergeRule], MergeRule]:
+    """Register the decorated function as the merge rule ``name`` (``sync.merge_rule``).
+
+    ``radial``, for a rule that is a weighted sum (the syncer then folds each push into its
+    round as it arrives, ``Fold``): given whether a tensor is an embedding, whether the rule
+    averages that tensor radial-directionally (``rda``) or plainly. A rule without it is
+    applied to the round's pushes at its merge, which holds them until then."""
 
     def register(fn: MergeRule) -> MergeRule:
         if name in _RULES:
             raise ValueError(f"merge rule {name!r} is already registered")
         _RULES[name] = fn
+        if radial is not None:
+            _FOLDS[name] = radial
         return fn
 
     return register
@@ -181,13 +193,13 @@ def merge_tensor(
     return fn(vs, weights, embedding)
 
 
-@merge_rule("rda")
+@merge_rule("rda", radial=lambda embedding: not embedding)
 def _rda_rule(vs: Sequence[torch.Tensor], weights: Sequence[float], embedding: bool):
     """RDA for non-embedding tensors, the plain weighted average for embeddings."""
     return weighted_average(vs, weights) if embedding else rda(vs, weights)
 
 
-@merge_rule("average")
+@merge_rule("average", radial=lambda embedding: False)
 def _average_rule(vs: Sequence[torch.Tensor], weights: Sequence[float], embedding: bool):
     """The plain token-weighted average for every tensor."""
     return weighted_average(vs, weights)
@@ -195,6 +207,97 @@ def _average_rule(vs: Sequence[torch.Tensor], weights: Sequence[float], embeddin
 
 MERGE_RULES: tuple[str, ...] = tuple(_RULES)
 """The registered merge rules' names; a new rule is a function above with ``@merge_rule``."""
+
+_EPS = 1e-12
+
+
+class Fold:
+    """A merge rule applied to one tensor's outer gradients one at a time, as they arrive,
+    in one fp32 buffer: ``rda`` and ``average`` are weighted sums, so a round need not hold
+    its pushes until it merges.
+
+    radial (``rda``): ``D = sum_i w_i v_i / |v_i|``, ``R = sum_i w_i |v_i|``,
+    ``W = sum_i w_i``; the merged gradient is ``D * R / (W |D|)``, which is ``rda``'s
+    ``unit(sum w unit(v)) * sum w|v| / sum w``. Plain: ``sum_i w_i v_i / W``. Equal to the
+    rules applied to the same inputs up to fp32 rounding (the sums are taken in arrival
+    order, the weights are normalised at the end)."""
+
+    __slots__ = ("radial", "shape", "sum", "radius", "weight")
+
+    def __init__(self, shape: torch.Size | tuple[int, ...], radial: bool) -> None:
+        self.radial = radial
+        self.shape = tuple(shape)
+        self.sum: torch.Tensor | None = None
+        self.radius = 0.0
+        self.weight = 0.0
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.sum is None else self.sum.numel() * 4
+
+    def add(self, v: torch.Tensor, w: float) -> None:
+        """Add one learner's outer gradient ``v`` (fp32) with weight ``w``. ``v`` is
+        consumed: the first one becomes the buffer, so pass a tensor nobody else reads."""
+        self.weight += w
+        c = w
+        if self.radial:
+            n = float(torch.linalg.vector_norm(v))
+            self.radius += w * n
+            if not n > _EPS:
+                return
+            c = w / n
+        if self.sum is None:
+            self.sum = v.mul_(c)
+        else:
+            self.sum.add_(v, alpha=c)
+
+    def add_pieces(
+        self,
+        anchor: torch.Tensor,
+        pieces: Iterable[tuple[int, torch.Tensor]],
+        w: float,
+        norm: float,
+        factor: float = 1.0,
+    ) -> None:
+        """``add(factor * (anchor - x), w)`` for an ``x`` given as (offset, flat values)
+        pieces, whose ``norm = |anchor - x|`` the caller measured: the outer gradient is
+        never built whole, only a piece at a time."""
+        self.weight += w
+        if self.radial:
+            self.radius += w * factor * norm
+            if not factor * norm > _EPS:
+                return
+            c = w / norm  # the clip factor scales the radius, not the direction
+        else:
+            c = w * factor
+        if self.sum is None:
+            self.sum = torch.zeros(self.shape, dtype=torch.float32)
+        out = self.sum.view(-1)
+        flat = anchor.reshape(-1)
+        for o, x in pieces:
+            n = x.numel()
+            out[o : o + n].add_(torch.sub(flat[o : o + n], x), alpha=c)
+
+    def take(self) -> torch.Tensor:
+        """The merged outer gradient, in the fold's own buffer (the fold gives it up)."""
+        if not self.weight > 0:
+            raise ValueError("merge weights must have a positive sum")
+        s, self.sum = self.sum, None
+        if s is None:  # nothing but zero gradients
+            return torch.zeros(self.shape, dtype=torch.float32)
+        if not self.radial:
+            return s.div_(self.weight)
+        dn = float(torch.linalg.vector_norm(s))
+        if not dn / self.weight > _EPS:  # the directions cancel exactly: no update
+            return s.zero_()
+        return s.mul_(self.radius / (self.weight * dn))
+
+
+def fold_for(rule: str, embedding: bool, shape: torch.Size | tuple[int, ...]) -> Fold | None:
+    """A ``Fold`` of one tensor for merge rule ``rule``, or None when the rule is not a
+    weighted sum (its pushes are held until the merge)."""
+    radial = _FOLDS.get(rule)
+    return None if radial is None else Fold(shape, radial(embedding))
 
 
 @dataclass(kw_only=True, slots=True)
@@ -253,6 +356,21 @@ class OuterNesterov:
         new_p = torch._foreach_add(params, grads, alpha=-self.lr * scale)
         torch._foreach_add_(new_p, new_b, alpha=-self.lr * self.momentum)
         return new_p, new_b
+
+    def stepped_into(
+        self, param: torch.Tensor, buffer: torch.Tensor, grad: torch.Tensor, scale: float = 1.0
+    ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """``stepped`` of one tensor whose new momentum is written into ``grad``'s memory
+        (a fold's buffer, given up): ``theta' = theta - lr*s*g - lr*mu*b'`` with
+        ``b' = mu*b + s*g``. Allocates only the new parameter tensor (``stepped`` and the
+        kernel allocate the new momentum too). Equal to ``stepped`` up to fp32 rounding.
+        Returns (new parameter, new momentum, whether the new parameter is finite)."""
+        new_p = torch.add(param, grad, alpha=-self.lr * scale)
+        if self.momentum == 0:
+            return new_p, buffer, all_finite(new_p)
+        new_b = (grad.mul_(scale) if scale != 1.0 else grad).add_(buffer, alpha=self.momentum)
+        new_p.add_(new_b, alpha=-self.lr * self.momentum)
+        return new_p, new_b, all_finite(new_p)
 
     def stepped_checked(
         self,

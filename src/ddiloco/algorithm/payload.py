@@ -10,14 +10,17 @@ pending pushes is their wire bytes plus one tensor.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import overload
 
 import torch
 
 from ddiloco.algorithm.codecs import Codec
 
-__all__ = ["EncodedParams", "encode_push"]
+__all__ = ["CHUNK", "EncodedParams", "encode_push"]
+
+CHUNK = 1 << 20
+"""Elements per piece when a push is read a piece at a time (``EncodedParams.chunks``)."""
 
 
 def encode_push(
@@ -76,6 +79,21 @@ class EncodedParams(Sequence[torch.Tensor]):
             return [self[i] for i in range(*j.indices(len(self)))]
         off, nb, k = self._spans[j]
         return self.codec.decode(memoryview(self.buf)[off : off + nb], k).view(self.shapes[j])
+
+    def chunks(self, j: int, size: int = CHUNK) -> Iterator[tuple[int, torch.Tensor]]:
+        """Tensor j flat, as (offset, fp32 values) pieces of about ``size`` elements: a codec
+        whose elements decode on their own (``Codec.element_bytes``) is read a piece at a
+        time, so reading a tensor holds one piece, not the tensor; any other codec gives
+        the whole tensor as one piece. The pieces must not be written."""
+        off, nb, k = self._spans[j]
+        eb = self.codec.element_bytes
+        if eb is None or k <= size:
+            yield 0, self[j].reshape(-1)
+            return
+        view = memoryview(self.buf)[off : off + nb]
+        for a in range(0, k, size):
+            b = min(k, a + size)
+            yield a, self.codec.decode(view[a * eb : b * eb], b - a)
 
     @property
     def nbytes(self) -> int:

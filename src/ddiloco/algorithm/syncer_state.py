@@ -25,8 +25,10 @@ caller in ``take_followups()``. With the default (no lock to release) nothing in
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import math
+import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -39,9 +41,11 @@ from ddiloco.algorithm.history import FragmentHistory
 from ddiloco.algorithm.merge import (
     MERGE_RULES,
     NORM_WINDOW,
+    Fold,
     OuterNesterov,
     all_finite,
     clip_bound,
+    fold_for,
     merge_tensor,
     token_weight,
 )
@@ -203,9 +207,22 @@ class LedgerEntry:
 @dataclass(slots=True)
 class _Round:
     pending: dict[int, Contribution] = field(default_factory=dict)
+    """learner -> its push; a folded push keeps its counters and versions, not its bytes."""
     opened_s: float | None = None
     quorum_s: float | None = None
     deadline_s: float | None = None
+    folds: list[Fold] | None = None
+    """The folded pushes' running merge, one ``Fold`` per tensor (see ``_fold``)."""
+    folded: dict[int, tuple[float, float]] = field(default_factory=dict)
+    """learner -> (norm of its outer gradient, the merge guard's factor) of a folded push
+    (``_FOLDING`` while it is being folded)."""
+    folding: int = 0
+    """Callers folding pushes into the round (outside the caller's lock): it does not
+    merge meanwhile."""
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    """Held while a push's tensor is added to the folds (``Fold.add``)."""
+    wanted: str | None = None
+    """A merge decided while the round was folding (its reason): made when the fold ends."""
 
 
 @dataclass(slots=True)
@@ -218,6 +235,10 @@ class _FragmentState:
     merging: bool = False  # its merge arithmetic is running (outside the caller's lock)
     norms: deque = field(default_factory=lambda: deque(maxlen=NORM_WINDOW))
     """Norms of the last merged outer gradients (the merge guard's statistic)."""
+    carry: dict[int, Contribution] = field(default_factory=dict)
+    """Pushes of learners whose earlier push of this fragment is already folded into a round
+    (a folded push cannot be taken out again): each enters the round after that one, as a
+    push arriving during a merge does."""
 
 
 class SyncerState:
@@ -272,10 +293,15 @@ class SyncerState:
         self.merges = 0
         self.nonfinite_merges = 0
         self.clipped_pushes = 0
+        self.carried_pushes = 0
+        """Pushes that arrived after their learner's earlier push of the fragment was folded
+        into a round, and so went to the next round (``_FragmentState.carry``)."""
         """Pushes whose outer gradient the merge guard scaled down (``norm_clip``)."""
         self.quorum_sizes: list[int] = []
         total = fragmentation.total_bytes
         self._share = [f.nbytes / total for f in fragmentation.fragments]
+        self._f32_bytes = [4 * sum(t.numel() for t in s.theta) for s in self.frags]
+        """A fragment's size in fp32: a round folds its pushes once their bytes exceed it."""
         self.unlocked: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
         """Context the merge arithmetic runs in (see the module docstring)."""
         self._followups: list[tuple[int, Merged | WaitUntil]] = []
@@ -348,6 +374,10 @@ class SyncerState:
         s = self.frags[p]
         return s.history.holds(version, s.version)
 
+    def largest_fragment_bytes(self) -> int:
+        """The largest fragment this state holds, in fp32 bytes (0 before it holds any)."""
+        return max(self._f32_bytes, default=0)
+
     def history_bytes(self) -> int:
         """Bytes held by every fragment's history (``ddiloco.algorithm.history``)."""
         return sum(s.history.nbytes for s in self.frags)
@@ -359,13 +389,13 @@ class SyncerState:
         floor = s.version
         for m in self.live:
             floor = min(floor, self._pins.get(m, {}).get(p, floor))
-        for c in s.round.pending.values():
+        for c in [*s.round.pending.values(), *s.carry.values()]:
             floor = min(floor, c.base_version)
         return floor
 
     def _trim(self, p: int) -> None:
         s = self.frags[p]
-        if len(s.history) and not s.merging:
+        if len(s.history) and not s.merging and not s.round.folding:
             keep = min(self.config.history, self.config.max_staleness)
             s.history.trim(max(self._floor(p), s.version - keep), keep)
 
@@ -429,17 +459,25 @@ class SyncerState:
         pins = self._pins.setdefault(c.learner, {})
         pins[c.fragment] = max(pins.get(c.fragment, c.base_version), c.base_version)
         r = s.round
-        if r.opened_s is None:
-            r.opened_s = now_s
-        old = r.pending.get(c.learner)
-        if (
-            old is not None
-        ):  # counters are cumulative since the last receipt: the newer push supersedes
+        if c.learner in r.folded or c.learner in s.carry:
+            # its earlier push is folded into a round and cannot be taken out: this one goes
+            # to the round after that one (counters are cumulative since the last receipt)
+            old = s.carry.get(c.learner)
+            target = s.version + 2
+            s.carry[c.learner] = c
+            self.carried_pushes += 1
+        else:
+            if r.opened_s is None:
+                r.opened_s = now_s
+            # counters are cumulative since the last receipt: the newer push supersedes
+            old = r.pending.get(c.learner)
+            target = s.version + 1 + int(s.merging)
+            r.pending[c.learner] = c
+        if old is not None:
             led.tokens_pending -= self._tokens(old)
-        r.pending[c.learner] = c
         led.tokens_pending += self._tokens(c)
+        self._fold(c.fragment, now_s)
         self._trim(c.fragment)  # its pin moved: versions no push can name any more go
-        target = s.version + 1 + int(s.merging)
         if c.final and c.learner not in self._finishing:
             # a finishing learner: final rounds of the fragments it will not push stop
             # waiting for it (decisions for the caller in ``take_followups``)
@@ -468,11 +506,156 @@ class SyncerState:
         return self._evaluate(p, now_s)
 
     def flush(self, now_s: float) -> list[Merged]:
-        """Merge every round holding contributions, quorum or not (end of training)."""
-        merged = [
-            self._merge(p, now_s, "flush") for p, s in enumerate(self.frags) if s.round.pending
+        """Merge every round holding contributions, quorum or not (end of training); the
+        pushes a merged round carried to the next one are merged after it."""
+        merged: list[Merged] = []
+        while todo := [p for p, s in enumerate(self.frags) if s.round.pending and not s.merging]:
+            out = [self._merge(p, now_s, "flush") for p in todo]
+            if not any(out):
+                break
+            merged += [m for m in out if m is not None]
+        return merged
+
+    # -- folding pushes into their round ------------------------------------------------
+    def pending_bytes(self) -> int:
+        """Bytes the open rounds hold: folds, pushes not yet folded, carried pushes."""
+        total = 0
+        for s in self.frags:
+            r = s.round
+            total += sum(f.nbytes for f in r.folds or ())
+            held = [c for m, c in r.pending.items() if m not in r.folded]
+            total += sum(_nbytes(c.params) for c in [*held, *s.carry.values()])
+        return total
+
+    def _fold(self, p: int, now_s: float) -> None:
+        """Fold fragment p's round's pushes into one fp32 buffer per tensor once the bytes
+        they hold exceed the fragment in fp32 (a round of a push or two merges them as they
+        came), so that a round holds at most about one fragment whatever the number of
+        learners. Not while the fragment merges: a push then belongs to the next round,
+        whose anchor is the version being made. Final pushes stay whole (a round of final
+        pushes only is their average, not an outer step).
+
+        The caller folds the pushes it finds, inside ``unlocked()``: pushes of other callers
+        fold at the same time (each tensor's sum is added to under the round's own lock), a
+        newer push of a learner being folded goes to the carry, and a merge decided while
+        any fold runs is made when the last one ends (``_Round.wanted``; the decision goes
+        to ``take_followups``). So a push's bytes are let go before its caller returns."""
+        s = self.frags[p]
+        r = s.round
+        if s.merging or fold_for(self.config.merge_rule, False, ()) is None:
+            return
+        todo = [c for m, c in r.pending.items() if m not in r.folded and not c.final]
+        if not todo:
+            return
+        if r.folds is None:
+            if sum(_nbytes(c.params) for c in todo) <= self._f32_bytes[p]:
+                return
+            embedding = self.fragmentation.fragments[p].embedding
+            r.folds = [
+                cast_fold(fold_for(self.config.merge_rule, embedding[j], t.shape))
+                for j, t in enumerate(s.theta)
+            ]
+        for c in todo:
+            r.folded[c.learner] = _FOLDING
+        r.folding += 1
+        try:
+            with self.unlocked():
+                done = [(c, self._fold_push(p, r, c)) for c in todo]
+        finally:
+            r.folding -= 1
+        for c, guard in done:
+            r.folded[c.learner] = guard
+            r.pending[c.learner] = dataclasses.replace(c, params=())  # its bytes go
+        if r.folding == 0 and r.wanted is not None:
+            reason, r.wanted = r.wanted, None
+            out = self._merge(p, now_s, reason)
+            if out is not None:
+                self._followups.append((p, out))
+
+    def _fold_push(self, p: int, r: _Round, c: Contribution) -> tuple[float, float]:
+        """Add push c's outer gradient, after the merge guard, to round r's folds; returns
+        its norm and the guard's factor. The anchor, the guard's bound and the staleness discount are the
+        ones its merge would use: the fragment does not change until its round merges
+        (which waits for a fold in progress)."""
+        s = self.frags[p]
+        assert r.folds is not None
+        if (
+            isinstance(c.params, EncodedParams)
+            and not c.params.delta
+            and c.params.codec.element_bytes is not None
+        ):
+            return self._fold_pieces(p, r, c)
+        norm, factor = 0.0, 1.0
+        k = self.config.norm_clip
+        if k > 0:
+            norm = math.sqrt(
+                sum(
+                    distance([self._anchor(p, c, j)], [self._pushed(p, c, j)]) ** 2
+                    for j in range(len(s.theta))
+                )
+            )
+            bound = clip_bound(s.norms, k)
+            if bound is not None and norm > bound:
+                factor = bound / norm  # 0 when the norm overflowed
+        w = self._weight(s, c)
+        # an encoded push is read into new tensors that nobody else reads (the push is
+        # consumed here): each becomes its outer gradient in place
+        owned = isinstance(c.params, (EncodedParams, SlicedParams))
+        for j, fold in enumerate(r.folds):
+            x = self._pushed(p, c, j)
+            if owned and x.dtype == torch.float32 and x.is_contiguous():
+                v = torch.sub(self._anchor(p, c, j), x, out=x)
+            else:
+                v = torch.sub(self._anchor(p, c, j), x.float())
+            del x
+            if factor < 1.0:
+                v.mul_(factor) if factor > 0 else v.zero_()
+            with r.lock:
+                fold.add(v, w)
+        return norm, factor
+
+    def _fold_pieces(self, p: int, r: _Round, c: Contribution) -> tuple[float, float]:
+        """``_fold_push`` of a push whose tensors decode a piece at a time (fp32, bf16
+        parameters): two passes over each tensor's pieces, its norm, then the sum, so that
+        folding holds one piece of the push decoded, not a tensor."""
+        s = self.frags[p]
+        assert r.folds is not None and isinstance(c.params, EncodedParams)
+        anchors = [self._anchor(p, c, j).reshape(-1) for j in range(len(s.theta))]
+        norms = [
+            math.sqrt(
+                sum(distance([a[o : o + x.numel()]], [x]) ** 2 for o, x in c.params.chunks(j))
+            )
+            for j, a in enumerate(anchors)
         ]
-        return [m for m in merged if m is not None]
+        norm = math.sqrt(sum(n * n for n in norms))
+        factor = 1.0
+        bound = clip_bound(s.norms, self.config.norm_clip)
+        if bound is not None and norm > bound:
+            factor = bound / norm  # 0 when the norm overflowed
+        w = self._weight(s, c)
+        for j, (fold, a) in enumerate(zip(r.folds, anchors)):
+            with r.lock:
+                fold.add_pieces(a, c.params.chunks(j), w, norms[j], factor)
+        return (norm if self.config.norm_clip > 0 else 0.0), factor
+
+    def _weight(self, s: _FragmentState, c: Contribution) -> float:
+        """A push's merge weight: its token weight times the staleness discount."""
+        decay = self.config.staleness_discount ** max(0, s.version - c.base_version)
+        return token_weight(c.c_tokens, c.c_steps) * decay
+
+    def _take_carry(self, p: int, now_s: float) -> None:
+        """Fragment p's round merged: the pushes it carried open the next one."""
+        s = self.frags[p]
+        r = s.round
+        for m, c in s.carry.items():
+            if m in r.pending:  # cannot happen (a push of m goes to the carry), kept safe
+                self.ledger[m].tokens_pending -= self._tokens(c)
+                continue
+            if r.opened_s is None:
+                r.opened_s = now_s
+            r.pending[m] = c
+        s.carry = {}
+        self._fold(p, now_s)
 
     def _evaluate(self, p: int, now_s: float) -> Merged | WaitUntil | None:
         s = self.frags[p]
@@ -509,13 +692,14 @@ class SyncerState:
         s = self.frags[p]
         if s.merging:
             return None  # evaluated again when the running merge commits
+        if s.round.folding:
+            s.round.wanted = reason  # made when the fold in progress ends
+            return None
         frag = self.fragmentation.fragments[p]
-        contribs = [s.round.pending[m] for m in sorted(s.round.pending)]
+        r = s.round
+        contribs = [r.pending[m] for m in sorted(r.pending)]
         raw_w = [token_weight(c.c_tokens, c.c_steps) for c in contribs]
-        decay = [
-            self.config.staleness_discount ** max(0, s.version - c.base_version) for c in contribs
-        ]
-        weights = [w * d for w, d in zip(raw_w, decay)]
+        weights = [self._weight(s, c) for c in contribs]
         n_live = max(len(contribs), len(self.live | set(s.round.pending)))
         scale = 1.0
         if self.config.scale_partial and len(contribs) < n_live:
@@ -542,7 +726,16 @@ class SyncerState:
                 # tensor by tensor: a fragment's pushes are read (decoded) one tensor at a time
                 # and the new tensors are built beside the published ones, which are never
                 # written (Merged shares them), so a merge holds one tensor of each push
-                if k > 0:  # the merge guard: clip an outer gradient far above the recent ones
+                folds = None
+                if r.folds is not None:  # a folded round: fold the rest, step from the folds
+                    for c in contribs:
+                        if c.learner not in r.folded:
+                            r.folded[c.learner] = self._fold_push(p, r, c)
+                    folds, r.folds = r.folds, None
+                    factors = [r.folded[c.learner][1] for c in contribs]
+                    if k > 0:
+                        norms = [r.folded[c.learner][0] for c in contribs]
+                elif k > 0:  # the merge guard: clip an outer gradient far above the recent ones
                     norms = [
                         math.sqrt(
                             sum(
@@ -558,7 +751,11 @@ class SyncerState:
                             factors[i] = bound / n  # 0 when the norm overflowed
                 all_final = all(c.final for c in contribs)
                 for j in range(len(theta0)):
-                    if all_final:
+                    if folds is not None:
+                        g = folds[j].take()
+                        t, b, fin = self.outer.stepped_into(theta0[j], momentum0[j], g, scale)
+                        th, mo = [t], [b]
+                    elif all_final:
                         t = _average(
                             [[self._clipped(p, c, j, f)] for c, f in zip(contribs, factors)],
                             weights,
@@ -618,6 +815,10 @@ class SyncerState:
                 seqs=tuple(c.seq for c in contribs),
                 clipped=clipped,
             )
+        if s.carry:
+            self._take_carry(p, now_s)
+        else:
+            self._fold(p, now_s)  # pushes that arrived during the merge
         if s.round.pending:  # arrived while the lock was released
             nxt = self._evaluate(p, now_s)
             if nxt is not None:
@@ -738,6 +939,7 @@ class SyncerState:
             s.version = int(v)
             s.history = FragmentHistory([t.shape for t in s.theta])
             s.round = _Round()
+            s.carry = {}
         self.ledger = {int(m): LedgerEntry(**e) for m, e in sd["ledger"].items()}
         for e in self.ledger.values():
             e.tokens_pending = 0
@@ -745,6 +947,24 @@ class SyncerState:
         seen = sd.get("seen_seq", [])  # rows, or (an earlier checkpoint) a dict
         rows = [[*k, v] for k, v in seen.items()] if isinstance(seen, dict) else seen
         self._seen_seq = {(int(m), int(p)): int(v) for m, p, v in rows}
+
+
+_FOLDING = (math.nan, 1.0)
+"""``_Round.folded``'s entry of a push being folded."""
+
+
+def cast_fold(fold: Fold | None) -> Fold:
+    if fold is None:  # _fold checks the rule first
+        raise AssertionError("merge rule has no fold")
+    return fold
+
+
+def _nbytes(params: Sequence[torch.Tensor]) -> int:
+    """Bytes a push holds: its encoded bytes, or its tensors'."""
+    nb = getattr(params, "nbytes", None)
+    if isinstance(nb, int):
+        return nb
+    return sum(t.numel() * t.element_size() for t in params)
 
 
 def _as_f32(t: torch.Tensor, copy: bool) -> torch.Tensor:

@@ -74,7 +74,6 @@ def run_decoupled(cfg: TrainConfig, ctx) -> dict:
     n_params = sum(f.numel for f in frag.fragments)
     # a whole-model fetch (a rejoin); delta-coded downlinks send it in fp32
     model_bytes_down = 4 * n_params if cfg.sync.down_delta else world.down_codec.nbytes(n_params)
-    round_seq: dict[tuple[int, int], int] = {}
     # what each learner received of each fragment, by version: a push of a ``delta`` codec is
     # a delta against the copy the learner installed (through the downlink codec), as in the
     # runtime
@@ -100,7 +99,6 @@ def run_decoupled(cfg: TrainConfig, ctx) -> dict:
             for p, f in enumerate(frag.fragments)
             for n, t in zip(f.names, chains[p].reference())
         }
-
 
     def exact(m: int) -> None:
         """Learner m loaded the whole model (a start or a rejoin)."""
@@ -177,9 +175,11 @@ def run_decoupled(cfg: TrainConfig, ctx) -> dict:
         )
 
     def broadcast(mg: Merged, now: float) -> None:
-        for mm in mg.learners:
-            syncs[mm].mark_merged(mg.fragment, round_seq.pop((mm, mg.fragment)))
+        for mm, seq in zip(mg.learners, mg.seqs):
+            syncs[mm].mark_merged(mg.fragment, seq)
         if chains:  # the encoded step of the fragment's chain: every learner's copy moves
+            # to the chain's R (a runtime learner adds the step to its own copy instead: the
+            # two differ by the rounding of the chain's int8 residual, see downlink)
             chains[mg.fragment].advance(mg.version, mg.params)
             params = chains[mg.fragment].reference()
         elif world.down_codec.lossless:
@@ -263,7 +263,6 @@ def run_decoupled(cfg: TrainConfig, ctx) -> dict:
             res = syncer.submit(c, t)
             accepted = res.status is Status.ACCEPTED
             if accepted:
-                round_seq[(m, c.fragment)] = c.seq
                 stats["staleness"].append(syncer.version(c.fragment) - c.base_version)
             elif res.status is not Status.DUPLICATE:
                 stats["rejected"][res.status.value] = stats["rejected"].get(res.status.value, 0) + 1
@@ -415,6 +414,7 @@ def run_decoupled(cfg: TrainConfig, ctx) -> dict:
         ),
         "failures": sum(x.failures for x in L),
         "clipped_pushes": syncer.clipped_pushes,
+        "carried_pushes": syncer.carried_pushes,
         "fragments": frag.P,
         "per_learner": per_learner,
     }

@@ -35,6 +35,10 @@ class Fp32Codec(Codec):
     def lossless(self) -> bool:
         return True
 
+    @property
+    def element_bytes(self) -> int:
+        return 4
+
     def nbytes(self, numel: int) -> int:
         return numel * 4
 
@@ -63,6 +67,10 @@ class Bf16Codec(Codec):
     @property
     def delta(self) -> bool:
         return False
+
+    @property
+    def element_bytes(self) -> int:
+        return 2
 
     def nbytes(self, numel: int) -> int:
         return numel * 2

@@ -75,6 +75,13 @@ class Codec(abc.ABC):
         return None
 
     @property
+    def element_bytes(self) -> int | None:
+        """Bytes of each element, when element i is bytes ``[i k, (i + 1) k)`` of the
+        encoding (fp32, bf16), so that a range of a tensor decodes on its own; None for
+        codecs with block scales or packed bits."""
+        return None
+
+    @property
     def bits_per_element(self) -> float:
         """Bits on the wire per element of a large tensor, block scales included (int4: 4.5)."""
         n = MAX_BLOCK * 4
