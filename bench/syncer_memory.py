@@ -388,9 +388,9 @@ def formula_x4N(case: Case) -> float:  # noqa: N802 - 4N, the unit
     """The syncer's steady memory (all shards) in units of 4N by the budget of
     ``docs/architecture.md`` ("Memory"): Theta and the outer momentum; with a delta-coded
     downlink the chains' encoded residuals (they reference Theta); the published downlink
-    bytes; one pending push per learner (each keeps one in flight), encoded; a merge's new
-    Theta and momentum of one fragment; for a delta push codec one past version of every
-    fragment, as bf16 steps."""
+    bytes; one round's pending pushes (each learner keeps one in flight), encoded or folded,
+    whichever is smaller; a merge's new tensors of one fragment; for a delta push codec one
+    past version of every fragment, as bf16 steps."""
     from ddiloco.algorithm.codecs import get_codec
     from ddiloco.algorithm.downlink import RESIDUAL_CODEC
 
@@ -400,8 +400,12 @@ def formula_x4N(case: Case) -> float:  # noqa: N802 - 4N, the unit
         x += get_codec(RESIDUAL_CODEC).bits_per_element / 32
     if not down.lossless:
         x += down.bits_per_element / 32
-    x += case.learners * up.bits_per_element / 32 / case.fragments
-    x += 2 / case.fragments
+    # a round's pushes, encoded until they exceed one fp32 fragment, then folded into one
+    # fp32 buffer per tensor; a merge of a folded round adds the new Theta of the fragment
+    # (its momentum is built in the fold's buffer), of a round held whole Theta and momentum
+    held = case.learners * up.bits_per_element / 32
+    x += min(held, 1.0) / case.fragments
+    x += (1 if held > 1.0 else 2) / case.fragments
     if up.delta:
         x += 0.5
     return x

@@ -474,6 +474,9 @@ class ControlHandlers:
                     "merge_s": self.merge_s,
                     "merge_cpu_s": self.merge_cpu_s,
                     "clipped_pushes": st.clipped_pushes if st else 0,
+                    "carried_pushes": st.carried_pushes if st else 0,
+                    "pending_bytes": st.pending_bytes() if st else 0,
+                    "push_room_waits": self._push_room.waits,
                 },
                 "rejections": dict(self.rejections),
                 "mean_quorum": (

@@ -19,6 +19,7 @@ from ddiloco.algorithm.payload import EncodedParams
 from ddiloco.algorithm.slices import Piece, PieceError, SlicedParams, check_pieces
 from ddiloco.algorithm.syncer_state import Contribution, Status
 from ddiloco.runtime.syncer.common import Reject, handler
+from ddiloco.runtime.syncer.push_room import Taken
 from ddiloco.runtime.transport import wire
 from ddiloco.runtime.transport.bulk import BulkAborted, BulkReject
 from ddiloco.runtime.transport.schema import FetchRequest, PushHeader
@@ -147,6 +148,24 @@ class DataHandlers:
             pieces=pieces,
         )
 
+    def _push_room_take(self, pc: PushCheck) -> Taken:
+        """Room for the payload of push ``pc`` (``push_room``): one fp32 fragment of pushes
+        held at once, half of it by one learner (two bf16 pushes of different learners),
+        waiting at most as long as the payload may take to arrive."""
+        room = self._push_room
+        with self._lock:
+            if not room.capacity:
+                room.capacity = self._require_ready().largest_fragment_bytes()
+        taken = room.take(pc.nbytes, self.config.data_limits.deadline_s(pc.nbytes), pc.m)
+        if taken is None:
+            raise Reject(
+                grpc.StatusCode.UNAVAILABLE,
+                E.BUSY,
+                f"no room for a push of {pc.nbytes} bytes in time (pushes of {room.used} "
+                "bytes wait for the syncer); retry",
+            )
+        return taken
+
     def _push_apply(self, pc: PushCheck, buf: bytearray) -> dict:
         """Decode a validated push's payload and hand it to the state machine."""
         t_wall = time.perf_counter()
@@ -176,7 +195,7 @@ class DataHandlers:
         ):
             assert params is not None
             for name, j in zip(pc.names, range(len(params))):
-                if not all_finite(params[j]):
+                if not all(all_finite(x) for _, x in params.chunks(j)):
                     raise Reject(
                         grpc.StatusCode.INVALID_ARGUMENT,
                         E.NONFINITE,
@@ -284,7 +303,12 @@ class DataHandlers:
         pc = self._push_check(h)
         self._push_start(pc.m)
         try:
-            return wire.pack(self._push_apply(pc, self._read_stream(payload, it, pc.nbytes)))
+            taken = self._push_room_take(pc)
+            try:
+                buf = self._read_stream(payload, it, pc.nbytes)
+                return wire.pack(self._push_apply(pc, buf))
+            finally:
+                taken.give_back()
         finally:
             with self._lock:
                 self._pushing[pc.m] -= 1
@@ -467,9 +491,13 @@ class DataHandlers:
                     )
                 self._push_start(pc.m)
                 try:
-                    buf = read_payload()
-                    self.counters["bytes_in"] += len(buf)
-                    return self._push_apply(pc, buf), []
+                    taken = self._push_room_take(pc)
+                    try:
+                        buf = read_payload()
+                        self.counters["bytes_in"] += len(buf)
+                        return self._push_apply(pc, buf), []
+                    finally:
+                        taken.give_back()
                 finally:
                     with self._lock:
                         self._pushing[pc.m] -= 1

@@ -56,6 +56,7 @@ from ddiloco.runtime.syncer.data import DataHandlers
 from ddiloco.runtime.syncer.durability import Durability
 from ddiloco.runtime.syncer.liveness import Liveness
 from ddiloco.runtime.syncer.membership import MembershipLog
+from ddiloco.runtime.syncer.push_room import PushRoom
 from ddiloco.runtime.transport import session, wire
 from ddiloco.runtime.transport.auth import check_token, server_credentials, server_ssl_context
 from ddiloco.runtime.transport.bulk import BulkLimits, BulkServer
@@ -243,6 +244,7 @@ class SyncerServer(ControlHandlers, DataHandlers, Durability, Liveness):
         self._uploads: dict[str, InitUpload] = {}  # sharded islands' initial models, by id
         self._bulk_slots = threading.BoundedSemaphore(config.max_workers - config.control_reserve)
         self._pushing: Counter = Counter()  # learner -> gRPC pushes in progress
+        self._push_room = PushRoom()  # sized once the model is known (DataHandlers)
         self._unpublished: dict[int, Merged] = {}  # merged, waiting for durability
         self._publish_retry: dict[int, Merged] = {}  # merged, publication failed: retried
         self._merged_seq: dict[int, dict[int, int]] = {}  # m -> p -> seq (all merges)
