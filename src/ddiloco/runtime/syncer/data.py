@@ -193,7 +193,7 @@ class DataHandlers:
             and not pc.delta
             and all_finite(codec.decode(memoryview(buf), sum(pc.numels)))
         ):
-            assert params is not None
+            assert isinstance(params, EncodedParams)
             for name, j in zip(pc.names, range(len(params))):
                 if not all(all_finite(x) for _, x in params.chunks(j)):
                     raise Reject(
