@@ -1,10 +1,11 @@
 """A push kept as it arrived: the codec's bytes, decoded one tensor at a time when a merge
 reads it.
 
-A round holds each learner's pending push until it merges. Decoded, a push of fragment p is
-an fp32 copy of the fragment; kept encoded it is the codec's size (bf16: half, int4: about
-a seventh), and the merge decodes one tensor of it at a time, so the syncer's memory for
-pending pushes is their wire bytes plus one tensor.
+A round holds each learner's pending push until it merges or folds it
+(``SyncerState._fold``). Decoded, a push of fragment p is an fp32 copy of the fragment; kept
+encoded it is the codec's size (bf16: half, int4: about a seventh), and it is read one
+tensor, or one piece of a tensor (``chunks``), at a time, so the syncer's memory for
+pending pushes is their wire bytes plus one piece.
 """
 
 from __future__ import annotations

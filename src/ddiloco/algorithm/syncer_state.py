@@ -19,7 +19,10 @@ arithmetic runs inside ``unlocked()``, which the runtime sets to a context that 
 that lock, so merges of different fragments proceed in parallel (torch releases the GIL).
 A fragment being merged starts no second merge: pushes arriving meanwhile open its next
 round, which is evaluated when the merge commits; what that produces is queued for the
-caller in ``take_followups()``. With the default (no lock to release) nothing interleaves.
+caller in ``take_followups()``. Folding a push into its round (``_fold``) runs inside
+``unlocked()`` too: the round does not merge while a fold runs, and a merge decided
+meanwhile is made when the last fold ends (also a follow-up). With the default (no lock to
+release) nothing interleaves.
 """
 
 from __future__ import annotations
@@ -136,8 +139,9 @@ class Contribution:
     fragment: int
     params: Sequence[torch.Tensor]
     """theta_{m,p}: one tensor per fragment tensor, in fragment order. An ``EncodedParams``
-    is kept encoded until the merge reads it; with ``delta`` it holds theta_{m,p} minus the
-    learner's copy of version ``base_version``, which the syncer adds back."""
+    is kept encoded until its round merges or folds it (``_fold``); with ``delta`` it holds
+    theta_{m,p} minus the learner's copy of version ``base_version``, which the syncer adds
+    back."""
     c_steps: int
     c_tokens: int
     base_version: int

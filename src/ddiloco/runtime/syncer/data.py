@@ -170,7 +170,7 @@ class DataHandlers:
         """Decode a validated push's payload and hand it to the state machine."""
         t_wall = time.perf_counter()
         codec, p = pc.codec, pc.p
-        # kept encoded until its round merges (the merge decodes one tensor at a time)
+        # kept encoded until its round merges or folds it (read a piece at a time)
         params: EncodedParams | SlicedParams | None = None
         if pc.pieces is None:
             params = EncodedParams(codec, buf, pc.shapes, delta=pc.delta)
