@@ -198,9 +198,16 @@ class ControlHandlers:
                 off += 4 * k
         else:
             # each tensor read into its own memory as its bytes arrive, no buffer of the
-            # whole model beside them: the state takes them as they are
-            tensors = self._read_tensors(payload, it, numels)
-            params = {n: t.view(s) for n, s, t in zip(spec["names"], spec["shapes"], tensors)}
+            # whole model beside them: the state takes them as they are; a shard keeps the
+            # tensors of its own fragments and reads the others through one at a time
+            mine = {n for p, f in enumerate(frag.fragments) if self._owns(p) for n in f.names}
+            keep = [n in mine for n in spec["names"]]
+            tensors = self._read_tensors(payload, it, numels, keep)
+            params = {
+                n: t.view(s)
+                for n, s, t in zip(spec["names"], spec["shapes"], tensors)
+                if t is not None
+            }
             del tensors
             copy = False
         if not all(all_finite(t) for t in params.values()):
@@ -249,22 +256,31 @@ class ControlHandlers:
             del self._uploads[key]
             return up.buf
 
-    def _read_tensors(self, payload: memoryview, it, numels: list[int]) -> list[torch.Tensor]:
+    def _read_tensors(
+        self, payload: memoryview, it, numels: list[int], keep: list[bool] | None = None
+    ) -> list[torch.Tensor | None]:
         """The stream's fp32 tensors of ``numels`` elements, each filled in its own memory
-        as the frames arrive. The errors are ``_chunks``'."""
-        out = [torch.empty(k, dtype=torch.float32) for k in numels]
-        # one uint8 view per tensor, written at a running offset; a 4N model takes 4N bytes
-        dst = [t.numpy().view(np.uint8) for t in out]
-        i, pos = 0, 0
+        as the frames arrive; with ``keep``, only those it marks (the others are read into
+        memory that is let go as each one ends: None in their place). The errors are
+        ``_chunks``'."""
+        keep = keep or [True] * len(numels)
+        out: list[torch.Tensor | None] = [None] * len(numels)
+        i, pos = -1, 0
+        dst = np.empty(0, dtype=np.uint8)  # the tensor being filled, as bytes
         for chunk in self._chunks(payload, it, 4 * sum(numels)):
             src = np.frombuffer(chunk, dtype=np.uint8)
             a = 0
             while a < len(src):
-                while len(dst[i]) == pos:  # a full (or empty) tensor: the next one
+                while len(dst) == pos:  # a full (or empty) tensor: the next one
                     i, pos = i + 1, 0
-                n = min(len(dst[i]) - pos, len(src) - a)
-                dst[i][pos : pos + n] = src[a : a + n]
+                    t = torch.empty(numels[i], dtype=torch.float32)
+                    out[i] = t if keep[i] else None
+                    dst = t.numpy().view(np.uint8)
+                n = min(len(dst) - pos, len(src) - a)
+                dst[pos : pos + n] = src[a : a + n]
                 pos, a = pos + n, a + n
+        for j in range(i + 1, len(numels)):  # empty tensors after the last bytes
+            out[j] = torch.empty(0, dtype=torch.float32) if keep[j] else None
         return out
 
     def _read_stream(self, payload: memoryview, it, nbytes: int) -> bytearray:
