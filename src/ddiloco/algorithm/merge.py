@@ -36,6 +36,7 @@ __all__ = [
     "clip_bound",
     "Fold",
     "fold_for",
+    "foldable",
 ]
 
 MergeRule = Callable[[Sequence[torch.Tensor], Sequence[float], bool], torch.Tensor]
@@ -291,6 +292,11 @@ class Fold:
         if not dn / self.weight > _EPS:  # the directions cancel exactly: no update
             return s.zero_()
         return s.mul_(self.radius / (self.weight * dn))
+
+
+def foldable(rule: str) -> bool:
+    """Merge rule ``rule`` is a weighted sum, which the syncer folds as pushes arrive."""
+    return rule in _FOLDS
 
 
 def fold_for(rule: str, embedding: bool, shape: torch.Size | tuple[int, ...]) -> Fold | None:

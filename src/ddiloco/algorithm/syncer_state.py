@@ -49,6 +49,7 @@ from ddiloco.algorithm.merge import (
     all_finite,
     clip_bound,
     fold_for,
+    foldable,
     merge_tensor,
     token_weight,
 )
@@ -546,7 +547,7 @@ class SyncerState:
         to ``take_followups``). So a push's bytes are let go before its caller returns."""
         s = self.frags[p]
         r = s.round
-        if s.merging or fold_for(self.config.merge_rule, False, ()) is None:
+        if s.merging or not foldable(self.config.merge_rule):
             return
         todo = [c for m, c in r.pending.items() if m not in r.folded and not c.final]
         if not todo:
@@ -589,18 +590,8 @@ class SyncerState:
             and c.params.codec.element_bytes is not None
         ):
             return self._fold_pieces(p, r, c)
-        norm, factor = 0.0, 1.0
-        k = self.config.norm_clip
-        if k > 0:
-            norm = math.sqrt(
-                sum(
-                    distance([self._anchor(p, c, j)], [self._pushed(p, c, j)]) ** 2
-                    for j in range(len(s.theta))
-                )
-            )
-            bound = clip_bound(s.norms, k)
-            if bound is not None and norm > bound:
-                factor = bound / norm  # 0 when the norm overflowed
+        norm = self._push_norm(p, c) if self.config.norm_clip > 0 else 0.0
+        factor = self._guard_factor(s, norm)
         w = self._weight(s, c)
         # an encoded push is read into new tensors that nobody else reads (the push is
         # consumed here): each becomes its outer gradient in place
@@ -632,15 +623,27 @@ class SyncerState:
             for j, a in enumerate(anchors)
         ]
         norm = math.sqrt(sum(n * n for n in norms))
-        factor = 1.0
-        bound = clip_bound(s.norms, self.config.norm_clip)
-        if bound is not None and norm > bound:
-            factor = bound / norm  # 0 when the norm overflowed
+        factor = self._guard_factor(s, norm)
         w = self._weight(s, c)
         for j, (fold, a) in enumerate(zip(r.folds, anchors)):
             with r.lock:
                 fold.add_pieces(a, c.params.chunks(j), w, norms[j], factor)
         return (norm if self.config.norm_clip > 0 else 0.0), factor
+
+    def _push_norm(self, p: int, c: Contribution) -> float:
+        """``|Delta_{m,p}|`` of push c over its fragment's tensors."""
+        return math.sqrt(
+            sum(
+                distance([self._anchor(p, c, j)], [self._pushed(p, c, j)]) ** 2
+                for j in range(len(self.frags[p].theta))
+            )
+        )
+
+    def _guard_factor(self, s: _FragmentState, norm: float) -> float:
+        """The merge guard's scale for an outer gradient of ``norm``: 1, or its bound over
+        the norm (0 when the norm overflowed)."""
+        bound = clip_bound(s.norms, self.config.norm_clip)
+        return bound / norm if bound is not None and norm > bound else 1.0
 
     def _weight(self, s: _FragmentState, c: Contribution) -> float:
         """A push's merge weight: its token weight times the staleness discount."""
@@ -740,19 +743,8 @@ class SyncerState:
                     if k > 0:
                         norms = [r.folded[c.learner][0] for c in contribs]
                 elif k > 0:  # the merge guard: clip an outer gradient far above the recent ones
-                    norms = [
-                        math.sqrt(
-                            sum(
-                                distance([self._anchor(p, c, j)], [self._pushed(p, c, j)]) ** 2
-                                for j in range(len(theta0))
-                            )
-                        )
-                        for c in contribs
-                    ]
-                    bound = clip_bound(s.norms, k)
-                    for i, n in enumerate(norms):
-                        if bound is not None and n > bound:
-                            factors[i] = bound / n  # 0 when the norm overflowed
+                    norms = [self._push_norm(p, c) for c in contribs]
+                    factors = [self._guard_factor(s, n) for n in norms]
                 all_final = all(c.final for c in contribs)
                 for j in range(len(theta0)):
                     if folds is not None:
