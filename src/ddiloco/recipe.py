@@ -20,6 +20,7 @@ __all__ = [
     "new_model",
     "new_optimizer",
     "set_lr",
+    "autocast",
     "evaluate",
     "evaluate_metrics",
     "fragmentation_for",
@@ -83,6 +84,12 @@ def new_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optim
 def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
     for g in opt.param_groups:
         g["lr"] = lr
+
+
+def autocast(cfg: TrainConfig, device_type: str = "cpu") -> torch.autocast:
+    """The inner step's forward precision (``runtime.autocast``), the same in both engines:
+    bf16 autocast on CPU and CUDA alike, or off. Evaluation stays in fp32."""
+    return torch.autocast(device_type, dtype=torch.bfloat16, enabled=cfg.runtime.autocast == "bf16")
 
 
 @torch.no_grad()

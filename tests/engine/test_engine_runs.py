@@ -191,3 +191,21 @@ def test_a_delta_coded_downlink_keeps_the_quality_a_coarse_one_loses(tmp_path):
         loss[name] = run(cfg.replace(**kw))["final_eval_loss"]
     assert loss["int2-delta"] < loss["int2"] - 0.03, loss
     assert loss["int2-delta"] < loss["fp32"] * 1.01, loss
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("method", ["dp", "decoupled"])
+def test_bf16_autocast_reaches_the_inprocess_engine(tmp_path, method):
+    """runtime.autocast = bf16 runs the inner steps' forward in bf16 in this engine too: the
+    run trains, is deterministic per seed, and differs from the fp32 run."""
+    small = {**SMALL, "steps": 30, "eval_every": 30}
+
+    def final(autocast, out):
+        cfg = TrainConfig(method=method, out=str(tmp_path / out), autocast=autocast, **small)
+        return run(cfg)
+
+    bf16, again, fp32 = final("bf16", "a"), final("bf16", "b"), final("none", "c")
+    assert bf16["final_eval_loss"] < bf16["initial_eval_loss"] - 0.2
+    assert bf16["final_eval_loss"] == again["final_eval_loss"]
+    assert bf16["final_eval_loss"] != fp32["final_eval_loss"]
+    assert bf16["final_eval_loss"] == pytest.approx(fp32["final_eval_loss"], rel=0.05)

@@ -416,7 +416,8 @@ class RuntimeConfig:
     """Device of each learner rank: auto (cuda:LOCAL_RANK where CUDA is available, else
     cpu), cpu or cuda."""
     autocast: Literal["none", "bf16"] = "none"
-    """Mixed precision of the learners' inner steps on a CUDA device: none or bf16."""
+    """Mixed precision of the inner steps' forward pass, in both engines and on CPU or CUDA:
+    none (fp32) or bf16 (autocast; parameters, optimizer state and evaluation stay fp32)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -17,7 +17,7 @@ from ddiloco.config import TrainConfig
 from ddiloco.data import DataConfig, build_stream
 from ddiloco.data.synthetic import SyntheticStream
 from ddiloco.metrics.sinks import open_sinks, parse_sinks
-from ddiloco.recipe import new_model, new_optimizer, set_lr, tokens_per_step
+from ddiloco.recipe import autocast, new_model, new_optimizer, set_lr, tokens_per_step
 from ddiloco.run_summary import RunSummary
 
 __all__ = ["World", "Worker", "Recorder", "TimeBreakdown", "build_workers"]
@@ -41,7 +41,8 @@ class Worker:
     def train_step(self) -> float:
         x, y = self.stream.next_batch()
         self.opt.zero_grad(set_to_none=True)
-        _, loss = self.model(x, y)
+        with autocast(self.cfg):
+            _, loss = self.model(x, y)
         loss.backward()
         set_lr(self.opt, self.cfg.lr_at(self.steps))
         self.opt.step()

@@ -13,7 +13,7 @@ from ddiloco.algorithm.schedule import FragmentSchedule
 from ddiloco.config import TrainConfig
 from ddiloco.engine.common import TimeBreakdown, World, build_workers
 from ddiloco.models import embedding_param_names
-from ddiloco.recipe import evaluate, fragmentation_for, new_optimizer, set_lr
+from ddiloco.recipe import autocast, evaluate, fragmentation_for, new_optimizer, set_lr
 
 __all__ = ["run_local", "run_dp", "run_diloco", "run_streaming"]
 
@@ -133,7 +133,8 @@ def run_dp(cfg: TrainConfig, ctx) -> dict:
         opt.zero_grad(set_to_none=True)
         for s in streams:
             x, y = s.next_batch()
-            _, loss = model(x, y)
+            with autocast(cfg):
+                _, loss = model(x, y)
             (loss / M).backward()
         set_lr(opt, cfg.lr_at(k - 1))
         opt.step()

@@ -28,6 +28,7 @@ from ddiloco.config import TrainConfig
 from ddiloco.config.sections import IslandLayout
 from ddiloco.data import build_stream
 from ddiloco.metrics.sinks import open_sinks, parse_sinks
+from ddiloco.recipe import autocast as recipe_autocast
 from ddiloco.recipe import data_config, new_model, new_optimizer, set_lr
 from ddiloco.runtime.learner.client import LINK_CUT, LinkLimits
 from ddiloco.runtime.learner.device import learner_device
@@ -238,9 +239,7 @@ def run_learner(
 
     if resume is not None:
         resumed_optimizer = resume_opt(resume[0], resume[4], resume[3])
-    autocast = torch.autocast(
-        device.type, dtype=torch.bfloat16, enabled=cfg.runtime.autocast == "bf16"
-    )
+    autocast = recipe_autocast(cfg, device.type)
     images = data.task == "image"
     tokens = cfg.data.batch_size * (1 if images else cfg.data.block_size) * world
     dl = DecoupledLearner(model, **learner_kwargs(cfg, learner, syncer, group, heartbeat_s))
