@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ddiloco.cli import main
-from ddiloco.report import goodput_timeline, learner_states, load_run, make_report
+from ddiloco.report import goodput_timeline, learner_states, load_run, loss_curve, make_report
 
 PNGS = ("loss.png", "goodput.png", "learners.png", "bytes.png")
 TINY = dict(
@@ -130,6 +130,28 @@ def test_report_default_out_dir_for_one_run(two_runs, capsys, monkeypatch, tmp_p
     monkeypatch.chdir(tmp_path)  # several runs: ./report
     assert main(["report", str(dec), str(dec)]) == 0
     assert sorted(p.name for p in (tmp_path / "report").iterdir()) == sorted((*PNGS, "index.html"))
+
+
+def test_loss_curve_against_tokens_steps_and_the_clock(two_runs, tmp_path):
+    """The loss plot's x axes: tokens and steps from the eval rows' step, time from their
+    virtual t_s, ending at the run's virtual time; the eval rows also carry the process's own
+    wall seconds."""
+    dec, dp = (load_run(d) for d in two_runs)
+    for run in (dec, dp):
+        evals = run.of("eval")
+        steps, _ = loss_curve(run, "step")
+        tokens, _ = loss_curve(run, "tokens")
+        clock, final = loss_curve(run, "time")
+        assert [s for s, _ in steps] == [0, 10, 20, 30]
+        per_step = run.summary["tokens"] / run.summary["steps"]
+        assert [t for t, _ in tokens] == [s * per_step for s, _ in steps]
+        assert [t for t, _ in clock] == sorted(r["t_s"] for r in evals)
+        assert final == (run.summary["virtual_time_s"], run.summary["final_eval_loss"])
+        walls = [r["wall_s"] for r in evals]
+        assert walls == sorted(walls) and walls[-1] <= run.summary["wall_s"]
+    out = tmp_path / "rep"
+    assert main(["report", *map(str, two_runs), "--x-axis", "time", "--out", str(out)]) == 0
+    _check_png(out / "loss.png")
 
 
 def test_inproc_timeline_matches_failure_and_rejoin_rows(two_runs):

@@ -261,6 +261,9 @@ def goodput_timeline(run: RunData, n: int = 300) -> dict:
     return {"t": ts, "goodput": good, "available": avail, "derived": derived}
 
 
+X_AXES = ("tokens", "step", "time")
+
+
 def _x_of(run: RunData, x_axis: str):
     """Step -> x value: tokens (summary tokens per step) or the step itself."""
     steps, tokens = _num(run.summary.get("steps")), _num(run.summary.get("tokens"))
@@ -283,31 +286,41 @@ def _colour(i: int) -> str:
     return f"C{i % 10}"
 
 
+def loss_curve(
+    run: RunData, x_axis: str
+) -> tuple[list[tuple[float, float]], tuple[float, float] | None]:
+    """The eval rows of ``run`` as (x, eval loss), sorted, and the final (x, loss) where the
+    summary has one. x: tokens or inner steps (``step`` rows), or the run's clock (``time``:
+    the rows' ``t_s``, virtual seconds in process, and the final loss at the clock's end)."""
+    key = "t_s" if x_axis == "time" else "step"
+    pts = sorted(
+        (_num(r.get(key)), _num(r.get("eval_loss")))
+        for r in run.of("eval")
+        if _num(r.get(key)) is not None and _num(r.get("eval_loss")) is not None
+    )
+    final = _num(run.summary.get("final_eval_loss"))
+    end = time_span(run)[1] if x_axis == "time" else _num(run.summary.get("steps"))
+    x = (lambda s: s) if x_axis == "time" else _x_of(run, x_axis)
+    return [(x(s), v) for s, v in pts], (x(end), final) if final is not None and end else None
+
+
 def plot_loss(runs: list[RunData], path: Path, x_axis: str) -> None:
     from matplotlib.lines import Line2D
 
     use_tokens = x_axis == "tokens" and all(_num(r.summary.get("tokens")) for r in runs)
+    use_time = x_axis == "time"
+    axis = "time" if use_time else "tokens" if use_tokens else "step"
     fig = _figure(8, 5.0 + 0.2 * len(runs))
     ax = fig.add_subplot()
     for i, run in enumerate(runs):
-        c, x = _colour(i), _x_of(run, "tokens" if use_tokens else "step")
-        pts = sorted(
-            (_num(r.get("step")), _num(r.get("eval_loss")))
-            for r in run.of("eval")
-            if _num(r.get("step")) is not None and _num(r.get("eval_loss")) is not None
-        )
-        final = _num(run.summary.get("final_eval_loss"))
-        steps = _num(run.summary.get("steps"))
-        line = pts + (
-            [(steps, final)] if final is not None and steps and pts and pts[-1][0] < steps else []
-        )
-        ax.plot(
-            [x(s) for s, _ in line], [v for _, v in line], "-", color=c, lw=1.6, label=run.label
-        )
-        ax.plot([x(s) for s, _ in pts], [v for _, v in pts], "o", color=c, ms=3.5)
-        if final is not None and steps:
-            ax.plot([x(steps)], [final], "*", color=c, ms=11, mec="black", mew=0.5)
-        if len(pts) < 3:  # process runs evaluate at the start and end only: show train loss
+        c, x = _colour(i), _x_of(run, axis)
+        pts, final = loss_curve(run, axis)
+        line = pts + ([final] if final is not None and pts and pts[-1][0] < final[0] else [])
+        ax.plot([s for s, _ in line], [v for _, v in line], "-", color=c, lw=1.6, label=run.label)
+        ax.plot([s for s, _ in pts], [v for _, v in pts], "o", color=c, ms=3.5)
+        if final is not None:
+            ax.plot([final[0]], [final[1]], "*", color=c, ms=11, mec="black", mew=0.5)
+        if len(pts) < 3 and not use_time:  # process runs evaluate at start and end: train loss
             by_step: dict[float, list[float]] = {}
             for r in run.of("step"):
                 if _num(r.get("step")) is not None and _num(r.get("loss")) is not None:
@@ -333,7 +346,13 @@ def plot_loss(runs: list[RunData], path: Path, x_axis: str) -> None:
     ]
     labels += ["entropy floor (per run)", "final eval loss"]
     fig.legend(handles, labels, fontsize=8, loc="outside lower center", ncol=3)
-    ax.set_xlabel("tokens (all learners)" if use_tokens else "inner step (mean per learner)")
+    ax.set_xlabel(
+        "time (s: virtual for inproc runs, wall for process runs)"
+        if use_time
+        else "tokens (all learners)"
+        if use_tokens
+        else "inner step (mean per learner)"
+    )
     ax.set_ylabel("eval loss (nats/token)")
     ax.set_title("Eval loss of the global model")
     ax.grid(alpha=0.3)
@@ -610,8 +629,8 @@ def make_report(run_dirs: list[Path], out_dir: Path, *, x_axis: str = "tokens") 
     """
     if not run_dirs:
         raise ReportError("no run directories given")
-    if x_axis not in ("tokens", "step"):
-        raise ReportError(f"x_axis must be 'tokens' or 'step', got {x_axis!r}")
+    if x_axis not in X_AXES:
+        raise ReportError(f"x_axis must be one of {', '.join(X_AXES)}, got {x_axis!r}")
     runs = [load_run(Path(d)) for d in run_dirs]
     _label_runs(runs)
     out_dir = Path(out_dir)
@@ -651,7 +670,11 @@ def add_report_parser(sub) -> argparse.ArgumentParser:
         help="output directory (default: RUN_DIR/report for one run, ./report for several)",
     )
     p.add_argument(
-        "--x-axis", choices=("tokens", "step"), default="tokens", help="x axis of loss.png"
+        "--x-axis",
+        choices=X_AXES,
+        default="tokens",
+        help="x axis of loss.png: tokens, inner steps, or the run's clock (virtual seconds "
+        "for inproc runs, wall seconds for process runs)",
     )
     p.set_defaults(func=_cmd_report)
     return p
