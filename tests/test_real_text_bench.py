@@ -21,8 +21,8 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench" / "real_text"
 
 
-def _recipe():
-    spec = importlib.util.spec_from_file_location("real_text_prepare", BENCH / "prepare.py")
+def _load(script: str):
+    spec = importlib.util.spec_from_file_location(f"real_text_{script}", BENCH / f"{script}.py")
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
@@ -30,7 +30,7 @@ def _recipe():
     return mod
 
 
-recipe = _recipe()
+recipe = _load("prepare")
 
 
 @pytest.mark.timeout(120)
@@ -54,37 +54,56 @@ def test_sample_prepares_trains_and_evaluates_on_held_out_books(tmp_path, capsys
     trained = {p.name for p in (data / "books" / "train").glob("*.txt")}
     assert trained.isdisjoint(p.name for p in held) and len(trained) == 4
 
-    out = tmp_path / "run"
-    rc = main(
-        [
-            "train",
-            "--config",
-            str(BENCH / "run.toml"),
-            "--data",
-            f"bin:{data}",
-            "--model",
-            "gpt_tiny",
-            "--steps",
-            "40",
-            "--batch-size",
-            "8",
-            "--block-size",
-            "64",
-            "--eval-every",
-            "40",
-            "--eval-batches",
-            "4",
-            "--out",
-            str(out),
-            "--no-progress",
-        ]
-    )
-    assert rc == 0
-    s = json.loads((out / "summary.json").read_text())
+    runs = tmp_path / "runs"
+    for method in ("decoupled", "dp"):
+        rc = main(
+            [
+                "train",
+                "--config",
+                str(BENCH / "run.toml"),
+                "--data",
+                f"bin:{data}",
+                "--model",
+                "gpt_tiny",
+                "--steps",
+                "40",
+                "--batch-size",
+                "8",
+                "--block-size",
+                "64",
+                "--eval-every",
+                "40",
+                "--eval-batches",
+                "4",
+                "--method",
+                method,
+                "--out",
+                str(runs / method),
+                "--no-progress",
+            ]
+        )
+        assert rc == 0
+    s = json.loads((runs / "decoupled" / "summary.json").read_text())
     assert s["method"] == "decoupled" and s["merges"] > 0
+    assert s["config"]["autocast"] == "bf16"  # run.toml's precision, in process
     assert math.isfinite(s["final_eval_loss"])
     assert s["final_eval_loss"] < s["initial_eval_loss"] - 0.5, s  # ln 512 = 6.24 at the start
     assert 0.0 < s["eval_accuracy"] < 1.0  # next-token accuracy on the held-out books
+
+    # the table and the plots of docs/results/real_text.md, from the run directories
+    summarize = _load("summarize")
+    table = tmp_path / "table" / "real_text"
+    assert summarize.main([str(runs), "--out", str(table)]) == 0
+    rows = {r["run"]: r for r in json.loads(table.with_suffix(".json").read_text())["runs"]}
+    assert rows["dp"]["vs_dp"] == "+0.00%" and rows["decoupled"]["loss"] == round(
+        s["final_eval_loss"], 4
+    )
+    gap = 100 * (rows["decoupled"]["loss"] / rows["dp"]["loss"] - 1)
+    assert rows["decoupled"]["vs_dp"] == f"{gap:+.2f}%"
+    assert rows["decoupled"]["perplexity"] == pytest.approx(math.exp(s["final_eval_loss"]), 0.01)
+    assert "| decoupled | decoupled | 0 |" in table.with_suffix(".md").read_text()
+    for axis in ("tokens", "time"):
+        assert (tmp_path / "table" / f"real_text_{axis}.png").stat().st_size > 5_000
 
 
 def test_bible_output_splits_into_books_one_verse_a_line():
