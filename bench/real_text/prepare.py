@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import re
 import shutil
 import subprocess
@@ -131,11 +132,18 @@ def read_books(folder: Path) -> dict[str, str]:
     return books
 
 
+def chapters(book: str, text: str) -> list[str]:
+    """A book's text cut at its chapter headings (``Genesis 1``), each with its heading."""
+    return [c for c in re.split(rf"(?m)^(?={re.escape(book)} \d+$)", text) if c.strip()]
+
+
 def write_split(
-    books: dict[str, str], out: Path, held_out: tuple[str, ...]
+    books: dict[str, str], out: Path, held_out: tuple[str, ...], mix_seed: int | None = None
 ) -> tuple[Path, Path, list[str]]:
     """OUT/books/train and OUT/books/held_out, one file per book; returns both folders and
-    the held-out books present."""
+    the held-out books present. With ``mix_seed``, the training text is written instead as
+    one file per chapter in a random order of that seed, so that each learner's shard (a
+    contiguous quarter of the tokens at M = 4) mixes chapters from every kind of book."""
     unknown = sorted(set(held_out) - set(BOOKS))
     if unknown:
         raise ValueError(f"--held-out: {unknown} are not books of the Bible")
@@ -149,8 +157,17 @@ def write_split(
     for d in (train, test):
         shutil.rmtree(d, ignore_errors=True)
         d.mkdir(parents=True)
+    mixed = []
     for book, text in books.items():
-        ((test if book in held_out else train) / book_file(book)).write_text(text, encoding="utf-8")
+        if book in held_out:
+            (test / book_file(book)).write_text(text, encoding="utf-8")
+        elif mix_seed is None:
+            (train / book_file(book)).write_text(text, encoding="utf-8")
+        else:
+            mixed += chapters(book, text)
+    order = random.Random(mix_seed).sample(range(len(mixed)), len(mixed))
+    for i, k in enumerate(order):
+        (train / f"{i:05d}.txt").write_text(mixed[k], encoding="utf-8")
     return train, test, present
 
 
@@ -166,6 +183,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--held-out", nargs="+", default=list(HELD_OUT), metavar="BOOK", help="held-out books"
     )
+    ap.add_argument(
+        "--mix-chapters",
+        type=int,
+        default=None,
+        metavar="SEED",
+        help="write the training books' chapters in a random order of SEED, so that every "
+        "learner's shard mixes all kinds of book (default: whole books in canonical order, "
+        "so each learner gets a run of consecutive books)",
+    )
     ap.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     args = ap.parse_args(argv)
 
@@ -173,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     books = read_books(args.books) if args.books else split_books(bible_text())
-    train, test, present = write_split(books, args.out, tuple(args.held_out))
+    train, test, present = write_split(books, args.out, tuple(args.held_out), args.mix_chapters)
     tok = args.out / "tokenizer.json"
     tok.unlink(missing_ok=True)  # trained afresh on these training books
     r = prepare(
