@@ -151,3 +151,20 @@ def test_held_out_books_must_leave_both_splits(tmp_path):
     with pytest.raises(ValueError, match="not books of the Bible"):
         recipe.write_split(books, tmp_path, ("Ruth", "Hezekiah"))
     assert list(books) == ["Ruth", "Esther", "Hosea", "Jonah", "Philippians", "Colossians", "James"]
+
+
+def test_mixed_chapters_keep_the_text_and_the_held_out_books(tmp_path):
+    """--mix-chapters writes every training chapter once, in a seeded order that mixes the
+    books, and leaves the held-out books whole."""
+    books = recipe.read_books(BENCH / "sample")
+    assert len(recipe.chapters("Esther", books["Esther"])) == 10
+    train, test, _ = recipe.write_split(books, tmp_path / "a", recipe.HELD_OUT, mix_seed=3)
+    again, _, _ = recipe.write_split(books, tmp_path / "b", recipe.HELD_OUT, mix_seed=3)
+    texts = [f.read_text() for f in sorted(train.iterdir())]
+    assert texts == [f.read_text() for f in sorted(again.iterdir())]  # the seed fixes the order
+    kept = [b for b in books if b not in recipe.HELD_OUT]
+    assert sorted(texts) == sorted(c for b in kept for c in recipe.chapters(b, books[b]))
+    assert "".join(texts) != "".join(books[b] for b in kept)  # not in book order
+    heads = [t.split("\n", 1)[0].rsplit(" ", 1)[0] for t in texts[:12]]
+    assert len(set(heads)) > 1  # the first chapters already come from several books
+    assert sorted(f.name for f in test.iterdir()) == ["08_Ruth.txt", "32_Jonah.txt", "59_James.txt"]
