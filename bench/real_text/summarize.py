@@ -1,6 +1,6 @@
 """The real-text comparison's table and plots, from its run directories.
 
-    python bench/real_text/summarize.py runs/kjv --out docs/results/real_text
+    python bench/real_text/summarize.py runs/kjv --out docs/results/real_text/runs
 
 Reads ``summary.json`` and ``metrics.jsonl`` of every run directory under the given folder
 (one per method, seed or setting, as ``docs/results/real_text.md`` names them), and writes:
