@@ -46,6 +46,8 @@ COLUMNS = (
 
 def _row(name: str, run: RunData) -> dict:
     s = run.summary
+    if s.get("final_eval_loss") is None:
+        raise SystemExit(f"summarize: run {name} has no final held-out loss (it ended early)")
     loss = float(s["final_eval_loss"])
     return {
         "run": name,
@@ -106,17 +108,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("root", type=Path, help="a folder of run directories")
     p.add_argument("--out", type=Path, required=True, help="output path prefix (no suffix)")
-    p.add_argument("--plot", default=None, help="comma-separated run names to plot (default: all)")
     args = p.parse_args(argv)
     rows, runs = summarize(args.root)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     command = "python bench/real_text/summarize.py " + " ".join(argv or sys.argv[1:])
     args.out.with_suffix(".json").write_text(json.dumps({"command": command, "runs": rows}))
     args.out.with_suffix(".md").write_text(markdown(rows, command))
-    keep = set(args.plot.split(",")) if args.plot else None
-    shown = [r for r in runs if keep is None or r.label in keep]
     for axis in ("tokens", "time"):
-        plot_loss(shown, args.out.parent / f"{args.out.name}_{axis}.png", axis)
+        plot_loss(runs, args.out.parent / f"{args.out.name}_{axis}.png", axis)
     print(markdown(rows, command))
     return 0
 

@@ -300,7 +300,7 @@ def loss_curve(
     )
     final = _num(run.summary.get("final_eval_loss"))
     end = time_span(run)[1] if x_axis == "time" else _num(run.summary.get("steps"))
-    x = (lambda s: s) if x_axis == "time" else _x_of(run, x_axis)
+    x = _x_of(run, x_axis)  # time: the clock's seconds as they are
     return [(x(s), v) for s, v in pts], (x(end), final) if final is not None and end else None
 
 
