@@ -4,6 +4,8 @@ processes call the same builders, so both train the same thing."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ddiloco.algorithm.fragments import Fragmentation, fragment_model
@@ -39,7 +41,7 @@ def data_config(cfg: TrainConfig) -> DataConfig:
         return DataConfig(
             kind="synthetic", markov=MarkovConfig(vocab_size=cfg.data.vocab_size, seed=cfg.seed)
         )
-    return d
+    return dataclasses.replace(d, sharding=cfg.data.sharding, shard_block=cfg.data.shard_block)
 
 
 def eval_setup(cfg: TrainConfig) -> tuple[DataConfig, MarkovLanguage | None, float | None, list]:

@@ -137,6 +137,16 @@ ROWS: dict[str, tuple[list[str], Probe, Probe]] = {
     "data": (["text:TEXT"], lambda e: e.data.kind, lambda p: p.data.kind),
     "batch_size": (["8"], lambda e: e.cfg.data.batch_size, lambda p: p.run.data.batch_size),
     "block_size": (["32"], lambda e: n_params(e.model), lambda p: n_params(p.model)),
+    "sharding": (
+        ["contiguous", "--data", "text:TEXT"],
+        lambda e: e.data.sharding,
+        lambda p: p.data.sharding,
+    ),
+    "shard_block": (
+        ["512", "--data", "text:TEXT"],
+        lambda e: e.data.shard_block,
+        lambda p: p.data.shard_block,
+    ),
     "vocab_size": (
         ["48"],
         lambda e: (e.data.markov.vocab_size, n_params(e.model)),

@@ -260,6 +260,9 @@ def test_held_out_sources_are_the_eval_tail_and_no_learner_reads_them(tmp_path, 
     start = len(tokens) - meta["eval_tokens"]
     for m in range(3):
         stream = build_stream(cfg, learner=m, n_learners=3, batch_size=8, block_size=16, seed=m)
+        assert stream.shard[1] <= start  # type: ignore[attr-defined]
+        contiguous = DataConfig(kind="bin", path=str(out), sharding="contiguous")
+        stream = build_stream(contiguous, learner=m, n_learners=3, batch_size=8, block_size=16)
         assert stream.shard[1] == start * (m + 1) // 3 <= start  # type: ignore[attr-defined]
     tail = tokens[start:]
     for x, y in build_eval_batches(cfg, n_batches=4, batch_size=8, block_size=16):
@@ -269,7 +272,7 @@ def test_held_out_sources_are_the_eval_tail_and_no_learner_reads_them(tmp_path, 
             )
             assert len(hits), "an eval window outside the held-out documents"
     # An explicit eval_fraction overrides the declared tail.
-    frac = DataConfig(kind="bin", path=str(out), eval_fraction=0.5)
+    frac = DataConfig(kind="bin", path=str(out), eval_fraction=0.5, sharding="contiguous")
     assert frac.held_out_tokens is None
     assert build_stream(frac, learner=0, n_learners=1, batch_size=1, block_size=16).shard == (
         0,

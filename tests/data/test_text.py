@@ -84,7 +84,7 @@ def test_layout_is_disjoint_and_validated() -> None:
 
 def test_streams_stay_in_their_shard_and_resume() -> None:
     tokens = np.arange(2000, dtype=np.int64)  # token value == its position
-    kw = dict(n_learners=2, batch_size=4, block_size=16, eval_fraction=0.1)
+    kw = dict(n_learners=2, batch_size=4, block_size=16, eval_fraction=0.1, sharding="contiguous")
     for m, (lo, hi) in enumerate([(0, 900), (900, 1800)]):
         s = TokenStream(tokens, learner=m, **kw)
         for _ in range(20):
@@ -124,3 +124,79 @@ def test_text_stream(tmp_path: Path) -> None:
         text_stream(tmp_path / "t.txt", learner=1, n_learners=1, batch_size=2, block_size=32)
     with pytest.raises(ValueError, match="1-D"):
         TokenStream(np.zeros((2, 2)), learner=0, n_learners=1, batch_size=1, block_size=1)
+
+
+@pytest.mark.parametrize("n_learners,shard_block", [(1, 64), (3, 64), (4, 100), (5, 37)])
+def test_interleaved_shares_are_disjoint_and_cover_the_training_tokens(n_learners, shard_block):
+    """The default sharding: each learner's blocks are its own, the learners' blocks
+    together are every training token, and every window a learner draws lies in its
+    share, inside one block (the held-out tail is never reached)."""
+    tokens = np.arange(3000, dtype=np.int64)  # token value == its position
+    kw = dict(
+        n_learners=n_learners,
+        batch_size=16,
+        block_size=16,
+        eval_fraction=0.1,
+        shard_block=shard_block,
+    )
+    owner = np.full(2700, -1)
+    streams = []
+    for m in range(n_learners):
+        s = TokenStream(tokens, learner=m, **kw)
+        streams.append(s)
+        for lo, hi in s.pieces:
+            assert (owner[lo:hi] == -1).all(), "two learners share a token"
+            owner[lo:hi] = m
+    # every training token belongs to a learner (blocks too short for a window excepted)
+    short = [i for i in range(2700) if owner[i] == -1]
+    assert len(short) <= 16 and all(i >= 2700 - 16 for i in short)
+    assert (
+        owner[: shard_block * n_learners]
+        == np.repeat(np.arange(n_learners), shard_block)[: shard_block * n_learners]
+    ).all()
+    for m, s in enumerate(streams):
+        seen = set()
+        for _ in range(40):
+            x, y = s.next_batch()
+            assert torch.equal(y, x + 1) and int(y.max()) < 2700
+            first, last = x[:, 0].numpy(), y[:, -1].numpy()
+            assert (owner[first] == m).all() and (owner[last] == m).all()
+            assert (first // shard_block == last // shard_block).all()  # one block each
+            seen.update((first // shard_block).tolist())
+        if n_learners > 1:  # a learner's windows come from all over the corpus
+            assert min(seen) < 2 * n_learners and max(seen) > 2700 // shard_block - 2 * n_learners
+    # the same position gives the same batch after a resume; a state of another sharding is
+    # refused
+    ref = TokenStream(tokens, learner=n_learners - 1, **kw)
+    expected = [ref.next_batch()[0] for _ in range(4)]
+    resumed = TokenStream(tokens, learner=n_learners - 1, **kw)
+    resumed.load_state_dict({**ref.state_dict(), "position": 2})
+    assert torch.equal(resumed.next_batch()[0], expected[2])
+    other = TokenStream(tokens, learner=n_learners - 1, **{**kw, "shard_block": shard_block + 1})
+    with pytest.raises(ValueError, match="shard_block"):
+        other.load_state_dict(ref.state_dict())
+
+
+def test_contiguous_sharding_is_the_old_layout_and_draws() -> None:
+    """``sharding="contiguous"``: one shard per learner, drawn exactly as before the
+    interleaved default (the plain offset within the shard)."""
+    from ddiloco.data.stream import TRAIN, rng_for
+
+    tokens = np.arange(2000, dtype=np.int64)
+    s = TokenStream(
+        tokens,
+        learner=1,
+        n_learners=2,
+        batch_size=4,
+        block_size=16,
+        eval_fraction=0.1,
+        sharding="contiguous",
+    )
+    assert s.shard == (900, 1800) and s.pieces.tolist() == [[900, 1800]]
+    for b in range(3):
+        offsets = rng_for(0, TRAIN, 1, b).integers(0, 900 - 16, size=4)
+        assert torch.equal(s.next_batch()[0][:, 0], torch.from_numpy(900 + offsets))
+    with pytest.raises(ValueError, match="sharding"):
+        TokenStream(tokens, learner=0, n_learners=2, batch_size=1, block_size=4, sharding="x")
+    with pytest.raises(ValueError, match="shard_block"):
+        TokenStream(tokens, learner=0, n_learners=2, batch_size=1, block_size=64, shard_block=32)

@@ -91,6 +91,13 @@ class DataConfig:
     """Tokens per sequence (and the language model's context)."""
     vocab_size: int = 32
     """Vocabulary of the built-in synthetic language (and of the model trained on it)."""
+    sharding: Literal["interleaved", "contiguous"] = "interleaved"
+    """How token data (text, bin, hf) is shared among learners: interleaved (blocks of
+    shard_block tokens dealt round-robin, so every learner samples the whole corpus and
+    DP reads the same shares) or contiguous (one run of the corpus each, for non-iid
+    studies)."""
+    shard_block: int = 4096
+    """Tokens per block of the interleaved sharding."""
 
     def __post_init__(self) -> None:
         from ddiloco.data import parse_data_spec
@@ -102,6 +109,8 @@ class DataConfig:
         at_least("data.batch_size", self.batch_size, 1)
         at_least("data.block_size", self.block_size, 1)
         at_least("data.vocab_size", self.vocab_size, 2)
+        one_of("data.sharding", self.sharding, ("interleaved", "contiguous"))
+        at_least("data.shard_block", self.shard_block, 2)
 
 
 @dataclass(kw_only=True, slots=True)

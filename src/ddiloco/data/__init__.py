@@ -114,6 +114,12 @@ class DataConfig:
     split_seed: int = 0
     """Seed of the train/eval/shard split of images; kept apart from the sampling seed so
     that training and evaluation always agree on the split."""
+    sharding: str = "interleaved"
+    """How token data is shared among learners: "interleaved" (blocks of ``shard_block``
+    tokens dealt round-robin, so every learner samples the whole corpus) or "contiguous"
+    (one run of the corpus each); see ``data.text``."""
+    shard_block: int = 4096
+    """Tokens per block of the interleaved sharding."""
 
     def __post_init__(self) -> None:
         if self.kind not in DATA_SOURCES:
@@ -128,6 +134,12 @@ class DataConfig:
             raise ValueError(f"eval_fraction must be in [0, 1), got {self.eval_fraction}")
         if self.channels not in (1, 3):
             raise ValueError(f"channels must be 1 or 3, got {self.channels}")
+        if self.sharding not in ("interleaved", "contiguous"):
+            raise ValueError(
+                f"sharding must be 'interleaved' or 'contiguous', got {self.sharding!r}"
+            )
+        if self.shard_block < 2:
+            raise ValueError(f"shard_block must be >= 2 tokens, got {self.shard_block}")
 
     @property
     def source(self) -> DataSource:
@@ -219,7 +231,12 @@ def _token_source(name: str, load: Callable[[DataConfig], Any], **kw: Any) -> Da
         from ddiloco.data.text import TokenStream
 
         return TokenStream(
-            load(cfg), eval_fraction=cfg.held_out, eval_tokens=cfg.held_out_tokens, **args
+            load(cfg),
+            eval_fraction=cfg.held_out,
+            eval_tokens=cfg.held_out_tokens,
+            sharding=cfg.sharding,
+            shard_block=cfg.shard_block,
+            **args,
         )
 
     def held_out(cfg: DataConfig, **args: Any) -> Batches:

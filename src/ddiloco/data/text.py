@@ -14,9 +14,20 @@ Sources (both become a 1-D array of token ids):
 Layout of the N tokens for M learners: the tail of the array is held out for evaluation,
 ``eval_tokens`` long when given (a ``ddiloco prepare`` folder whose meta.json names held-out
 sources: their documents, written last), else the last ``eval_fraction`` of it; the rest is
-cut into M contiguous, disjoint shards of equal length (up to one token). Learner m's batch b takes ``batch_size`` windows of ``block_size + 1`` tokens
-at offsets drawn from the random stream keyed (seed, TRAIN, m, b) within its shard; the
-eval set takes windows from the held-out tail with the stream keyed (seed, EVAL).
+shared among the M learners in one of two ways (``sharding``):
+
+  - ``interleaved`` (the default): the training tokens are cut into blocks of
+    ``shard_block`` tokens, dealt round-robin: block i belongs to learner i mod M. Every
+    learner's share is disjoint from the others', the shares together cover the training
+    tokens, and each share samples the whole corpus, so a corpus written in document order
+    (books, then the next book) gives every learner the same mix of text.
+  - ``contiguous``: M contiguous, disjoint shards of equal length (up to one token); for
+    studies of learners whose data differs (non-iid).
+
+Learner m's batch b takes ``batch_size`` windows of ``block_size + 1`` tokens at offsets
+drawn from the random stream keyed (seed, TRAIN, m, b), each window inside one piece of
+its share (a block, or the whole contiguous shard); the eval set takes windows from the
+held-out tail with the stream keyed (seed, EVAL).
 """
 
 from __future__ import annotations
@@ -35,6 +46,9 @@ __all__ = [
     "load_text_bytes",
     "load_token_bin",
     "token_layout",
+    "SHARDINGS",
+    "DEFAULT_SHARD_BLOCK",
+    "share_pieces",
     "TokenStream",
     "token_eval_batches",
     "text_stream",
@@ -45,6 +59,14 @@ __all__ = [
 
 TEXT_SUFFIXES = (".txt", ".md")
 """Files read from a folder by :func:`load_text_bytes` unless ``all_files=True``."""
+
+SHARDINGS = ("interleaved", "contiguous")
+"""How the training tokens are shared among learners (``data.sharding``)."""
+DEFAULT_SHARD_BLOCK = 4096
+"""Tokens per block of the interleaved sharding (``data.shard_block``)."""
+MIN_BLOCKS_PER_LEARNER = 4
+"""Blocks each learner gets at least, where the data allows: shorter data gets shorter
+blocks."""
 
 
 def _missing(path: Path, what: str) -> FileNotFoundError:
@@ -196,6 +218,47 @@ def token_layout(
     return bounds, (n_train, n_tokens)
 
 
+def share_pieces(
+    n_train: int,
+    *,
+    learner: int,
+    n_learners: int,
+    block_size: int,
+    sharding: str = "interleaved",
+    shard_block: int = DEFAULT_SHARD_BLOCK,
+) -> np.ndarray:
+    """Learner ``learner``'s share of the training tokens ``[0, n_train)``, as an int64
+    array of ``[start, end)`` rows in increasing order: its contiguous shard (one row), or
+    its interleaved blocks (block i of ``shard_block`` tokens goes to learner i mod M; the
+    last block may be shorter). On data too short to deal every learner
+    ``MIN_BLOCKS_PER_LEARNER`` blocks, the blocks are shrunk to fit, down to one window.
+    Pieces too short for one window of ``block_size + 1`` tokens are left out; a share left
+    with none is an error that says what to change."""
+    if sharding not in SHARDINGS:
+        raise ValueError(f"data.sharding must be one of {SHARDINGS}, got {sharding!r}")
+    if sharding == "contiguous":
+        lo = learner * n_train // n_learners
+        pieces = np.array([[lo, (learner + 1) * n_train // n_learners]], dtype=np.int64)
+    else:
+        if shard_block < block_size + 1:
+            raise ValueError(
+                f"data.shard_block ({shard_block} tokens) must hold a window of block_size + 1 "
+                f"= {block_size + 1} tokens; use a larger data.shard_block"
+            )
+        fit = n_train // (n_learners * MIN_BLOCKS_PER_LEARNER)
+        shard_block = max(block_size + 1, min(shard_block, fit))
+        starts = np.arange(learner * shard_block, n_train, n_learners * shard_block)
+        pieces = np.stack([starts, np.minimum(starts + shard_block, n_train)], axis=1)
+    pieces = pieces[pieces[:, 1] - pieces[:, 0] >= block_size + 1]
+    if not len(pieces):
+        raise ValueError(
+            f"learner {learner}'s {sharding} share of {n_train} training tokens ({n_learners} "
+            f"learners) holds no window of block_size + 1 = {block_size + 1} tokens; use more "
+            f"data, fewer learners, a smaller block_size or data.sharding = 'contiguous'"
+        )
+    return pieces.astype(np.int64)
+
+
 def _windows(
     tokens: np.ndarray, start: int, offsets: np.ndarray, block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -207,7 +270,8 @@ def _windows(
 
 class TokenStream:
     """Learner ``m``'s deterministic stream of (x, y) LongTensor [batch_size, block_size]
-    batches from its shard of a 1-D token array (y is x shifted by one)."""
+    batches from its share of a 1-D token array (y is x shifted by one): its interleaved
+    blocks by default, or its contiguous shard (``sharding``, see the module docstring)."""
 
     def __init__(
         self,
@@ -220,6 +284,8 @@ class TokenStream:
         seed: int = 0,
         eval_fraction: float = 0.05,
         eval_tokens: int | None = None,
+        sharding: str = "interleaved",
+        shard_block: int = DEFAULT_SHARD_BLOCK,
     ) -> None:
         check_learner(learner, n_learners)
         if batch_size < 1:
@@ -229,27 +295,49 @@ class TokenStream:
         self.tokens = tokens
         self.learner, self.n_learners = learner, n_learners
         self.batch_size, self.block_size, self.seed = batch_size, block_size, seed
-        bounds, _ = token_layout(
+        self.sharding, self.shard_block = sharding, shard_block
+        _, (n_train, _) = token_layout(
             len(tokens),
             n_learners=n_learners,
             block_size=block_size,
             eval_fraction=eval_fraction,
             eval_tokens=eval_tokens,
         )
-        self.shard = bounds[learner]
-        """[start, end) of this learner's tokens."""
+        self.pieces = share_pieces(
+            n_train,
+            learner=learner,
+            n_learners=n_learners,
+            block_size=block_size,
+            sharding=sharding,
+            shard_block=shard_block,
+        )
+        """[start, end) rows of this learner's tokens (one row when contiguous)."""
+        self.shard = (int(self.pieces[0, 0]), int(self.pieces[-1, 1]))
+        """The span from the first to the last of this learner's tokens (its shard when
+        contiguous)."""
+        starts = self.pieces[:, 1] - self.pieces[:, 0] - block_size  # window starts per piece
+        self._ends = np.cumsum(starts)
+        self._before = self._ends - starts  # window starts in the pieces before each one
         self._position = 0
 
     @property
     def position(self) -> int:
         return self._position
 
+    @property
+    def n_tokens(self) -> int:
+        """Tokens in this learner's share."""
+        return int((self.pieces[:, 1] - self.pieces[:, 0]).sum())
+
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        start, end = self.shard
         rng = rng_for(self.seed, TRAIN, self.learner, self._position)
-        offsets = rng.integers(0, end - start - self.block_size, size=self.batch_size)
+        # one draw over every window start of the share, then the piece that holds it: a
+        # contiguous share is one piece, whose draw is the plain offset in the shard
+        u = rng.integers(0, int(self._ends[-1]), size=self.batch_size)
+        piece = np.searchsorted(self._ends, u, side="right")
+        offsets = self.pieces[piece, 0] + (u - self._before[piece])
         self._position += 1
-        return _windows(self.tokens, start, offsets, self.block_size)
+        return _windows(self.tokens, 0, offsets, self.block_size)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -259,6 +347,8 @@ class TokenStream:
             "n_learners": self.n_learners,
             "seed": self.seed,
             "n_tokens": len(self.tokens),
+            "sharding": self.sharding,
+            "shard_block": self.shard_block,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -270,6 +360,8 @@ class TokenStream:
                 "n_learners": self.n_learners,
                 "seed": self.seed,
                 "n_tokens": len(self.tokens),
+                "sharding": self.sharding,
+                "shard_block": self.shard_block,
             },
         )
 
