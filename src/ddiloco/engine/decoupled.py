@@ -5,7 +5,7 @@ pushes, merges, broadcasts, failures and rejoins in virtual time. The syncer is 
 ``SyncerState`` the gRPC server drives; the learner side is ``LearnerSync``. Deterministic
 for a seed.
 
-The event heap is the package's one kernel (``ddiloco.sim.kernel``). Event priorities at
+The event heap is the package's one kernel (``ddiloco.kernel``). Event priorities at
 equal times: arrivals at the syncer (1), broadcasts reaching learners
 and departures (2), grace timers (3), step ends (5), step starts (9). A step start therefore
 sees every merge that completed at the same instant (needed for tau = 0).
@@ -27,8 +27,8 @@ from ddiloco.algorithm.schedule import FragmentSchedule
 from ddiloco.algorithm.syncer_state import Contribution, Merged, Status, SyncerConfig, SyncerState
 from ddiloco.config import TrainConfig
 from ddiloco.engine.common import Recorder, TimeBreakdown, World, build_workers
+from ddiloco.kernel import EventKernel
 from ddiloco.recipe import evaluate, fragmentation_for
-from ddiloco.sim.kernel import EventKernel
 
 __all__ = ["run_decoupled"]
 

@@ -1,6 +1,6 @@
 """The simulated systems: non-elastic data-parallel, elastic data-parallel, Decoupled DiLoCo.
 
-All three run on the event kernel (``kernel.py``) and consume the same failure stream
+All three run on the package's event kernel (``ddiloco.kernel``) and consume the same failure stream
 (``failures.py``). Chips are grouped into slices of ``chips_per_slice`` chips; a failed chip
 takes its whole slice down until the slice is repaired (``slice_recovery_s``).
 
@@ -41,8 +41,8 @@ from statistics import NormalDist
 import numpy as np
 
 from ddiloco.algorithm.policy import MergeNow, PolicyConfig, QuorumGracePolicy, WaitUntil
+from ddiloco.kernel import Event, EventKernel, LogEntry
 from ddiloco.sim.failures import FailureConfig, generate_failures
-from ddiloco.sim.kernel import Event, EventKernel, LogEntry
 
 _POLICY = PolicyConfig()
 """The policy's declared defaults (K, grace, gamma, tau): the run configuration's too."""

@@ -6,10 +6,11 @@ are plain callables ``handler(kernel, event)``; they may schedule more events. E
 handler propagate to the caller of :meth:`EventKernel.run`. A driver that keeps its own
 dispatch loop uses :meth:`EventKernel.push` and :meth:`EventKernel.pop` instead of handlers.
 
-The kernel knows nothing about chips or learners. It is the one event kernel of the
-package: ``ddiloco.sim.systems`` builds the failure, repair and reconfiguration processes on
-top of it, and the in-process engine (``ddiloco.engine.decoupled``) orders its learners'
-steps, pushes, merges and broadcasts with it.
+The kernel knows nothing about chips or learners, and imports nothing of the package. It is
+the one event kernel of the package, owned by neither of its users: the simulator
+(``ddiloco.sim.systems``) builds the failure, repair and reconfiguration processes on top of
+it, and the in-process engine (``ddiloco.engine.decoupled``) orders its learners' steps,
+pushes, merges and broadcasts with it.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 import pytest
 
-from ddiloco.sim.kernel import Event, EventKernel
+from ddiloco.kernel import Event, EventKernel
 
 
 def test_kernel_orders_by_time_priority_then_seq_and_logs_exactly():
