@@ -5,12 +5,13 @@ asynchronously (minimum quorum, adaptive grace window, token-weighted radial-dir
 averaging, Nesterov outer step). Importing ``ddiloco`` does not import torch; the
 simulator (``ddiloco.sim``) and the bandwidth planner stay torch-free.
 
-``ddiloco.DecoupledLearner`` (the hook for your own model, optimizer and loop) and
-``ddiloco.TrainConfig`` are loaded on first use.
+``ddiloco.DecoupledLearner`` (the hook for your own model, optimizer and loop),
+``ddiloco.TrainConfig`` and ``ddiloco.load_model`` (a run's global model, built and loaded
+from its run directory or exported file) are loaded on first use.
 """
 
 __version__ = "0.1.0"
-__all__ = ["__version__", "DecoupledLearner", "TrainConfig"]
+__all__ = ["__version__", "DecoupledLearner", "TrainConfig", "load_model"]
 
 
 def __getattr__(name: str):
@@ -22,4 +23,8 @@ def __getattr__(name: str):
         from ddiloco.config import TrainConfig
 
         return TrainConfig
+    if name == "load_model":
+        from ddiloco.runtime.export import load_model
+
+        return load_model
     raise AttributeError(f"module 'ddiloco' has no attribute {name!r}")

@@ -19,6 +19,7 @@ __all__ = [
     "data_config",
     "eval_setup",
     "is_image_model",
+    "model_record",
     "new_model",
     "new_optimizer",
     "set_lr",
@@ -64,12 +65,25 @@ def is_image_model(cfg: TrainConfig) -> bool:
     return model_task(cfg.model.name) == "image"
 
 
-def new_model(cfg: TrainConfig) -> torch.nn.Module:
-    torch.manual_seed(cfg.seed)
+def model_record(cfg: TrainConfig) -> dict:
+    """The run's model as ``{"name": preset, "args": {field: value}}``:
+    ``build_model(name, **args)`` builds it (``ddiloco.load_model`` reads this record from
+    a run directory or an exported file). A text model's vocabulary is its data's (a
+    ``bin:`` folder's ``meta.json``; 256 for bytes) or, for the synthetic language,
+    ``data.vocab_size``; a data path that does not exist is an error."""
     if is_image_model(cfg):
-        return build_model(cfg.model.name)
+        return {"name": cfg.model.name, "args": {}}
     vocab = data_config(cfg).vocab_size or cfg.data.vocab_size
-    return build_model(cfg.model.name, vocab_size=vocab, block_size=cfg.data.block_size)
+    return {
+        "name": cfg.model.name,
+        "args": {"vocab_size": int(vocab), "block_size": int(cfg.data.block_size)},
+    }
+
+
+def new_model(cfg: TrainConfig) -> torch.nn.Module:
+    rec = model_record(cfg)
+    torch.manual_seed(cfg.seed)
+    return build_model(rec["name"], **rec["args"])
 
 
 def new_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:

@@ -16,11 +16,16 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-__all__ = ["RUN_FILES", "FINAL_MODEL", "fresh_run_dir"]
+__all__ = ["RUN_FILES", "FINAL_MODEL", "MODEL_FILE", "fresh_run_dir"]
 
 FINAL_MODEL = "final_model.safetensors"
 """The in-process engine's final global model (the real runtime's is its syncer's
 checkpoint)."""
+
+MODEL_FILE = "model.json"
+"""The run's model, ``{"name": preset, "args": {...}}`` (``recipe.model_record``), written
+when a run of the real runtime starts: ``ddiloco export`` and ``ddiloco.load_model`` build
+the model from it without the run's data."""
 
 RUN_FILES = (
     "config.toml",
@@ -30,6 +35,7 @@ RUN_FILES = (
     "metrics.jsonl",
     "chaos.jsonl",
     FINAL_MODEL,
+    MODEL_FILE,
     "syncer*.port",
     "syncer*.metrics.jsonl",
     "checkpoint",

@@ -280,9 +280,13 @@ def _token_bin(cfg: DataConfig) -> Any:
 
 
 def _bin_vocab(cfg: DataConfig) -> int | None:
-    if cfg.path and Path(cfg.path).is_dir():
-        from ddiloco.data.text import read_meta
+    """A ``ddiloco prepare`` folder's vocabulary (None for a flat file of token ids: the
+    configured ``data.vocab_size``); a path that does not exist is an error."""
+    from ddiloco.data.text import _missing, read_meta
 
+    if cfg.path and not Path(cfg.path).exists():
+        raise _missing(Path(cfg.path), "token file")
+    if cfg.path and Path(cfg.path).is_dir():
         return int(read_meta(cfg.path)["vocab_size"])
     return None
 

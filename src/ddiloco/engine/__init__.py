@@ -109,13 +109,16 @@ def run(cfg: TrainConfig) -> dict:
 def save_final_model(cfg: TrainConfig, model: torch.nn.Module, merges: int) -> Path:
     """The run's global model as ``RUN_DIR/final_model.safetensors`` (what ``ddiloco export
     RUN_DIR`` writes out; the real runtime keeps its syncer's checkpoint instead)."""
+    from ddiloco.recipe import model_record
     from ddiloco.runtime.export import save_state_dict
     from ddiloco.runtime.transport.spec import model_spec
 
     sd = {n: p.detach().to(torch.float32).contiguous() for n, p in model.named_parameters()}
     spec = model_spec(model, cfg.sync.fragments, cfg.sync.fragmentation)
     meta = {"source": f"{cfg.out} (in-process engine)", "versions": [], "merges": merges}
-    return save_state_dict(sd, Path(cfg.out) / FINAL_MODEL, {**meta, "spec": spec})
+    return save_state_dict(
+        sd, Path(cfg.out) / FINAL_MODEL, {**meta, "spec": spec, "model": model_record(cfg)}
+    )
 
 
 def _gap(loss: float, floor: float | None) -> float | None:

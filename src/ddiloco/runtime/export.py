@@ -11,7 +11,10 @@ Two sources:
 
 The file loads with ``safetensors.torch.load_file`` into the model class the learners
 trained (``model.load_state_dict(load_file(path))``); its metadata records the source, the
-fragment versions and the model spec.
+fragment versions, the model spec and, for a run of a built-in model, the model itself
+(preset name and arguments: ``MODEL_FILE`` of the run directory), so that
+``load_model(path)`` (``ddiloco.load_model``) builds and loads it in one call, from any
+directory.
 """
 
 from __future__ import annotations
@@ -25,10 +28,13 @@ from pathlib import Path
 
 import torch
 
+from ddiloco.rundir import FINAL_MODEL, MODEL_FILE
 from ddiloco.runtime.transport.spec import check_spec, fragmentation_from_spec
 
 __all__ = [
     "ExportError",
+    "load_model",
+    "write_model_record",
     "state_dict_from_checkpoint",
     "state_dict_from_syncer",
     "global_state_dict",
@@ -89,7 +95,6 @@ def state_dict_from_checkpoint(source: str | Path) -> tuple[dict[str, torch.Tens
     """(state_dict, metadata) of the global model in a syncer checkpoint; ``source`` is a run
     directory (of either engine), a checkpoint directory or a checkpoint's manifest. Only
     theta is read, fragment by fragment, each fragment file verified (SHA-256, finite)."""
-    from ddiloco.rundir import FINAL_MODEL
     from ddiloco.runtime.syncer.checkpoint import CheckpointError, load_checkpoint
 
     final = Path(source) / FINAL_MODEL
@@ -121,7 +126,44 @@ def state_dict_from_checkpoint(source: str | Path) -> tuple[dict[str, torch.Tens
         "versions": versions,
         "merges": int(state.get("merges", 0)),
         "spec": spec,
+        "model": _model_record_near(path),
     }
+
+
+def write_model_record(cfg, out: str | Path) -> Path:
+    """Write the run's model (``recipe.model_record``: preset name and arguments, the
+    vocabulary read from its data) as ``MODEL_FILE`` in the run directory ``out``."""
+    from ddiloco.recipe import model_record
+
+    path = Path(out) / MODEL_FILE
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(model_record(cfg)) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def _model_record_near(path: Path) -> dict | None:
+    """The model record of the run directory holding the checkpoint at ``path``
+    (``MODEL_FILE``, written when the run starts); None outside a run directory."""
+    for d in list(path.parents)[:3]:
+        f = d / MODEL_FILE
+        if f.is_file():
+            try:
+                rec = json.loads(f.read_text())
+            except (OSError, ValueError) as e:
+                raise ExportError(f"{f} is not readable ({e})") from None
+            _check_record(rec, f)
+            return rec
+    return None
+
+
+def _check_record(rec, where) -> None:
+    if not (
+        isinstance(rec, dict)
+        and isinstance(rec.get("name"), str)
+        and isinstance(rec.get("args"), dict)
+    ):
+        raise ExportError(f"{where}: a model record must be {{'name': preset, 'args': {{...}}}}")
 
 
 def _state_dict_from_file(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
@@ -138,6 +180,7 @@ def _state_dict_from_file(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
             "versions": json.loads(meta.get("ddiloco_versions", "[]")),
             "merges": int(meta.get("ddiloco_merges", 0)),
             "spec": json.loads(meta["ddiloco_spec"]),
+            "model": json.loads(meta["ddiloco_model"]) if "ddiloco_model" in meta else None,
         }
     except Exception as e:  # noqa: BLE001 - any unreadable file is the same error to the user
         raise ExportError(f"{path} is not a readable ddiloco model file ({e})") from None
@@ -200,6 +243,65 @@ def global_state_dict(source: str, **kw) -> tuple[dict[str, torch.Tensor], dict]
     return state_dict_from_checkpoint(source)
 
 
+def load_model(source: str | Path) -> torch.nn.Module:
+    """The global model of a run, built and loaded, in eval mode: ``source`` is a run
+    directory (of either engine), a checkpoint directory or manifest inside one, or a
+    ``.safetensors`` file that ``ddiloco export`` wrote. The model comes from the record the
+    export carries (``ddiloco_model`` in the file's metadata, ``MODEL_FILE`` in a run
+    directory): preset name and arguments, vocabulary and block size included, so no data
+    and no configuration are read and any working directory will do. A run directory
+    written before the record existed is read through its ``config.toml`` (its data must
+    then be where the run found it)."""
+    from ddiloco.models import build_model
+
+    p = Path(source)
+    if p.is_file() and p.suffix == ".safetensors":
+        sd, meta = _state_dict_from_file(p)
+    else:
+        sd, meta = state_dict_from_checkpoint(p)
+    rec = meta.get("model") or _record_from_config(p)
+    if rec is None:
+        raise ExportError(
+            f"{source} does not record which model it holds (a file exported from a live "
+            f"syncer, or by an earlier version): export it from the run directory "
+            f"(`ddiloco export RUN_DIR --out FILE`), or build the model yourself and "
+            f"load it with model.load_state_dict(safetensors.torch.load_file(FILE))"
+        )
+    _check_record(rec, source)
+    try:
+        model = build_model(rec["name"], **rec["args"])
+    except (ValueError, TypeError) as e:
+        raise ExportError(f"{source} records a model this version cannot build: {e}") from None
+    try:
+        model.load_state_dict(sd)
+    except RuntimeError as e:
+        raise ExportError(
+            f"{source}: the tensors do not fit the recorded model {rec}: {e}"
+        ) from None
+    return model.eval()
+
+
+def _record_from_config(source: Path) -> dict | None:
+    """The model record of a run directory's ``config.toml`` (runs written before
+    ``MODEL_FILE``); None without one. Its data must be readable: a text model's
+    vocabulary comes from it."""
+    from ddiloco.config import CONFIG_FILE, load_config
+
+    start = source if source.is_dir() else source.parent
+    for d in [start, *list(start.parents)[:2]]:
+        if (d / CONFIG_FILE).is_file():
+            from ddiloco.recipe import model_record
+
+            try:
+                return model_record(load_config(d / CONFIG_FILE))
+            except (ValueError, OSError) as e:
+                raise ExportError(
+                    f"{d} records no model ({MODEL_FILE}) and its {CONFIG_FILE} does not "
+                    f"give one: {e}"
+                ) from None
+    return None
+
+
 def save_state_dict(sd: dict[str, torch.Tensor], out: str | Path, meta: dict) -> Path:
     """Write ``sd`` as safetensors, atomically (temp file, rename)."""
     from safetensors.torch import save_file
@@ -220,6 +322,11 @@ def save_state_dict(sd: dict[str, torch.Tensor], out: str | Path, meta: dict) ->
             "ddiloco_versions": json.dumps(meta["versions"]),
             "ddiloco_merges": str(meta["merges"]),
             "ddiloco_spec": json.dumps(meta["spec"]),
+            **(
+                {"ddiloco_model": json.dumps(meta["model"])}
+                if meta.get("model") is not None
+                else {}
+            ),
         },
     )
     tmp.replace(out)

@@ -244,9 +244,12 @@ class Launcher:
         return self.out / CONFIG_FILE
 
     def write_config(self) -> Path:
-        """Write the resolved run configuration that the syncers and learners read."""
+        """Write the resolved run configuration that the syncers and learners read, and the
+        run's model record (``rundir.MODEL_FILE``, what ``ddiloco.load_model`` builds)."""
         from ddiloco.config import dump_config
+        from ddiloco.runtime.export import write_model_record
 
+        write_model_record(self.cfg, self.out)
         return dump_config(self.cfg, self.config_path)
 
     def _syncer_cmd(self, resume: bool, k: int = 0) -> list[str]:

@@ -220,6 +220,9 @@ class RayLauncher:
         fresh_run_dir(self.out)  # nothing of an earlier run in OUT
         (self.out / "logs").mkdir(exist_ok=True)
         dump_config(c, self.out / CONFIG_FILE)
+        from ddiloco.runtime.export import write_model_record
+
+        write_model_record(c, self.out)
         if threading.current_thread() is threading.main_thread():
 
             def _stop(*_):

@@ -487,6 +487,9 @@ def summarise(out: str | os.PathLike) -> dict:
     torch.set_num_threads(1)
     _, _, floor, evals = eval_setup(cfg)
     model = new_model(cfg)
+    from ddiloco.runtime.export import write_model_record
+
+    write_model_record(cfg, out)
     init_loss = evaluate(model, evals)
     final_loss = None
     final_params = _final_model(out, cfg)
