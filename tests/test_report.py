@@ -270,3 +270,84 @@ def test_minimal_run_without_metrics(tmp_path, capsys):
     (d / "summary.json").write_text(json.dumps({"method": "local"}))
     assert main(["report", str(d)]) == 0
     assert (d / "report" / "index.html").is_file()
+
+
+def _shared_budget_run(d: Path, evals: list[tuple[float, float]]) -> Path:
+    """A process run whose two learners shared a budget of 2 x 10 steps and trained 13 and
+    11 (64 tokens a step), with eval rows at ``evals`` (step, loss) and step rows of both
+    learners interleaved in time."""
+    summary = {
+        "method": "decoupled",
+        "engine": "processes",
+        "learners": 2,
+        "steps": 10,
+        "step_budget": 20,
+        "steps_trained": 24,
+        "tokens": 24 * 64,
+        "final_eval_loss": 1.5,
+        "per_learner": [
+            {"learner": 0, "steps": 13, "ledger_steps": {"computed": 13, "merged": 13}},
+            {"learner": 1, "steps": 11, "ledger_steps": {"computed": 11, "merged": 9, "lost": 2}},
+        ],
+    }
+    rows = [{"kind": "eval", "t_s": 0.0, "step": s, "eval_loss": v} for s, v in evals]
+    rows += [{"kind": "learner_start", "learner": m, "t_s": 1.0} for m in (0, 1)]
+    rows += [
+        {"kind": "step", "learner": m, "step": k, "t_s": 1.0 + k / n, "loss": 3.0 - 0.1 * k}
+        for m, n in ((0, 13), (1, 11))
+        for k in range(1, n + 1)
+    ]
+    rows.append({"kind": "final", "eval_loss": 1.5})
+    return _write_run(d, summary, rows)
+
+
+def _lines(fig, prefix: str) -> dict:
+    return {ln.get_gid(): ln for ln in fig.axes[0].lines if (ln.get_gid() or "").startswith(prefix)}
+
+
+@pytest.mark.timeout(60)
+def test_the_loss_plot_of_a_process_run_marks_evals_and_ends_every_curve_at_the_star(tmp_path):
+    from ddiloco.report import plot_loss
+
+    run = load_run(_shared_budget_run(tmp_path / "two", [(0, 3.5), (6.0, 2.0)]))
+    _label_one(run)
+    fig = plot_loss([run], tmp_path / "loss.png", "tokens")
+    ev, star, train = _lines(fig, "eval:0")["eval:0"], _lines(fig, "final")["final:0"], None
+    # two evaluations: markers, no line drawn from 3.5 straight to the final loss
+    assert ev.get_linestyle() == "None" and ev.get_marker() == "o"
+    assert list(zip(ev.get_xdata(), ev.get_ydata())) == [(0, 3.5), (6.0 * 2 * 64, 2.0)]
+    assert not _lines(fig, "line:")
+    # tokens trained (13 + 11 steps) put the star at 24 x 64, where the training loss ends
+    assert (star.get_xdata()[0], star.get_ydata()[0]) == (24 * 64, 1.5)
+    train = _lines(fig, "train:0")["train:0"]
+    xs = list(train.get_xdata())
+    assert xs == sorted(xs) and xs[-1] == 24 * 64 and max(xs) <= star.get_xdata()[0]
+    # against steps: the mean inner step per learner, ending at 12
+    fig = plot_loss([run], tmp_path / "loss.png", "step")
+    assert _lines(fig, "final")["final:0"].get_xdata()[0] == 12
+    assert max(_lines(fig, "train:0")["train:0"].get_xdata()) == 12
+    # three evaluations or more: a curve through them to the star
+    run = load_run(_shared_budget_run(tmp_path / "three", [(0, 3.5), (4.0, 2.5), (8.0, 2.0)]))
+    _label_one(run)
+    fig = plot_loss([run], tmp_path / "loss.png", "step")
+    line = _lines(fig, "line:0")["line:0"]
+    assert list(line.get_xdata()) == [0, 4.0, 8.0, 12] and not _lines(fig, "train:")
+
+
+@pytest.mark.timeout(60)
+def test_the_ledger_bars_end_inside_their_axes_with_their_totals(tmp_path):
+    from ddiloco.report import plot_learners
+
+    run = load_run(_shared_budget_run(tmp_path / "r", [(0, 3.5)]))
+    _label_one(run)
+    fig = plot_learners([run], tmp_path / "learners.png")
+    ledger = fig.axes[1]
+    ends = [b.get_x() + b.get_width() for b in ledger.patches]
+    assert max(ends) == 13
+    # the longest bar and its label end well inside the axes
+    assert ledger.get_xlim()[1] >= 1.15 * max(ends)
+    assert [t.get_text().strip() for t in ledger.texts] == ["13", "11"]
+
+
+def _label_one(run) -> None:
+    run.label = f"{run.path.name} ({run.method})"

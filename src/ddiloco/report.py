@@ -264,9 +264,20 @@ def goodput_timeline(run: RunData, n: int = 300) -> dict:
 X_AXES = ("tokens", "step", "time")
 
 
+def trained_steps(run: RunData) -> float | None:
+    """Inner steps per learner the run trained, on average: the summary's ``steps_trained``
+    (all learners) over its learners where it has them (the real runtime, whose learners
+    share a step budget and so differ from ``steps``), else its ``steps``."""
+    total, n = _num(run.summary.get("steps_trained")), _num(run.summary.get("learners"))
+    if total and n:
+        return total / n
+    return _num(run.summary.get("steps"))
+
+
 def _x_of(run: RunData, x_axis: str):
-    """Step -> x value: tokens (summary tokens per step) or the step itself."""
-    steps, tokens = _num(run.summary.get("steps")), _num(run.summary.get("tokens"))
+    """Step (mean per learner) -> x value: tokens (the summary's tokens over the steps
+    trained) or the step itself."""
+    steps, tokens = trained_steps(run), _num(run.summary.get("tokens"))
     if x_axis == "tokens" and steps and tokens:
         return lambda s: s * tokens / steps
     return lambda s: s
@@ -299,12 +310,43 @@ def loss_curve(
         if _num(r.get(key)) is not None and _num(r.get("eval_loss")) is not None
     )
     final = _num(run.summary.get("final_eval_loss"))
-    end = time_span(run)[1] if x_axis == "time" else _num(run.summary.get("steps"))
+    end = time_span(run)[1] if x_axis == "time" else trained_steps(run)
     x = _x_of(run, x_axis)  # time: the clock's seconds as they are
     return [(x(s), v) for s, v in pts], (x(end), final) if final is not None and end else None
 
 
-def plot_loss(runs: list[RunData], path: Path, x_axis: str) -> None:
+def train_loss_curve(run: RunData, x_axis: str, points: int = 300) -> list[tuple[float, float]]:
+    """The learners' training loss (``step`` rows, the process runtime) as (x, mean loss),
+    on the eval curve's axis: each row, in time order, at the run's mean inner step per
+    learner at that moment (the sum of every learner's latest step over M; a step redone
+    after a restart is counted once), in bins of at least M rows, so that the curve ends
+    where the learners stopped, at the final eval loss."""
+    rows = sorted(
+        (r for r in run.of("step") if _t(r) is not None and _num(r.get("step")) is not None),
+        key=_t,
+    )
+    rows = [r for r in rows if _num(r.get("loss")) is not None and _learner_of(r) is not None]
+    if not rows:
+        return []
+    M = max(1, run.learners)  # noqa: N806
+    size = max(M, -(-len(rows) // points))
+    x = _x_of(run, x_axis)
+    latest: dict[int, float] = {}
+    out = []
+    for i in range(0, len(rows), size):
+        group = rows[i : i + size]
+        for r in group:
+            latest[_learner_of(r)] = r["step"]
+        at = _t(group[-1]) if x_axis == "time" else x(sum(latest.values()) / M)
+        out.append((at, sum(r["loss"] for r in group) / len(group)))
+    return out
+
+
+def plot_loss(runs: list[RunData], path: Path, x_axis: str):
+    """Write ``loss.png``; returns its figure. Per run: the eval rows as markers, joined
+    by a line where there are at least three (a curve, not a chord between two far
+    points), the final eval loss as a star, the entropy floor dashed and, for runs with
+    fewer than three eval rows, the learners' training loss dotted."""
     from matplotlib.lines import Line2D
 
     use_tokens = x_axis == "tokens" and all(_num(r.summary.get("tokens")) for r in runs)
@@ -313,29 +355,38 @@ def plot_loss(runs: list[RunData], path: Path, x_axis: str) -> None:
     fig = _figure(8, 5.0 + 0.2 * len(runs))
     ax = fig.add_subplot()
     for i, run in enumerate(runs):
-        c, x = _colour(i), _x_of(run, axis)
+        c = _colour(i)
         pts, final = loss_curve(run, axis)
-        line = pts + ([final] if final is not None and pts and pts[-1][0] < final[0] else [])
-        ax.plot([s for s, _ in line], [v for _, v in line], "-", color=c, lw=1.6, label=run.label)
-        ax.plot([s for s, _ in pts], [v for _, v in pts], "o", color=c, ms=3.5)
+        if len(pts) >= 3:
+            line = pts + ([final] if final is not None and pts[-1][0] < final[0] else [])
+            ax.plot(
+                [s for s, _ in line], [v for _, v in line], "-", color=c, lw=1.6, gid=f"line:{i}"
+            )
+        ax.plot(
+            [s for s, _ in pts],
+            [v for _, v in pts],
+            "o",
+            color=c,
+            ms=4,
+            label=f"{run.label}: eval loss",
+            gid=f"eval:{i}",
+        )
         if final is not None:
-            ax.plot([final[0]], [final[1]], "*", color=c, ms=11, mec="black", mew=0.5)
-        if len(pts) < 3 and not use_time:  # process runs evaluate at start and end: train loss
-            by_step: dict[float, list[float]] = {}
-            for r in run.of("step"):
-                if _num(r.get("step")) is not None and _num(r.get("loss")) is not None:
-                    by_step.setdefault(r["step"], []).append(r["loss"])
-            if by_step:
-                ss = sorted(by_step)
-                ax.plot(
-                    [x(s) for s in ss],
-                    [sum(by_step[s]) / len(by_step[s]) for s in ss],
-                    ":",
-                    color=c,
-                    lw=1.0,
-                    alpha=0.8,
-                    label=f"{run.label}: train loss (mean)",
-                )
+            ax.plot(
+                [final[0]], [final[1]], "*", color=c, ms=11, mec="black", mew=0.5, gid=f"final:{i}"
+            )
+        train = train_loss_curve(run, axis) if len(pts) < 3 else []
+        if train:  # few evaluations: the learners' training loss shows the way between them
+            ax.plot(
+                [s for s, _ in train],
+                [v for _, v in train],
+                ":",
+                color=c,
+                lw=1.0,
+                alpha=0.8,
+                label=f"{run.label}: train loss (mean)",
+                gid=f"train:{i}",
+            )
         floor = _num(run.summary.get("entropy_floor"))
         if floor is not None:
             ax.axhline(floor, color=c, ls="--", lw=1.1, alpha=0.8)
@@ -357,9 +408,10 @@ def plot_loss(runs: list[RunData], path: Path, x_axis: str) -> None:
     ax.set_title("Eval loss of the global model")
     ax.grid(alpha=0.3)
     fig.savefig(path)
+    return fig
 
 
-def plot_goodput(runs: list[RunData], path: Path) -> None:
+def plot_goodput(runs: list[RunData], path: Path):
     from matplotlib.lines import Line2D
 
     fig = _figure(8, 5.0 + 0.2 * len(runs))
@@ -388,9 +440,11 @@ def plot_goodput(runs: list[RunData], path: Path) -> None:
     ax.set_title("Goodput timeline")
     ax.grid(alpha=0.3)
     fig.savefig(path)
+    return fig
 
 
-def plot_learners(runs: list[RunData], path: Path) -> None:
+def plot_learners(runs: list[RunData], path: Path):
+    """Write ``learners.png``; returns its figure."""
     from matplotlib.patches import Patch
 
     lanes = [max(1, r.learners) for r in runs]
@@ -428,6 +482,7 @@ def plot_learners(runs: list[RunData], path: Path) -> None:
     handles += [Patch(color=c, label=f"ledger: {k}") for k, c in _LEDGER[:3]]
     fig.legend(handles=handles, loc="outside lower center", ncol=len(handles), fontsize=8)
     fig.savefig(path)
+    return fig
 
 
 def _merge_handle():
@@ -475,6 +530,9 @@ def _ledger_bars(ax, run: RunData) -> None:
         if key in ("merged", "dropped", "lost") or any(vals):  # always three containers first
             ax.barh(ms, vals, left=left, color=colour, label=key, height=0.7)
             left = [a + b for a, b in zip(left, vals)]
+    for m, total in zip(ms, left):  # each bar's total at its end, inside the axes
+        ax.text(total, m, f" {total:,.0f}", va="center", ha="left", fontsize=8)
+    ax.set_xlim(0, max(left, default=0.0) * 1.18 or 1.0)
     ax.set_yticks(ms, [f"L{m}" for m in ms])
     ax.set_ylim(max(ms) + 0.5, -0.5)
     ax.set_xlabel("inner steps (fragment-weighted)")
@@ -485,7 +543,7 @@ def _ledger_bars(ax, run: RunData) -> None:
     ax.grid(axis="x", alpha=0.3)
 
 
-def plot_bytes(runs: list[RunData], path: Path) -> None:
+def plot_bytes(runs: list[RunData], path: Path):
     fig = _figure(max(6.0, 1.6 * len(runs) + 3), 4.6)
     ax = fig.add_subplot()
     mib = float(1 << 20)
@@ -509,6 +567,7 @@ def plot_bytes(runs: list[RunData], path: Path) -> None:
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
     fig.savefig(path)
+    return fig
 
 
 # -- html ---------------------------------------------------------------------------------
