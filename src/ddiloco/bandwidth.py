@@ -25,7 +25,9 @@ Per method (N parameters, D datacenters, ring factor r = 2(D-1)/D for an all-red
   bits = s * (b_up + b_down) * N/P.
 
 The syncer's placement sets s. ``sharded`` (default): the syncer is split over the D
-datacenters, so (D-1)/D of a learner's traffic crosses its link (s = (D-1)/D). ``hub``: the
+datacenters, so (D-1)/D of a learner's traffic crosses its link (s = (D-1)/D); the link
+also carries its syncer shard's (the other learners' pushes in, their merges out), so the
+bits above go each way, as an all-reduce's do. ``hub``: the
 syncer runs in a datacenter of its own, every push and pull crosses the learner's link
 (s = 1), and DiLoCo goes through it too (each learner pushes b_up * N and pulls b_down * N
 every H steps, instead of an all-reduce).

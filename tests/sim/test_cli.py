@@ -115,9 +115,35 @@ def test_bandwidth_json(capsys):
     assert by["decoupled"]["speedup_vs_dp"] > 20
     assert by["dp"]["min_bandwidth_gbps"] > by["decoupled"]["min_bandwidth_gbps"]
     # bytes per inner step on one link, both ways: DP's ring sends and receives
-    # 2(D-1)/D x 16 bits x N each way; Decoupled sends and fetches N/P every H/P steps
+    # 2(D-1)/D x 16 bits x N each way; with the syncer sharded over the datacenters, each
+    # way carries (D-1)/D of the learner's push and fetch of N/P every H/P steps (its own
+    # out and in) and as much of its syncer shard's (the others' pushes in, merges out)
     assert by["dp"]["link_bytes_per_step"] == pytest.approx(2 * 1.5 * 2 * 12e9)
-    assert by["decoupled"]["link_bytes_per_step"] == pytest.approx(0.75 * 4 * 12e9 / 24)
+    assert by["decoupled"]["link_bytes_per_step"] == pytest.approx(2 * 0.75 * 4 * 12e9 / 24)
+
+
+@pytest.mark.parametrize(
+    ("syncer", "decoupled_bytes"),
+    # sharded: each way carries 7/8 x (16 + 16) bits x N/P; hub: the learner's 16 bits x
+    # N/P out and 16 bits x N/P in, nothing of a syncer's own
+    [("sharded", 2 * 7 / 8 * 4 * 5e9 / 24), ("hub", 4 * 5e9 / 24)],
+)
+def test_bandwidth_link_bytes_agree_with_the_bits_the_planner_times(
+    syncer, decoupled_bytes, capsys
+):
+    """The default setting (P = H, bf16 both ways): the planner times Streaming's and
+    Decoupled's transfers alike, so a sharded syncer's link carries what Streaming's
+    all-reduce carries, both ways as one way; a hub syncer's link carries the learner's own
+    traffic only."""
+    assert main(["bandwidth", "--syncer", syncer, "--json"]) == 0
+    by = {r["method"]: r for r in json.loads(capsys.readouterr().out)["methods"]}
+    streaming = 2 * (2 * 7 / 8) * 2 * 5e9 / 24  # both ways of the ring, N/P every step
+    assert by["streaming"]["link_bytes_per_step"] == pytest.approx(streaming)
+    assert by["decoupled"]["link_bytes_per_step"] == pytest.approx(decoupled_bytes)
+    if syncer == "sharded":
+        assert by["decoupled"]["min_bandwidth_gbps"] == pytest.approx(
+            by["streaming"]["min_bandwidth_gbps"]
+        )
 
 
 def test_bandwidth_bad_flags(capsys):

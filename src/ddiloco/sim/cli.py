@@ -418,9 +418,13 @@ def cmd_bandwidth(argv: Sequence[str]) -> int:
     return _run_bandwidth(parse_bandwidth(argv))
 
 
-def _ring(method: str, syncer: str) -> bool:
-    """Whether the planner's bits for ``method`` are one direction of an all-reduce."""
-    return method in ("dp", "streaming") or (method == "diloco" and syncer != "hub")
+def _one_direction(method: str, syncer: str) -> bool:
+    """Whether the planner's bits for ``method`` are what one direction of a datacenter's
+    link carries, the other carrying as much: an all-reduce (a ring sends what it
+    receives), and a sharded syncer (the link carries its learner's pushes out and merges
+    in, and its syncer shard's pushes in and merges out). Through a hub syncer they are the
+    learner's pushes out and merges in together."""
+    return method in ("dp", "streaming") or syncer != "hub"
 
 
 def _run_bandwidth(args: BandwidthArgs) -> int:
@@ -439,8 +443,8 @@ def _run_bandwidth(args: BandwidthArgs) -> int:
             "method": method,
             "target_cu": args.target_cu,
             "min_bandwidth_gbps": min_bandwidth(cfg, args.target_cu) / 1e9,
-            # both ways on one datacenter's link (a ring all-reduce sends what it receives)
-            "link_bytes_per_step": (2 if _ring(method, st.syncer) else 1) * bits / 8 / k,
+            # both ways on one datacenter's link
+            "link_bytes_per_step": (2 if _one_direction(method, st.syncer) else 1) * bits / 8 / k,
         }
         if args.bandwidth_gbps is not None:
             bw = args.bandwidth_gbps * 1e9
