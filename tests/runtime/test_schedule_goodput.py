@@ -10,7 +10,8 @@ from runtime_helpers import read_jsonl, tiny_config
 
 from ddiloco.run_summary import RunSummary
 from ddiloco.runtime.launch.launcher import Launcher
-from ddiloco.runtime.launch.status import format_status, goodput_so_far
+from ddiloco.runtime.launch.status import format_status
+from ddiloco.runtime.observe.accounting import goodput_so_far
 
 
 @pytest.mark.slow

@@ -14,8 +14,7 @@ from rich.console import Console, JustifyMethod
 from rich.live import Live
 from rich.table import Table
 
-from ddiloco.runtime.launch.status import goodput_so_far
-from ddiloco.runtime.syncer.accounting import learner_totals
+from ddiloco.runtime.observe.accounting import goodput_so_far, learner_totals
 
 __all__ = ["LearnerRow", "LiveProgress", "learner_rows", "plain_line", "progress_table"]
 
@@ -35,7 +34,7 @@ class LearnerRow:
     merged_steps: float | None
     goodput: float | None
     """This learner's chip-time of merged steps, over all its processes, divided by the
-    run's time so far (``syncer.accounting``; the run's goodput is their mean)."""
+    run's time so far (``observe.accounting``; the run's goodput is their mean)."""
     loss: float | None
 
 

@@ -478,7 +478,7 @@ def summarise(out: str | os.PathLike) -> dict:
     from ddiloco.config import load_config
     from ddiloco.recipe import eval_setup, evaluate, new_model
     from ddiloco.run_summary import RunSummary
-    from ddiloco.runtime.launch.status import goodput_so_far
+    from ddiloco.runtime.observe.accounting import goodput_so_far
 
     out = Path(out)
     cfg = load_config(out)

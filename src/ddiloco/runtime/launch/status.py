@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from ddiloco.runtime.syncer.accounting import goodput_of, learner_totals
+from ddiloco.runtime.observe.accounting import goodput_so_far, learner_totals
 from ddiloco.runtime.transport.auth import load_token
 
-__all__ = ["fetch_status", "format_status", "goodput_so_far"]
+__all__ = ["fetch_status", "format_status"]
 
 
 def fetch_status(
@@ -23,13 +23,6 @@ def fetch_status(
         return client.status(timeout_s)
     finally:
         client.close()
-
-
-def goodput_so_far(st: dict) -> float | None:
-    """Goodput of the run so far, as the syncer computes it (``syncer.accounting``): the
-    chip-time of merged steps, over every learner's processes, over M x the time since the
-    first Join. The same number as ``summary.json`` and the launcher's live line."""
-    return st["goodput"] if "goodput" in st else goodput_of(st)
 
 
 def format_status(st: dict) -> str:

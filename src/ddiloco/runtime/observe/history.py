@@ -21,8 +21,7 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
-from ddiloco.runtime.launch.status import goodput_so_far
-from ddiloco.runtime.syncer.accounting import learner_totals
+from ddiloco.runtime.observe.accounting import goodput_so_far, learner_totals
 
 __all__ = ["StatusHistory", "RunDirReader", "MAX_POINTS", "MAX_EVENTS"]
 

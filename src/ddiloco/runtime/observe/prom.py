@@ -13,8 +13,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from ddiloco.runtime.launch.status import goodput_so_far
-from ddiloco.runtime.syncer.accounting import learner_totals
+from ddiloco.runtime.observe.accounting import goodput_so_far, learner_totals
 
 __all__ = ["SyncerCollector", "syncer_registry"]
 

@@ -16,7 +16,7 @@ from ddiloco.algorithm.merge import all_finite
 from ddiloco.algorithm.schedule import measured_slot_s, next_clock
 from ddiloco.algorithm.slices import InitUpload, Piece, PieceError
 from ddiloco.algorithm.syncer_state import vars_of
-from ddiloco.runtime.syncer.accounting import fold, goodput_of
+from ddiloco.runtime.observe.accounting import fold, goodput_of
 from ddiloco.runtime.syncer.common import LearnerInfo, Reject, handler
 from ddiloco.runtime.syncer.membership import assign_learner_id
 from ddiloco.runtime.transport import session, wire

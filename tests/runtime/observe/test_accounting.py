@@ -2,7 +2,7 @@
 
 import pytest
 
-from ddiloco.runtime.syncer.accounting import fold, goodput_of, instance_totals, learner_totals
+from ddiloco.runtime.observe.accounting import fold, goodput_of, instance_totals, learner_totals
 
 
 def rep(process, computed, merged, compute_s, pending=0.0, unpushed=0.0, step=None):
