@@ -1,13 +1,16 @@
-"""Observability of a run: Prometheus metrics, health probes and a live web dashboard.
+"""Observability of a run: goodput accounting, Prometheus metrics, health probes and a live
+web dashboard.
 
-``serve_syncer(server, port)`` opens the syncer's HTTP port (``ddiloco syncer --http-port``);
+``serve_syncer(status_fn, ready_fn, ...)`` opens a syncer's HTTP port (``ddiloco syncer
+--http-port``): the syncer hands over its callables, so this package knows no syncer.
 ``ddiloco dashboard RUN_DIR_OR_HOST:PORT`` serves the same dashboard from a run directory or
 from a syncer reached over gRPC (``ddiloco.runtime.observe.cli``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+import ssl
+from collections.abc import Callable
 
 from ddiloco.runtime.observe.history import RunDirReader, StatusHistory
 from ddiloco.runtime.observe.web import ObserveServer
@@ -16,52 +19,37 @@ __all__ = [
     "ObserveServer",
     "StatusHistory",
     "RunDirReader",
-    "ObservedSyncer",
     "SyncerObserver",
     "serve_syncer",
 ]
 
 
-class ObservedSyncer(Protocol):
-    """What the HTTP port reads of a running syncer (``SyncerServer`` is one): the syncer
-    opens its port here, so this module knows it by this surface only."""
-
-    config: Any
-    """``SyncerServerConfig``: host, token, tls_cert, tls_key."""
-    port: int
-    state: Any
-    """The syncer state machine, None until the first learner's Init."""
-
-    def status(self) -> dict: ...
-
-
 class SyncerObserver:
-    """The HTTP port of a running syncer: its history sampler and its server."""
+    """The HTTP port of a running syncer: its history sampler and its server.
 
-    def __init__(self, server: ObservedSyncer, port: int) -> None:
-        from ddiloco.runtime.transport.auth import server_ssl_context
+    ``status_fn()`` is the syncer's status snapshot; ``ready_fn()`` says whether it can
+    serve (``/readyz``) and why; ``source`` names it on the dashboard."""
 
-        cfg = server.config
-        self.history = StatusHistory(server.status, f"syncer {cfg.host}:{server.port}")
-        ctx = (
-            server_ssl_context(cfg.tls_cert, cfg.tls_key) if cfg.tls_cert and cfg.tls_key else None
-        )
-
-        def ready() -> tuple[bool, str]:
-            if getattr(server, "_closed", False):
-                return False, "shutting down"
-            if server.state is None:
-                return False, "no model yet (waiting for the first learner's Init)"
-            return True, "holds a global model"
-
+    def __init__(
+        self,
+        status_fn: Callable[[], dict],
+        ready_fn: Callable[[], tuple[bool, str]],
+        *,
+        host: str,
+        port: int,
+        token: str,
+        source: str,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
+        self.history = StatusHistory(status_fn, source)
         self.http = ObserveServer(
-            host=cfg.host,
+            host=host,
             port=port,
-            token=cfg.token,
+            token=token,
             view_fn=self.history.view,
-            status_fn=server.status,
-            ready_fn=ready,
-            ssl_context=ctx,
+            status_fn=status_fn,
+            ready_fn=ready_fn,
+            ssl_context=ssl_context,
         )
         self.port = self.http.port
 
@@ -74,8 +62,25 @@ class SyncerObserver:
         self.history.close()
 
 
-def serve_syncer(server: ObservedSyncer, port: int) -> SyncerObserver:
-    """Start ``server``'s observability port on its host (0: a free port)."""
-    obs = SyncerObserver(server, port)
+def serve_syncer(
+    status_fn: Callable[[], dict],
+    ready_fn: Callable[[], tuple[bool, str]],
+    *,
+    host: str,
+    port: int,
+    token: str,
+    source: str,
+    ssl_context: ssl.SSLContext | None = None,
+) -> SyncerObserver:
+    """Start a syncer's observability port on ``host`` (``port`` 0: a free one)."""
+    obs = SyncerObserver(
+        status_fn,
+        ready_fn,
+        host=host,
+        port=port,
+        token=token,
+        source=source,
+        ssl_context=ssl_context,
+    )
     obs.start()
     return obs

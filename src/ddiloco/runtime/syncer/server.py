@@ -332,8 +332,21 @@ class SyncerServer(ControlHandlers, DataHandlers, Durability, Liveness):
         if self.config.http_port is not None:
             from ddiloco.runtime.observe import serve_syncer
 
+            cfg = self.config
             try:
-                self._observer = serve_syncer(self, self.config.http_port)
+                self._observer = serve_syncer(
+                    self.status,
+                    self._ready,
+                    host=cfg.host,
+                    port=cfg.http_port,
+                    token=cfg.token,
+                    source=f"syncer {cfg.host}:{self.port}",
+                    ssl_context=(
+                        server_ssl_context(cfg.tls_cert, cfg.tls_key)
+                        if cfg.tls_cert and cfg.tls_key
+                        else None
+                    ),
+                )
             except OSError as e:
                 self.close()
                 raise RuntimeError(
@@ -348,6 +361,14 @@ class SyncerServer(ControlHandlers, DataHandlers, Durability, Liveness):
             self.bulk_port if self.bulk_port is not None else "off",
         )
         return self.port
+
+    def _ready(self) -> tuple[bool, str]:
+        """``/readyz``: whether the syncer serves a global model, and why not."""
+        if self._closed:
+            return False, "shutting down"
+        if self.state is None:
+            return False, "no model yet (waiting for the first learner's Init)"
+        return True, "holds a global model"
 
     def _start_data_port(self) -> None:
         """Bind the data port. With a checkpoint directory and ``bulk_port == 0`` the port
