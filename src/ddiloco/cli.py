@@ -68,6 +68,8 @@ def cmd_train(argv: Sequence[str]) -> int:
     else:
         print(format_summary(summary))
         print(f"\nwrote {cfg.out}/summary.json, metrics.jsonl and config.toml")
+    if summary.get("interrupted"):
+        return 130  # 128 + SIGINT, as a shell reports an interrupted command
     return 0 if summary.get("ok", True) else 1
 
 
@@ -76,7 +78,7 @@ def format_summary(s: dict) -> str:
     gib = 1 << 20
     rows = [
         ("method", f"{s['method']} ({s['engine']}, M={s['learners']})"),
-        ("inner steps / learner", f"{s['steps']}"),
+        ("inner steps / learner", _steps(s)),
         ("tokens", f"{s['tokens']:,}"),
         ("final eval loss", _num(s.get("final_eval_loss"))),
         (
@@ -95,10 +97,40 @@ def format_summary(s: dict) -> str:
         ("bytes up / down", f"{s['bytes_up'] / gib:.1f} / {s['bytes_down'] / gib:.1f} MiB"),
         ("wall time", f"{s['wall_s']:.1f} s"),
     ]
-    if s.get("ok") is False:
+    if s.get("final_model"):
+        rows.insert(4, ("global model", _model_source(s)))
+    if s.get("interrupted"):
+        rows.insert(0, ("status", "interrupted (Ctrl-C)"))
+    elif s.get("ok") is False:
         rows.insert(0, ("status", "FAILED (see logs/ in the run directory)"))
     w = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
+
+
+def _steps(s: dict) -> str:
+    """Inner steps per learner: the budget's, or, where learners share a global step budget
+    (the real runtime), the range they trained and the budget that explains it."""
+    budget = s.get("step_budget")
+    steps = [p["steps"] for p in s.get("per_learner") or [] if isinstance(p.get("steps"), int)]
+    if not budget or not steps:
+        return f"{s['steps']:,}"
+    lo, hi = min(steps), max(steps)
+    span = f"{lo:,}" if lo == hi else f"{lo:,}-{hi:,}"
+    if s.get("interrupted"):
+        return f"{span} ({sum(steps):,} of a shared budget of {budget:,})"
+    return f"{span} (shared budget of {budget:,})"
+
+
+def _model_source(s: dict) -> str:
+    """Which global model the run ended with, and how to get it."""
+    src = s["final_model"]
+    if src.get("source") != "checkpoint":
+        return "the global model fetched from the syncers at the end"
+    which = "last" if s.get("interrupted") else "final"
+    merges = src.get("merges")
+    after = f" ({merges:,} merges)" if isinstance(merges, int) else ""
+    out = (s.get("config") or {}).get("out", "RUN_DIR")
+    return f"the syncer's {which} checkpoint{after}; `ddiloco export {out}` writes it"
 
 
 def _num(x: float | None) -> str:

@@ -37,7 +37,9 @@ class RunSummary:
     steps: int
     """Inner steps per learner of the budget (``--steps``)."""
     tokens: int | None
-    """Tokens of the budget: M x steps x tokens per step (x the island size)."""
+    """Tokens the learners trained: M x steps x tokens per step (x the island size) in
+    process; the real runtime's learners' steps (they share a step budget, and a run that
+    was interrupted trained fewer) x tokens per step (x the island size)."""
     final_eval_loss: float | None
     """None when the run ended without a final model."""
     initial_eval_loss: float | None

@@ -189,7 +189,6 @@ TINY_FLAGS += ["--batch-size", "8", "--eval-batches", "4", "--no-progress"]
     "flags,error",
     [
         (["-P", "35", "-H", "40"], "P=35 fragments but the model has only 29 tensors"),
-        (["--data", "text:{empty}"], "no .txt/.md files under "),  # a folder without text
     ],
 )
 def test_a_learner_crashing_at_start_up_ends_the_run_with_its_error(tmp_path, capsys, flags, error):
@@ -259,3 +258,105 @@ def test_json_and_the_results_table_on_the_real_runtime(tmp_path, capsys):
     assert table[0].split() == ["method", "decoupled", "(processes,", "M=2)"]
     assert any(r.startswith("final eval loss") for r in table)
     assert table[-1] == f"wrote {tmp_path / 'b'}/summary.json, metrics.jsonl and config.toml"
+    # the learners share a budget of 2 x 30 steps: the range they took, and why
+    s = json.loads((tmp_path / "b" / "summary.json").read_text())
+    steps = sorted(pl["steps"] for pl in s["per_learner"])
+    span = f"{steps[0]}-{steps[-1]}" if steps[0] < steps[-1] else f"{steps[0]}"
+    rows = _table("\n".join(table))
+    assert rows["inner steps / learner"] == f"{span} (shared budget of 60)"
+    assert sum(steps) >= 60 and rows["tokens"] == f"{sum(steps) * 8 * 32:,}"
+
+
+def _table(stdout: str) -> dict[str, str]:
+    """The results table of ``ddiloco train``: row name -> value."""
+    import re
+
+    return dict(re.split(r"\s{2,}", ln, maxsplit=1) for ln in stdout.splitlines() if "  " in ln)
+
+
+@pytest.mark.timeout(150)
+def test_ctrl_c_ends_the_run_as_interrupted_with_what_it_trained_and_its_model(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from ddiloco.runtime.export import state_dict_from_checkpoint
+
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "ddiloco.cli", "train", *TINY_FLAGS, "-M", "2"]
+    argv += ["--steps", "100000", "--eval-every", "10", "--out", str(out)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and proc.poll() is None:
+        if all(
+            (out / f"learner_{m}" / "metrics.jsonl").is_file()
+            and sum(r["kind"] == "step" for r in read_jsonl(out / f"learner_{m}" / "metrics.jsonl"))
+            >= 40
+            for m in (0, 1)
+        ):
+            break
+        time.sleep(0.2)
+    time.sleep(1.5)  # a few status polls: the evaluations of those steps
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, (stdout, stderr)
+    assert "Traceback" not in stderr, stderr
+    s = json.loads((out / "summary.json").read_text())
+    table = _table(stdout)
+    assert s["interrupted"] and not s["ok"]
+    assert stdout.splitlines()[0].split(None, 1) == ["status", "interrupted (Ctrl-C)"]
+    # what the learners trained, not the budget
+    steps = [pl["steps"] for pl in s["per_learner"]]
+    assert min(steps) >= 40 and sum(steps) < 200_000
+    assert table["inner steps / learner"] == (
+        f"{min(steps):,}-{max(steps):,} ({sum(steps):,} of a shared budget of 200,000)"
+        if min(steps) < max(steps)
+        else f"{steps[0]:,} ({sum(steps):,} of a shared budget of 200,000)"
+    )
+    assert s["tokens"] == sum(steps) * 8 * 32 and table["tokens"] == f"{s['tokens']:,}"
+    # the model that exists: the syncer's last checkpoint, evaluated and named
+    _, meta = state_dict_from_checkpoint(out)
+    assert s["final_model"]["source"] == "checkpoint" and s["merges"] == meta["merges"] > 0
+    assert table["global model"] == (
+        f"the syncer's last checkpoint ({meta['merges']:,} merges); "
+        f"`ddiloco export {out}` writes it"
+    )
+    assert table["final eval loss"] == f"{s['final_eval_loss']:.4f}"
+    assert s["final_eval_loss"] < s["initial_eval_loss"]
+    # the global model evaluated on the in-process engine's schedule while it trained
+    evals = [r for r in read_jsonl(out / "metrics.jsonl") if r["kind"] == "eval"]
+    assert evals[0]["step"] == 0 and len(evals) >= 2, evals
+    later = [r["step"] for r in evals[1:]]
+    assert later == sorted(later) and later[0] >= 10 and later[-1] <= sum(steps) / 2
+
+
+@pytest.mark.timeout(120)
+def test_a_missing_optional_dependency_or_unreadable_data_is_one_line_before_any_start(tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    argv = ["train", "--model", "vit_digits", "--data", "digits", "-M", "2", "--steps", "20"]
+    argv += ["--no-progress", "--out", str(out)]
+    # scikit-learn made unimportable in the launcher's interpreter only
+    code = (
+        "import sys\nsys.modules['sklearn'] = None\nfrom ddiloco.cli import main\n"
+        f"sys.exit(main({argv!r}))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100)
+    assert (r.returncode, r.stdout) == (2, ""), r
+    assert r.stderr == (
+        "ddiloco train: error: the digits dataset needs scikit-learn: pip install scikit-learn\n"
+    )
+    assert not (out / "logs").exists()  # no syncer, no learner started
+    # data the launcher cannot read either: a folder without text
+    (tmp_path / "empty").mkdir()
+    argv = ["train", *TINY_FLAGS, "--data", f"text:{tmp_path / 'empty'}", "--out", str(out)]
+    r = subprocess.run([sys.executable, "-m", "ddiloco.cli", *argv], capture_output=True, text=True)
+    assert (r.returncode, r.stdout) == (2, ""), r
+    assert r.stderr == (
+        f"ddiloco train: error: no .txt/.md files under {tmp_path / 'empty'}; add some, or pass "
+        f"all_files=True to read every file\n"
+    )
+    assert not (out / "logs").exists()

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from ddiloco.runtime.launch.backends import check_runnable
 from ddiloco.runtime.launch.summary import (
+    GlobalEval,
     Member,
     fetch_global,
     final_model,
@@ -189,6 +190,11 @@ class Launcher:
         config = check_runnable(config, "local")
         _check_bind(config.runtime.host, config.runtime.port if config.runtime.shards == 1 else 0)
         _check_data(config)
+        self.t0 = time.monotonic()
+        self.wall0 = time.time()
+        # the run's eval set and model, built here: a missing optional dependency of the
+        # data or the model is one error now, not a crash loop of every learner
+        self.evals = GlobalEval(config, self.wall0)
         self.cfg = config
         self.opts = options or LaunchOptions()
         from ddiloco.rundir import fresh_run_dir
@@ -210,8 +216,6 @@ class Launcher:
             self.http_port = _free_port()
         self.ports: list[int] = []
         """The shards' ports (sharded syncer only)."""
-        self.t0 = time.monotonic()
-        self.wall0 = time.time()
         self._reports: dict[tuple[int, int], dict] = {}
         self._status: dict | None = None
         self._closed = False
@@ -371,29 +375,29 @@ class Launcher:
         if self._closed:
             return
         self._closed = True
-        procs = list(self.procs.values())
-        for p in procs:
-            self._signal(p, signal.SIGCONT)
         # learners first, the syncer last (its SIGTERM writes a final checkpoint)
-        for group in (
-            [p for p in procs if not p.name.startswith("syncer")],
-            [p for p in procs if p.name.startswith("syncer")],
-        ):
-            for p in group:
-                self._signal(p, signal.SIGTERM)
-            deadline = time.monotonic() + 10.0
-            for p in group:
-                if p.popen is None:
-                    continue
-                try:
-                    p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    self._signal(p, signal.SIGKILL)
-                    p.popen.wait(timeout=5.0)
+        self._stop(self._learners())
+        self._stop(self._syncers())
         if self._forkserver is not None:
             self._forkserver.close()
         if self._client is not None:
             self._client.close()
+
+    def _stop(self, group: list[_Proc]) -> None:
+        """SIGCONT (stopped ones) and SIGTERM every process of ``group``; SIGKILL those
+        still running 10 s later."""
+        for p in group:
+            self._signal(p, signal.SIGCONT)
+            self._signal(p, signal.SIGTERM)
+        deadline = time.monotonic() + 10.0
+        for p in group:
+            if p.popen is None:
+                continue
+            try:
+                p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self._signal(p, signal.SIGKILL)
+                p.popen.wait(timeout=5.0)
 
     def __enter__(self) -> Launcher:
         return self
@@ -467,13 +471,20 @@ class Launcher:
         if interrupted:
             print("\nddiloco: interrupted, stopping all processes", file=sys.stderr)
         self.t_end = self._now()
+        if interrupted and self._client is not None:
+            # the learners leave (their last pushes merged, their ledgers reported), then
+            # the summary reads the syncer that saw it all
+            self._stop(self._learners())
+            self._poll_status()
         final_params = None
         if not interrupted:
             self._poll_status()
             final_params = fetch_global(self._client)
-        self.close()
+        self.evals.wait()
+        self.close()  # the syncers' final checkpoints
         self.chaos_log.close()
-        return self._summarise(final_model(self.cfg, self.out, final_params), interrupted)
+        params, source = final_model(self.cfg, self.out, final_params, interrupted=interrupted)
+        return self._summarise(params, source, interrupted)
 
     @property
     def dashboard_url(self) -> str | None:
@@ -556,6 +567,7 @@ class Launcher:
             if now >= next_status:
                 next_status = now + 0.5
                 self._poll_status()
+                self.evals.poll(self._client, self._status)
                 self._step_triggers()
                 self._show_progress()
             time.sleep(0.05)
@@ -732,7 +744,9 @@ class Launcher:
             )
 
     # -- summary --------------------------------------------------------------------------
-    def _summarise(self, final_params: dict | None, interrupted: bool) -> dict:
+    def _summarise(
+        self, final_params: dict | None, final_source: dict | None, interrupted: bool
+    ) -> dict:
         members = {
             m: Member(starts=p.starts, failures=p.kills, stops=p.stops)
             for m, p in self._learner_ids().items()
@@ -746,6 +760,8 @@ class Launcher:
             processes_ok=all(p.state == "finished" for p in self._learners()),
             interrupted=interrupted,
             final_params=final_params,
+            final_source=final_source,
+            evals=self.evals,
             wall0=self.wall0,
             t_learners=self.t_learners,
             t_end=self.t_end,

@@ -40,6 +40,7 @@ from typing import Any
 
 from ddiloco.runtime.launch.ray_actors import LearnerActor, SyncerActor
 from ddiloco.runtime.launch.summary import (
+    GlobalEval,
     Member,
     fetch_global,
     final_model,
@@ -96,6 +97,8 @@ class RayLauncher:
         self.out = Path(config.out).resolve()
         self.t0 = time.monotonic()
         self.wall0 = time.time()
+        # the run's eval set and model: a missing optional dependency fails here, at once
+        self.evals = GlobalEval(config, self.wall0)
         self._started_ray = False
         self._syncers: list[Any] = []
         self._learners: dict[int, Any] = {}
@@ -274,6 +277,7 @@ class RayLauncher:
                 if self._now() >= next_status:
                     next_status = self._now() + 0.5
                     self._status = poll_status(self._client, self._reports) or self._status
+                    self.evals.poll(self._client, self._status)
                     if progress is not None:
                         progress.update(self._now(), self._status, states)
         except KeyboardInterrupt:
@@ -287,9 +291,11 @@ class RayLauncher:
         if not interrupted and self._client is not None:
             self._status = poll_status(self._client, self._reports) or self._status
             fetched = fetch_global(self._client)
+        self.evals.wait()
         self._copy_back(results)
         self.close()
         members = self._members(states)
+        params, source = final_model(c, self.out, fetched, interrupted=interrupted)
         return write_summary(
             c,
             self.out,
@@ -298,7 +304,9 @@ class RayLauncher:
             members=members,
             processes_ok=bool(states) and all(s == "finished" for s in states.values()),
             interrupted=interrupted,
-            final_params=final_model(c, self.out, fetched),
+            final_params=params,
+            final_source=source,
+            evals=self.evals,
             wall0=self.wall0,
             t_learners=self.t_learners,
             t_end=self.t_end,

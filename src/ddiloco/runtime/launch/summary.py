@@ -1,5 +1,6 @@
 """The end of a real run, whoever launched its processes (the built-in launcher or Ray):
-the final global model, its evaluation, ``summary.json`` and the run's ``metrics.jsonl``.
+the evaluations of the global model during the run (``GlobalEval``), the final global
+model, its evaluation, ``summary.json`` and the run's ``metrics.jsonl``.
 
 Everything here reads the run directory and the syncer: the learners' rows
 (``learner_m/metrics.jsonl``, ``final.json``), the syncers' event files, ``chaos.jsonl``, and
@@ -11,12 +12,16 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "GlobalEval",
     "Member",
+    "checkpoint_model",
     "collect_rows",
     "fetch_global",
     "final_model",
@@ -57,23 +62,11 @@ def fetch_global(client):
         return None
 
 
-def final_model(cfg, out: Path, fetched) -> dict | None:
-    """The global model the run ends with, name -> tensor: the syncer's final checkpoint
-    (its fp32 values, written as it stops; what ``ddiloco export OUT`` writes), else the
-    fragments fetched before the stop (None: neither)."""
-    if fetched is None:
-        return None
-    from ddiloco.runtime.export import ExportError, state_dict_from_checkpoint
-
-    if cfg.runtime.shards == 1:  # shards checkpoint their own fragments apart
-        try:
-            return state_dict_from_checkpoint(out / "checkpoint")[0]
-        except ExportError as e:
-            print(f"ddiloco: evaluating the fetched global model: {e}", file=sys.stderr)
-    from ddiloco.recipe import new_model
+def _fetched_params(cfg, model, fetched) -> dict:
+    """Name -> tensor of ``model``'s parameters from fetched fragments (p -> (version,
+    flat tensors, ...))."""
     from ddiloco.runtime.transport.spec import fragmentation_from_spec, model_spec
 
-    model = new_model(cfg)
     frag = fragmentation_from_spec(model_spec(model, cfg.sync.fragments, cfg.sync.fragmentation))
     shapes = {n: t.shape for n, t in model.named_parameters()}
     return {
@@ -81,6 +74,157 @@ def final_model(cfg, out: Path, fetched) -> dict | None:
         for p, f in enumerate(frag.fragments)
         for n, t in zip(f.names, fetched[p][1])
     }
+
+
+def checkpoint_model(cfg, out: Path) -> tuple[dict, dict]:
+    """(name -> tensor, {"merges", "versions"}) of the global model in the run's syncer
+    checkpoints (``out/checkpoint``; a sharded syncer's ``shard_k`` directories, fragment p
+    from shard p % S): the fp32 values ``ddiloco export OUT`` writes. Raises
+    ``ExportError`` where a checkpoint is missing or unreadable."""
+    from ddiloco.runtime.export import ExportError, _assemble, state_dict_from_checkpoint
+
+    S = cfg.runtime.shards  # noqa: N806
+    if S == 1:
+        sd, meta = state_dict_from_checkpoint(out / "checkpoint")
+        return sd, {"merges": meta["merges"], "versions": meta["versions"]}
+    from ddiloco.runtime.syncer.checkpoint import CHECKPOINT_NAME, load_checkpoint
+    from ddiloco.runtime.transport.spec import check_spec
+
+    dirs = [out / "checkpoint" / f"shard_{k}" for k in range(S)]
+    try:
+        # lazily: only theta is read, fragment by fragment (each file verified)
+        cks = [load_checkpoint(d / CHECKPOINT_NAME, lazy=True) for d in dirs]
+        spec = cks[0]["spec"]
+        check_spec(spec)
+        states = [ck["state"] for ck in cks]
+        P = len(states[0]["theta"])  # noqa: N806
+        sd = _assemble(spec, [states[p % S]["theta"][p] for p in range(P)])
+        versions = [int(states[p % S]["versions"][p]) for p in range(P)]
+        merges = sum(int(st.get("merges", 0)) for st in states)
+    except (OSError, KeyError, TypeError, ValueError) as e:
+        raise ExportError(f"no global model in {dirs}: {e}") from None
+    return sd, {"merges": merges, "versions": versions}
+
+
+def final_model(
+    cfg, out: Path, fetched, *, interrupted: bool = False
+) -> tuple[dict | None, dict | None]:
+    """The global model the run ends with, (name -> tensor, where it comes from): the
+    syncer's final checkpoint (its fp32 values, written as it stops; what ``ddiloco export
+    OUT`` writes), also for an interrupted run (``interrupted``: nothing was fetched, the
+    syncers stopped with a checkpoint), else the fragments fetched before the stop.
+    ``(None, None)``: neither. The source is ``{"source": "checkpoint" | "fetched",
+    "merges", "versions"}``."""
+    if fetched is None and not interrupted:
+        return None, None
+    from ddiloco.runtime.export import ExportError
+
+    if cfg.runtime.shards == 1 or fetched is None:  # shards checkpoint their own fragments
+        try:
+            sd, meta = checkpoint_model(cfg, out)
+            return sd, {"source": "checkpoint", **meta}
+        except ExportError as e:
+            what = "evaluating the fetched global model" if fetched is not None else "no model"
+            print(f"ddiloco: {what}: {e}", file=sys.stderr)
+    if fetched is None:
+        return None, None
+    from ddiloco.recipe import new_model
+
+    versions = [int(fetched[p][0]) for p in sorted(fetched)]
+    return _fetched_params(cfg, new_model(cfg), fetched), {
+        "source": "fetched",
+        "merges": None,
+        "versions": versions,
+    }
+
+
+class GlobalEval:
+    """The evaluations of the global model during a real run, on the in-process engine's
+    schedule: the initial model, then each time the learners' inner steps reach a multiple
+    of ``optim.eval_every`` per learner (the syncer's ``steps_done`` against k x eval_every
+    x M), the global model the syncer publishes (its exact fp32 values), evaluated on the
+    held-out batches. A launcher calls ``poll`` with every status snapshot; the fetch and
+    the evaluation run on a thread of their own, one at a time, so that supervision never
+    waits for them. Once the step budget is spent the final evaluation takes over; a
+    multiple reached while the syncer is unreachable (chaos) is skipped.
+
+    Building it builds the run's eval set and model, so a missing optional dependency of
+    the data source or the model (scikit-learn for ``digits``, ...) raises ImportError
+    here, before any process is started."""
+
+    def __init__(self, cfg, wall0: float) -> None:
+        import torch
+
+        from ddiloco.recipe import eval_setup, new_model
+
+        torch.set_num_threads(1)
+        self.cfg = cfg
+        self.wall0 = wall0
+        self.data, self.lang, self.floor, self.evals = eval_setup(cfg)
+        self.model = new_model(cfg)
+        self._init = {n: t.detach().clone() for n, t in self.model.state_dict().items()}
+        self._init_loss: float | None = None
+        self.rows: list[dict] = []
+        """``eval`` rows (``t_s`` since the launch, ``step``: mean inner steps per learner)."""
+        self._next = cfg.optim.eval_every
+        self._thread: threading.Thread | None = None
+
+    @property
+    def init_loss(self) -> float:
+        """Eval loss of the initial model (the same seed as every learner's)."""
+        if self._init_loss is None:
+            self._init_loss = self.loss(self._init)
+        return self._init_loss
+
+    def loss(self, params: dict) -> float:
+        from ddiloco.recipe import evaluate
+
+        self.model.load_state_dict(params)
+        return evaluate(self.model, self.evals)
+
+    def poll(self, client, status: dict | None) -> None:
+        """Start an evaluation if the learners' steps reached the next multiple of
+        ``eval_every`` per learner and none is running."""
+        st = status or {}
+        if client is None or st.get("budget_spent") or self.busy:
+            return
+        M = max(1, self.cfg.learners)  # noqa: N806
+        every = self.cfg.optim.eval_every
+        done = float(st.get("steps_done") or 0)
+        if done < self._next * M:
+            return
+        self._next = (int(done / M) // every + 1) * every
+        t_s = time.time() - self.wall0
+        self._thread = threading.Thread(
+            target=self._evaluate, args=(client, done / M, t_s), name="ddiloco-eval", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _evaluate(self, client, step: float, t_s: float) -> None:
+        try:
+            fetched = client.fetch(None, timeout_s=10.0, exact=True)
+        except Exception:  # noqa: BLE001 - the syncer may be down (chaos, restart)
+            return
+        loss = self.loss(_fetched_params(self.cfg, self.model, fetched))
+        self.rows.append(
+            {
+                "kind": "eval",
+                "t_s": round(t_s, 4),
+                "step": round(step, 3),
+                "eval_loss": loss,
+                "gap": None if self.floor is None else loss - self.floor,
+                "versions": sum(int(v[0]) for v in fetched.values()),
+            }
+        )
+
+    def wait(self, timeout_s: float = 30.0) -> None:
+        """Wait for a running evaluation (before the final one, or the summary)."""
+        if self._thread is not None:
+            self._thread.join(timeout_s)
 
 
 def _learner_dirs(out: Path) -> list[int]:
@@ -150,6 +294,8 @@ def write_summary(
     processes_ok: bool,
     interrupted: bool,
     final_params: dict | None,
+    final_source: dict | None = None,
+    evals: GlobalEval | None = None,
     wall0: float,
     t_learners: float,
     t_end: float,
@@ -163,22 +309,19 @@ def write_summary(
     Times are seconds since the launch (``wall0``, Unix time): ``t_learners`` when the
     learners were started, ``t_end`` when the last one ended, ``wall_s`` now. ``members``
     maps learner ids to what the launcher saw of them; ``processes_ok`` says every learner
-    finished; ``extra`` adds the launcher's own fields."""
-    import torch
-
-    from ddiloco.recipe import eval_setup, evaluate, new_model
+    finished; ``final_source`` where the final model comes from (``final_model``);
+    ``evals`` the run's evaluations so far (a fresh ``GlobalEval`` where None); ``extra``
+    adds the launcher's own fields."""
     from ddiloco.run_summary import RunSummary
 
     c = cfg
-    torch.set_num_threads(1)
-    data, lang, floor, evals = eval_setup(c)
-    model = new_model(c)
-    init_loss = evaluate(model, evals)
-    n_params = sum(p.numel() for p in model.parameters())
-    final_loss = None
-    if final_params is not None:
-        model.load_state_dict(final_params)
-        final_loss = evaluate(model, evals)
+    if evals is None:
+        evals = GlobalEval(c, wall0)
+    evals.wait()
+    data, lang, floor = evals.data, evals.lang, evals.floor
+    init_loss = evals.init_loss
+    n_params = sum(p.numel() for p in evals.model.parameters())
+    final_loss = None if final_params is None else evals.loss(final_params)
     per_step = c.data.batch_size if data.task == "image" else c.data.batch_size * c.data.block_size
     rows = collect_rows(out, wall0)
     # the clock starts when the first learner is ready to step (process start-up of the
@@ -237,6 +380,14 @@ def write_summary(
         )
     model_bytes = 4 * n_params
     total_steps = sum(pl["ledger_steps"]["computed"] for pl in per_learner)
+    # what the learners trained: their global steps (those the step budget counts; steps
+    # redone after a restart count once), x tokens per step x ranks
+    steps_trained = sum(int(pl["steps"] or 0) for pl in per_learner)
+    tokens = sum(
+        int(pl["steps"] or 0) * per_step * c.runtime.island(pl["learner"]).size
+        for pl in per_learner
+    )
+    budget = c.runtime.step_budget if c.runtime.step_budget is not None else c.learners * c.steps
     summary = {
         "ok": not interrupted and final_loss is not None and processes_ok,
         "method": "decoupled",
@@ -248,9 +399,12 @@ def write_summary(
         "island_size": c.runtime.island_size,
         "islands": [str(c.runtime.island(m)) for m in range(c.learners)],
         "steps": c.steps,
+        "step_budget": budget,
+        "steps_trained": steps_trained,
         "shards": c.runtime.shards,
-        "tokens": c.steps * per_step * sum(c.runtime.island(m).size for m in range(c.learners)),
+        "tokens": tokens,
         "final_eval_loss": final_loss,
+        "final_model": final_source if final_loss is not None else None,
         "entropy_floor": floor,
         "gap_to_floor": None if final_loss is None or floor is None else final_loss - floor,
         "entropy_rate": lang.entropy_rate if lang is not None else None,
@@ -293,13 +447,15 @@ def write_summary(
             "gap": None if floor is None else init_loss - floor,
         },
     ]
+    evaluated = sorted(evals.rows, key=lambda r: r["t_s"])
+    body = sorted(rows["rows"] + evaluated, key=lambda r: r["t_s"])
     tail = (
         []
         if final_loss is None
         else [
             {
                 "kind": "final",
-                "step": c.steps,
+                "step": round(steps_trained / max(1, len(ids)), 3),
                 "eval_loss": final_loss,
                 "gap": None if floor is None else final_loss - floor,
             }
@@ -308,17 +464,18 @@ def write_summary(
     from ddiloco.metrics.sinks import JsonlSink, open_sinks, parse_sinks
 
     with JsonlSink(out / "metrics.jsonl", mode="w") as jsonl:
-        for r in head + rows["rows"] + tail:
+        for r in head + body + tail:
             jsonl.write(r)
     with open_sinks(
         [s for s in parse_sinks(c.runtime.metrics_sinks) if s != "jsonl"], out, name="run"
     ) as extra_sinks:
-        for r in head + tail:
+        for r in head + evaluated + tail:
             extra_sinks.write(r)
     summary = RunSummary.from_dict(summary).write(out)
     if c.progress:
+        ended = "done" if summary["ok"] else "interrupted" if interrupted else "FAILED"
         print(
-            f"ddiloco: {'done' if summary['ok'] else 'FAILED'} in {summary['wall_s']:.1f} s: "
+            f"ddiloco: {ended} in {summary['wall_s']:.1f} s: "
             f"eval loss {init_loss:.4f} -> {_loss(final_loss)}, goodput {summary['goodput']:.3f}, "
             f"merges {summary['merges']}, summary in {out / 'summary.json'}",
             file=sys.stderr,
