@@ -4,6 +4,7 @@ processes on loopback."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from runtime_helpers import read_jsonl, tiny_config
@@ -88,4 +89,7 @@ def test_rebased_installs_that_come_back_late_lose_no_step(tmp_path):
     assert s["goodput"] > 0.75, s["goodput"]
     assert s["final_eval_loss"] < s["initial_eval_loss"] - 0.5
     logs = "".join(p.read_text() for p in run.rglob("learner_*.log"))
+    # the learner processes' advice names the command line's flags, never a keyword
     assert "merged fragments come back" in logs and "A tau of" in logs
+    assert re.search(r"\((--tau \d+|-H \d+ or more, with --tau \d+)\)", logs), logs[-2000:]
+    assert not re.search(r"\btau=\d", logs)

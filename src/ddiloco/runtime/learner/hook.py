@@ -63,7 +63,7 @@ from ddiloco.runtime.learner.sharded import SendQueues, ShardedClient
 from ddiloco.runtime.transport.auth import load_token
 from ddiloco.runtime.transport.spec import fragmentation_from_spec, model_spec, spec_fingerprint
 
-__all__ = ["DUPLICATE_WAIT_S", "DecoupledLearner"]
+__all__ = ["DUPLICATE_WAIT_S", "DecoupledLearner", "late_install_advice"]
 
 log = logging.getLogger("ddiloco.learner")
 
@@ -71,6 +71,49 @@ _SYNC = SyncConfig()
 _RUNTIME = RuntimeConfig()
 """The run configuration's defaults, which ``DecoupledLearner``'s keyword arguments take
 (compared in tests/config/test_defaults.py)."""
+
+_FLAGS = {"tau": "--tau", "H": "-H", "P": "-P", "codec": "--codec"}
+"""The command line's names of the settings that advice names (``ddiloco learner`` and
+``ddiloco train``)."""
+
+
+def late_install_advice(
+    delay_steps: float,
+    *,
+    H: int,  # noqa: N803
+    P: int,  # noqa: N803
+    codec: str,
+    flags: bool = False,
+) -> str:
+    """What to change when merged fragments come back ``delay_steps`` after their push, in
+    the names of the interface that took the settings: keyword arguments (``tau=74``) or
+    command-line flags (``--tau 74``, ``flags``). A tau that covers the delay is advised only
+    when it is valid (below H); otherwise what lowers the delay instead: a larger H (each
+    fragment synced less often, fewer bytes per step), fewer bytes per push or merge (a
+    compressed push codec, the syncer's downlink codec), or fewer fragments in flight."""
+
+    def setting(name: str, value) -> str:
+        if flags:
+            return f"{_FLAGS[name]} {value}"
+        return f"{name}={value!r}"
+
+    need = math.ceil(delay_steps)
+    if need < H:
+        return f"A tau of {need} covers the link ({setting('tau', need)})."
+    down = "--down-codec int8" if flags else "downlink codec int8 (sync.down_codec)"
+    fewer = [f"{setting('codec', 'int4')} for the pushes"] if codec in ("fp32", "bf16") else []
+    fewer.append(f"the syncer's {down} for the merges")
+    ways = [
+        f"sync each fragment less often ({setting('H', need + 1)} or more, with "
+        f"{setting('tau', need)})",
+        f"send fewer bytes: {', '.join(fewer)}",
+    ]
+    if P > 1:
+        ways.append(f"put fewer fragments in flight ({setting('P', max(1, P // 2))})")
+    return (
+        f"A tau of {need} would cover the link, but tau must be below H = {H}. Instead: "
+        f"{'; '.join(ways[:-1])}; or {ways[-1]}."
+    )
 
 
 class DecoupledLearner(InboxMixin, SessionMixin, LinksMixin, IslandMixin, ShardIslandMixin):
@@ -142,6 +185,10 @@ class DecoupledLearner(InboxMixin, SessionMixin, LinksMixin, IslandMixin, ShardI
         """This learner's id: the one asked for, or (-1 until the first Join) the one the
         syncer assigned."""
         self.codec = get_codec(codec)
+        self.settings_as = "keywords"
+        """How warnings name a setting to change: ``keywords``, this class's arguments
+        (``tau=4``), or ``flags``, the command line's (``--tau 4``; ``ddiloco learner``
+        sets it)."""
         self.tokens_per_step = tokens_per_step
         self.link = link or LinkLimits()
         self.connect_timeout_s = connect_timeout.total_seconds()
@@ -518,7 +565,7 @@ class DecoupledLearner(InboxMixin, SessionMixin, LinksMixin, IslandMixin, ShardI
             log.warning(
                 "[learner %d step %d] merged fragments come back %.1f steps after their push "
                 "on average, later than tau = %d: the syncer's grace window cannot gather "
-                "learners%s. A tau of %d covers the link (--tau %d).",
+                "learners%s. %s",
                 self.learner,
                 self.sync.step,
                 d,
@@ -526,8 +573,13 @@ class DecoupledLearner(InboxMixin, SessionMixin, LinksMixin, IslandMixin, ShardI
                 ", and the late steps are lost (install = overwrite)"
                 if self.sync.install == "overwrite"
                 else "",
-                math.ceil(d),
-                math.ceil(d),
+                late_install_advice(
+                    d,
+                    H=self.schedule.H,
+                    P=self.fragmentation.P,
+                    codec=self.codec.name,
+                    flags=self.settings_as == "flags",
+                ),
             )
 
     def wait_installs(self, timeout: timedelta = timedelta(minutes=5)) -> list[int]:

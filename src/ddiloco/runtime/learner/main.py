@@ -243,6 +243,7 @@ def run_learner(
     images = data.task == "image"
     tokens = cfg.data.batch_size * (1 if images else cfg.data.block_size) * world
     dl = DecoupledLearner(model, **learner_kwargs(cfg, learner, syncer, group, heartbeat_s))
+    dl.settings_as = "flags"  # its warnings name the command line's flags
     leave, joined = threading.Event(), threading.Event()
 
     def on_sigterm(*_) -> None:
