@@ -12,7 +12,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from ddiloco.runtime.launch.backends import backend_names
+from ddiloco.backends import backend_names
 
 __all__ = ["main", "build_parser", "train_config_from_args", "cmd_train", "COMMANDS"]
 

@@ -31,7 +31,7 @@ INJECTED_FAULTS = (
 """The faults that a launcher carries out by signalling its processes (kills, stops, syncer
 kills, elastic membership, link cuts). The others (``slowdown``, ``link_bandwidth_Bps``,
 ``link_latency_s``) the learners apply to themselves, whoever started them. Which backends
-inject these: ``ddiloco.runtime.launch.backends``."""
+inject these: ``ddiloco.backends``."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -19,8 +19,8 @@ from ddiloco.algorithm.learner_state import DEFAULT_ALPHA, DEFAULT_INSTALL, INST
 from ddiloco.algorithm.merge import MERGE_RULES
 from ddiloco.algorithm.policy import PolicyConfig
 from ddiloco.algorithm.syncer_state import SyncerConfig
+from ddiloco.backends import backend_names
 from ddiloco.config.chaos import ChaosConfig
-from ddiloco.runtime.launch.backends import backend_names
 
 __all__ = [
     "ModelConfig",
@@ -408,7 +408,7 @@ class RuntimeConfig:
     """How long a learner waits for the syncer."""
     launcher: LauncherName = "local"
     """Who starts and restarts the syncer shards and learners of ``ddiloco train``, a
-    launcher of ``ddiloco.runtime.launch.backends``: local (processes on this host,
+    launcher of ``ddiloco.backends``: local (processes on this host,
     supervised by the built-in launcher) or ray (Ray actors with declared CPUs and GPUs,
     brought back by Ray's actor restarts; needs ``pip install 'ddiloco[ray]'``)."""
     ray_address: str | None = None

@@ -9,17 +9,12 @@ import sys
 import pytest
 from runtime_helpers import tiny_config
 
+from ddiloco import backends
+from ddiloco.backends import BACKENDS, Backend, backend_names, get_backend
 from ddiloco.cli import main as ddiloco_main
 from ddiloco.config import RuntimeConfig, TrainConfig
 from ddiloco.config.chaos import INJECTED_FAULTS, ChaosConfig
-from ddiloco.runtime.launch import backends
-from ddiloco.runtime.launch.backends import (
-    BACKENDS,
-    Backend,
-    backend_names,
-    check_runnable,
-    get_backend,
-)
+from ddiloco.runtime.launch.backends import check_runnable
 
 pytestmark = pytest.mark.timeout(60)
 

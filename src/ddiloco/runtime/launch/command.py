@@ -3,7 +3,7 @@
 The run is described by the flags of ``ddiloco train`` (``--config FILE``, ``--model``,
 ``-M``, ``--steps``, ``--island-size``, ``--shards``, ``--out``...); the launch flags say
 where and how it runs. The backends are the jobs of the backend registry
-(``ddiloco.runtime.launch.backends``: ``slurm``); each one's options dataclass adds its
+(``ddiloco.backends``: ``slurm``); each one's options dataclass adds its
 fields as flags here.
 """
 
@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 import tyro
 from tyro.constructors import PrimitiveConstructorSpec
 
+from ddiloco.backends import backend_names, get_backend
 from ddiloco.flag_errors import parse_flags
-from ddiloco.runtime.launch.backends import backend_names, get_backend
 
 if TYPE_CHECKING:
     from ddiloco.config import TrainConfig

@@ -1,7 +1,7 @@
 """``ddiloco train --engine processes``: pick the run's launcher and run it.
 
 ``runtime.launcher`` names it, a launcher of the backend registry
-(``ddiloco.runtime.launch.backends``): ``local`` (``Launcher``: processes on this host),
+(``ddiloco.backends``): ``local`` (``Launcher``: processes on this host),
 ``ray`` (``RayLauncher``: Ray actors).
 """
 
@@ -13,7 +13,7 @@ __all__ = ["launcher_class", "run_processes"]
 def launcher_class(config) -> type:
     """The launcher class of ``runtime.launcher``: ``Launcher`` (local), ``RayLauncher``
     (ray)."""
-    from ddiloco.runtime.launch.backends import get_backend
+    from ddiloco.backends import get_backend
 
     return get_backend(config.runtime.launcher, "launcher").load()
 
