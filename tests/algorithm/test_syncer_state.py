@@ -243,6 +243,35 @@ def test_final_pushes_gather_every_live_learner_and_average():
     # a learner that joins again (a restart) is no longer finishing: it is waited for
 
 
+@pytest.mark.parametrize("how", ["average", "nesterov", "sgd", "none"])
+def test_final_merge_chooses_how_the_last_partial_round_is_merged(how):
+    """``final_merge``: a round of final pushes becomes the pushes' average (no outer step),
+    takes a regular Nesterov step, a step without momentum, or is left out (its tokens
+    dropped, the fragment unchanged)."""
+    s, p = make(quorum=1, M=2, grace=False, lr=0.5, mom=0.9, final_merge=how)
+    s.frags[p].momentum[0].fill_(1.0)  # as after earlier rounds: b = 1
+    for m, v in ((0, 1.0), (1, 3.0)):
+        c = dataclasses.replace(push(m, p, v), final=True, final_fragments=(p,))
+        s.submit(c, 0.0)
+    theta, b = s.frags[p].theta[0], s.frags[p].momentum[0]
+    # Delta = Theta - mean(theta) = 0 - 2 = -2 (equal token weights)
+    expected = {
+        "average": (2.0, 1.0, 1),
+        "nesterov": (0.5 * (2.0 - 0.9 * (0.9 * 1.0 - 2.0)), 0.9 * 1.0 - 2.0, 1),
+        "sgd": (0.5 * 2.0, 1.0, 1),
+        "none": (0.0, 1.0, 0),
+    }[how]
+    assert torch.allclose(theta, torch.full((4,), expected[0])), theta
+    assert torch.allclose(b, torch.full((4,), expected[1])), b
+    assert s.version(p) == expected[2]
+    led = s.ledger
+    assert all(led[m].tokens_pending == 0 for m in (0, 1))
+    counts = (sum(led[m].pushes_dropped for m in (0, 1)), sum(led[m].pushes_merged for m in (0, 1)))
+    assert counts == ((2, 0) if how == "none" else (0, 2))
+    with pytest.raises(ValueError, match="final_merge"):
+        SyncerConfig(final_merge="mean")
+
+
 def _guarded(k: float, M: int = 1):
     """Fragment w, K = 1, outer lr 1, no momentum: Theta' = Theta - Delta, exactly."""
     return make(quorum=1, grace=False, M=M, norm_clip=k)

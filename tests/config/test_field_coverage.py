@@ -220,6 +220,11 @@ ROWS: dict[str, tuple[list[str], Probe, Probe]] = {
         lambda e: e.syncer.max_staleness,
         lambda p: p.server.syncer.max_staleness,
     ),
+    "final_merge": (
+        ["nesterov"],
+        lambda e: e.syncer.final_merge,
+        lambda p: p.server.syncer.final_merge,
+    ),
     "norm_clip": (
         ["4"],
         lambda e: e.syncer.norm_clip,

@@ -209,3 +209,43 @@ def test_bf16_autocast_reaches_the_inprocess_engine(tmp_path, method):
     assert bf16["final_eval_loss"] == again["final_eval_loss"]
     assert bf16["final_eval_loss"] != fp32["final_eval_loss"]
     assert bf16["final_eval_loss"] == pytest.approx(fp32["final_eval_loss"], rel=0.05)
+
+
+def _eval_rows(out) -> dict[int, float]:
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["eval_loss"] for r in rows if r["kind"] == "eval"}
+
+
+@pytest.mark.timeout(120)
+def test_diloco_eval_rows_are_the_model_at_the_step_they_name(tmp_path):
+    """DiLoCo's global model changes at merges only (every H = 12 steps here): the row of
+    step 18 is the model of the merge at step 12, the row of step 36 that of the merge at
+    36 itself. Evaluating does not change training, so a run that evaluates every 12 steps
+    gives the same losses at those merges."""
+    small = {**SMALL, "steps": 48}
+    runs = {}
+    for every in (12, 18):
+        out = tmp_path / f"every{every}"
+        run(TrainConfig(method="diloco", out=str(out), **{**small, "eval_every": every}))
+        runs[every] = _eval_rows(out)
+    assert runs[18][18] == runs[12][12]
+    assert runs[18][36] == runs[12][36]
+    assert runs[18][48] == runs[12][48]  # the final model
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("method", ["diloco", "streaming", "decoupled"])
+def test_final_merge_reaches_every_method(tmp_path, method):
+    """``sync.final_merge`` decides how each method merges its last, partial round (60 steps
+    at H = 12 is a whole round for DiLoCo, so it ends at 54 there): the runs share every
+    step before it and differ at its end; ``none`` keeps the model of the last regular
+    merge."""
+    small = {**SMALL, "steps": 54 if method == "diloco" else 60, "eval_every": 24}
+    finals = {}
+    for how in ("average", "nesterov", "none"):
+        out = tmp_path / how
+        cfg = TrainConfig(method=method, out=str(out), final_merge=how, **small)
+        finals[how] = run(cfg)["final_eval_loss"]
+        rows = _eval_rows(out)
+        assert rows[24] == _eval_rows(tmp_path / "average")[24]  # the same run until the end
+    assert len(set(finals.values())) == 3, finals

@@ -72,9 +72,13 @@ __all__ = [
     "SyncerState",
     "LedgerEntry",
     "DEFAULT_NORM_CLIP",
+    "FINAL_MERGES",
 ]
 
 ANCHORS = ("current", "base")
+FINAL_MERGES = ("average", "nesterov", "sgd", "none")
+"""How the last, partial round of a run is merged (``SyncerConfig.final_merge``; the
+synchronous baselines take the same setting)."""
 DEFAULT_NORM_CLIP = 2.5
 """The merge guard's default bound, in medians (docs/results/reliability.md: it clipped no
 push of the default run nor of ``--preset failures``, and halved a wild learner's damage)."""
@@ -107,6 +111,12 @@ class SyncerConfig:
     """Scale the outer gradient of a round that merges k of n live learners by k/n, so that
     asynchronous small merges add up to about one outer step per round (with K = M or all
     learners present the factor is 1)."""
+    final_merge: str = "average"
+    """How a round of learners' final pushes (their last partial round, as they finish) is
+    merged (``FINAL_MERGES``): ``average`` (the global fragment becomes their token-weighted
+    average, no outer step, momentum untouched), ``nesterov`` (a regular outer step),
+    ``sgd`` (the outer step without momentum: ``Theta - outer_lr * Delta``) or ``none``
+    (the final pushes are dropped)."""
     norm_clip: float = DEFAULT_NORM_CLIP
     """Merge guard: an outer gradient Delta_{m,p} whose norm exceeds ``norm_clip`` times the
     median norm of fragment p's last ``NORM_WINDOW`` merged ones is scaled down to that bound
@@ -127,6 +137,8 @@ class SyncerConfig:
             raise ValueError(f"history must be >= 0, got {self.history}")
         if self.norm_clip != 0 and not 1.0 <= self.norm_clip < float("inf"):
             raise ValueError(f"norm_clip must be 0 (off) or >= 1, got {self.norm_clip}")
+        if self.final_merge not in FINAL_MERGES:
+            raise ValueError(f"final_merge must be one of {FINAL_MERGES}, got {self.final_merge!r}")
         if self.anchor == "base" and self.history < self.max_staleness:
             self.history = self.max_staleness
         OuterNesterov(lr=self.outer_lr, momentum=self.outer_momentum)  # validates
@@ -676,7 +688,13 @@ class SyncerState:
             # final global model holds everyone's last steps at full weight (a K = 1 merge would
             # take 1 / n_live of one learner's last progress)
             waiting = [m for m in self.live - set(r.pending) if p in self._finishing.get(m, (p,))]
-            return None if waiting else self._merge(p, now_s, "final")
+            if waiting:
+                return None
+            if self.config.final_merge == "none" and all(c.final for c in r.pending.values()):
+                s.round = _Round()  # the final partial round is left out of the model
+                self._settle([r.pending[m] for m in sorted(r.pending)], merged=False)
+                return None
+            return self._merge(p, now_s, "final")
         if r.quorum_s is None and len(r.pending) >= self.policy.effective_quorum(n_live):
             r.quorum_s = now_s
             self.policy.xi_quorum.update(now_s - (r.opened_s if r.opened_s is not None else now_s))
@@ -745,7 +763,11 @@ class SyncerState:
                 elif k > 0:  # the merge guard: clip an outer gradient far above the recent ones
                     norms = [self._push_norm(p, c) for c in contribs]
                     factors = [self._guard_factor(s, n) for n in norms]
-                all_final = all(c.final for c in contribs)
+                final = self.config.final_merge if all(c.final for c in contribs) else None
+                all_final = final == "average"
+                outer = self.outer
+                if final == "sgd":  # the outer gradient's own step, no momentum
+                    outer = OuterNesterov(lr=self.outer.lr, momentum=0.0)
                 for j in range(len(theta0)):
                     if folds is not None:
                         g = folds[j].take()
@@ -759,7 +781,7 @@ class SyncerState:
                         th, mo, fin = [t], [momentum0[j]], all_finite(t)
                     elif len(contribs) == 1:  # the merged outer gradient is the push's own
                         c = contribs[0]
-                        th, mo, fin = self.outer.stepped_checked(
+                        th, mo, fin = outer.stepped_checked(
                             [theta0[j]],
                             [momentum0[j]],
                             scale,
@@ -771,7 +793,7 @@ class SyncerState:
                         update = merge_tensor(
                             deltas, weights, frag.embedding[j], self.config.merge_rule
                         )
-                        th, mo, fin = self.outer.stepped_checked(
+                        th, mo, fin = outer.stepped_checked(
                             [theta0[j]], [momentum0[j]], scale, grads=[update]
                         )
                     finite = finite and fin

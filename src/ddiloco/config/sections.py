@@ -18,7 +18,7 @@ from ddiloco.algorithm.fragments import STRATEGIES
 from ddiloco.algorithm.learner_state import DEFAULT_ALPHA, DEFAULT_INSTALL, INSTALL_RULES
 from ddiloco.algorithm.merge import MERGE_RULES
 from ddiloco.algorithm.policy import PolicyConfig
-from ddiloco.algorithm.syncer_state import SyncerConfig
+from ddiloco.algorithm.syncer_state import FINAL_MERGES, SyncerConfig
 from ddiloco.backends import backend_names
 from ddiloco.config.chaos import ChaosConfig
 
@@ -217,6 +217,12 @@ class SyncConfig:
     (every H of its own inner steps)."""
     scale_partial: bool = _SYNCER.scale_partial
     """Scale a round that merges k of n live learners to k/n of an outer step."""
+    final_merge: Literal["average", "nesterov", "sgd", "none"] = cast(
+        Literal["average", "nesterov", "sgd", "none"], _SYNCER.final_merge
+    )
+    """How every method merges the run's last, partial round: average (the global model
+    becomes the learners' average, no outer step), nesterov (a regular outer step), sgd
+    (the outer step without momentum) or none (left out)."""
     norm_clip: float = _SYNCER.norm_clip
     """Merge guard: an outer gradient whose norm is over norm_clip x the median of its
     fragment's last 32 merged ones is scaled down to that bound (a wild learner moves the
@@ -261,6 +267,7 @@ class SyncConfig:
         one_of("sync.fragmentation", self.fragmentation, STRATEGIES)
         one_of("sync.schedule", self.schedule, ("time", "steps"))
         one_of("sync.anchor", self.anchor, ("current", "base"))
+        one_of("sync.final_merge", self.final_merge, FINAL_MERGES)
         at_least("sync.max_staleness", self.max_staleness, 0)
         if self.norm_clip != 0 and not 1 <= self.norm_clip < float("inf"):
             raise ValueError(f"sync.norm_clip must be 0 (off) or >= 1, got {self.norm_clip}")
@@ -292,6 +299,7 @@ class SyncConfig:
             anchor=self.anchor,
             history=self.resolved_history(),
             scale_partial=self.scale_partial,
+            final_merge=self.final_merge,
             norm_clip=self.norm_clip,
         )
 

@@ -8,7 +8,13 @@ from __future__ import annotations
 import torch
 from tqdm import tqdm
 
-from ddiloco.algorithm.merge import OuterNesterov, alpha_mix, merge_outer_gradients, token_weight
+from ddiloco.algorithm.merge import (
+    OuterNesterov,
+    alpha_mix,
+    merge_outer_gradients,
+    token_weight,
+    weighted_average,
+)
 from ddiloco.algorithm.schedule import FragmentSchedule
 from ddiloco.config import TrainConfig
 from ddiloco.engine.common import TimeBreakdown, World, build_workers
@@ -145,11 +151,27 @@ def run_dp(cfg: TrainConfig, ctx) -> dict:
     return {**clock.result(), "bytes_up": total, "bytes_down": total, "merges": cfg.steps}
 
 
-def _outer_step(global_params, names, embedding, workers, outer, momentum, rule, tokens):
-    """Merge every learner's fragment ``names`` into the global parameters (equal steps)."""
+def _outer_step(
+    global_params, names, embedding, workers, outer, momentum, rule, tokens, final=None
+):
+    """Merge every learner's fragment ``names`` into the global parameters (equal steps).
+    ``final``: the run's last, partial round, merged as ``sync.final_merge`` says (the
+    learners' average, a regular or a momentum-free outer step, or left out), as the
+    decoupled syncer merges its learners' final pushes."""
+    if final == "none":
+        return
+    if final == "average":
+        with torch.no_grad():
+            for n in names:
+                global_params[n].copy_(
+                    weighted_average([w.params[n].detach() for w in workers], [1.0] * len(workers))
+                )
+        return
     deltas = [[global_params[n] - w.params[n].detach() for n in names] for w in workers]
     weights = [token_weight(tokens, 1)] * len(workers)
     update = merge_outer_gradients(deltas, weights, embedding, rule)
+    if final == "sgd":
+        outer = OuterNesterov(lr=outer.lr, momentum=0.0)
     outer.step([global_params[n] for n in names], update, [momentum[n] for n in names])
 
 
@@ -178,6 +200,12 @@ def run_diloco(cfg: TrainConfig, ctx) -> dict:
             for w in workers:
                 w.train_step()
             bar.update(1)
+        # an eval step inside this round sees the global model of the last merge; one at
+        # the round's end sees this merge (the row is the model at the step it names)
+        e = (done + h) // cfg.optim.eval_every * cfg.optim.eval_every
+        eval_at = e if done < e < cfg.steps else None
+        if eval_at is not None and eval_at < done + h:
+            _maybe_eval(ctx, eval_at, cfg, clock.t, bar, glob)
         _outer_step(
             glob,
             names,
@@ -187,20 +215,11 @@ def run_diloco(cfg: TrainConfig, ctx) -> dict:
             momentum,
             cfg.sync.merge_rule,
             workers[0].tokens_per_step,
+            final=cfg.sync.final_merge if done + h >= cfg.steps else None,
         )
         merges += 1
-        if (
-            done // cfg.optim.eval_every != (done + h) // cfg.optim.eval_every
-            and done + h < cfg.steps
-        ):
-            _maybe_eval(
-                ctx,
-                (done + h) // cfg.optim.eval_every * cfg.optim.eval_every,
-                cfg,
-                clock.t,
-                bar,
-                glob,
-            )
+        if eval_at is not None and eval_at == done + h:
+            _maybe_eval(ctx, eval_at, cfg, clock.t, bar, glob)
         done += h
         with torch.no_grad():
             for w in workers:
@@ -242,6 +261,7 @@ def run_streaming(cfg: TrainConfig, ctx) -> dict:
             momentum,
             cfg.sync.merge_rule,
             workers[0].tokens_per_step * max(1, since[p]),
+            final=cfg.sync.final_merge if k == cfg.steps else None,
         )
         since[p] = 0
         installs.setdefault(k + cfg.sync.tau, []).append((p, {n: glob[n].clone() for n in f.names}))
