@@ -21,6 +21,7 @@ from ddiloco.algorithm.policy import PolicyConfig
 from ddiloco.algorithm.syncer_state import FINAL_MERGES, SyncerConfig
 from ddiloco.backends import backend_names
 from ddiloco.config.chaos import ChaosConfig
+from ddiloco.runtime.transport.bulk import BulkLimits
 
 __all__ = [
     "ModelConfig",
@@ -154,11 +155,13 @@ else:  # the registered names, so flags and files list and check them
 
 _POLICY = PolicyConfig()
 _SYNCER = SyncerConfig()
+_DATA_PORT = BulkLimits()
 # The algorithm layer's own defaults (the policy's K, grace, gamma and tau, the state
-# machine's outer step and staleness rules, the learners' alpha and install rule) are the
-# values declared there: the configuration reads them, so the two cannot drift. Every
-# other library default (SyncerServerConfig, DecoupledLearner, the simulator's policy)
-# reads this configuration; tests/config/test_defaults.py compares them all.
+# machine's outer step and staleness rules, the learners' alpha and install rule) and the
+# transport's (the data port's limits) are the values declared there: the configuration
+# reads them, so the two cannot drift. Every other library default (SyncerServerConfig,
+# DecoupledLearner, the simulator's policy) reads this configuration;
+# tests/config/test_defaults.py compares them all.
 
 
 @dataclass(kw_only=True, slots=True)
@@ -359,13 +362,13 @@ class RuntimeConfig:
     /readyz and the live dashboard at / (the token needed except for the probes). 0: a free
     one (under ``ddiloco train`` chosen once, so a restarted syncer keeps it, and printed
     with the run's token); unset: off."""
-    handshake_timeout_s: float = 5.0
+    handshake_timeout_s: float = _DATA_PORT.handshake_timeout_s
     """Seconds a new data-port connection has to authenticate (TLS and hello)."""
-    max_connections: int = 256
+    max_connections: int = _DATA_PORT.max_connections
     """Open data-port connections in total (more are closed at once)."""
-    max_connections_per_peer: int = 32
+    max_connections_per_peer: int = _DATA_PORT.max_connections_per_peer
     """Open data-port connections from one IP address."""
-    data_workers: int = 16
+    data_workers: int = _DATA_PORT.workers
     """Threads serving data-port requests (idle connections hold none)."""
     token_file: str | None = None
     """File holding the shared secret (else ``$DDILOCO_TOKEN``)."""

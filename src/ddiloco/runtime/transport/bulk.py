@@ -52,7 +52,6 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from ddiloco.config.sections import RuntimeConfig
 from ddiloco.runtime.transport import wire
 from ddiloco.runtime.transport.auth import check_token
 from ddiloco.runtime.transport.schema import Hello, SchemaError, loads, parse
@@ -221,22 +220,19 @@ pieces)``; it calls ``read_payload()`` once it has validated the header (and the
 length); raises ``BulkReject``."""
 
 
-_RUNTIME = RuntimeConfig()
-
-
 @dataclass(kw_only=True, slots=True, frozen=True)
 class BulkLimits:
     """What the data port grants a connection, before and after authentication."""
 
     hello_max_bytes: int = 4096
     """Largest first message (the hello with the token) read before authentication."""
-    handshake_timeout_s: float = _RUNTIME.handshake_timeout_s
+    handshake_timeout_s: float = 5.0
     """Time a new connection has to complete TLS and send a valid hello."""
-    max_connections: int = _RUNTIME.max_connections
+    max_connections: int = 256
     """Open connections in total; more are closed at once."""
-    max_connections_per_peer: int = _RUNTIME.max_connections_per_peer
+    max_connections_per_peer: int = 32
     """Open connections from one IP address; more are closed at once."""
-    workers: int = _RUNTIME.data_workers
+    workers: int = 16
     """Threads serving requests; idle connections and request headers hold none (a
     selector reads them)."""
     max_requests_per_peer: int = 8
