@@ -256,3 +256,17 @@ def test_the_documented_user_loop_examples_run(doc, syncer_factory, monkeypatch)
             live, _ = state_dict_from_syncer(s.address, token=s.token)
             assert _equal_to(live, model)
     assert SyncerClient(s.address, s.token).status()["merges"] > 0
+
+
+@pytest.mark.timeout(30)
+def test_a_learner_without_a_token_is_told_the_python_names_for_one(monkeypatch):
+    from ddiloco.runtime.transport.auth import TOKEN_ENV
+
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    model = torch.nn.Linear(4, 2)
+    with pytest.raises(ValueError) as e:
+        DecoupledLearner(model, torch.optim.SGD(model.parameters(), lr=0.1), syncer="127.0.0.1:1")
+    assert str(e.value).startswith(
+        "no shared-secret token: set $DDILOCO_TOKEN or pass token=SECRET or token_file=PATH "
+    )
+    assert "--token-file" not in str(e.value)

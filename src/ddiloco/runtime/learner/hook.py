@@ -44,7 +44,7 @@ import torch
 from ddiloco.algorithm.codecs import get_codec
 from ddiloco.algorithm.learner_state import LearnerSync
 from ddiloco.algorithm.schedule import ClockTrack, FragmentSchedule, StepTimer
-from ddiloco.config.sections import RuntimeConfig, SyncConfig
+from ddiloco.config.sections import RUNTIME_DEFAULTS, SyncConfig
 from ddiloco.runtime.learner.client import LinkLimits, SyncerError, rpc_details
 from ddiloco.runtime.learner.device import DeviceCopier
 from ddiloco.runtime.learner.events import InboxMixin, Received
@@ -68,7 +68,7 @@ __all__ = ["DUPLICATE_WAIT_S", "DecoupledLearner", "late_install_advice"]
 log = logging.getLogger("ddiloco.learner")
 
 _SYNC = SyncConfig()
-_RUNTIME = RuntimeConfig()
+_RUNTIME = RUNTIME_DEFAULTS
 """The run configuration's defaults, which ``DecoupledLearner``'s keyword arguments take
 (compared in tests/config/test_defaults.py)."""
 
@@ -268,7 +268,7 @@ class DecoupledLearner(InboxMixin, SessionMixin, LinksMixin, IslandMixin, ShardI
         self._is_root = self.rank == 0
         self._token = None
         if self._is_root or self.sharded:  # every rank of a sharded island moves its runs
-            self._token = token or load_token(token_file)
+            self._token = token or load_token(token_file, how="token=SECRET or token_file=PATH")
             # one syncer or a sharded one: the map comes with the first Join
             self.client = ShardedClient(syncer, self._token, tls_ca, tls)
         self._inbox: queue.Queue = queue.Queue()

@@ -29,8 +29,12 @@ __all__ = [
 TOKEN_ENV = "DDILOCO_TOKEN"
 
 
-def load_token(token_file: str | os.PathLike | None = None) -> str:
-    """The shared secret: from ``token_file`` if given, else from ``$DDILOCO_TOKEN``."""
+def load_token(
+    token_file: str | os.PathLike | None = None, *, how: str = "--token-file PATH"
+) -> str:
+    """The shared secret: from ``token_file`` if given, else from ``$DDILOCO_TOKEN``.
+    ``how``: how the caller's user names a token file, for the error without one (a
+    command's flag; ``token_file=PATH`` in Python)."""
     if token_file:
         path = Path(token_file)
         if not path.is_file():
@@ -42,7 +46,7 @@ def load_token(token_file: str | os.PathLike | None = None) -> str:
     token = os.environ.get(TOKEN_ENV, "").strip()
     if not token:
         raise ValueError(
-            f"no shared-secret token: set ${TOKEN_ENV} or pass --token-file PATH "
+            f"no shared-secret token: set ${TOKEN_ENV} or pass {how} "
             f"(e.g. `export {TOKEN_ENV}=$(python -c 'import secrets; "
             f"print(secrets.token_hex(16))')` on every host)"
         )
