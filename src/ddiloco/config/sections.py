@@ -34,6 +34,8 @@ __all__ = [
     "IslandLayout",
     "ISLAND_SHARDINGS",
     "SECTIONS",
+    "RUNTIME_DEFAULTS",
+    "SYNC_DEFAULTS",
     "METHODS",
     "ENGINES",
     "INNER_OPTIMIZERS",
@@ -571,3 +573,10 @@ SECTIONS: dict[str, type] = {
     "runtime": RuntimeConfig,
 }
 """Section name -> section class, in file order."""
+
+RUNTIME_DEFAULTS = RuntimeConfig()
+"""The [runtime] section's defaults, the one instance from which the library's own entry
+points (``SyncerServerConfig``, ``DecoupledLearner``) take theirs (compared in
+tests/config/test_defaults.py)."""
+SYNC_DEFAULTS = SyncConfig()
+"""The [sync] section's defaults, taken the same way."""

@@ -46,7 +46,7 @@ from ddiloco.algorithm.downlink import DeltaChain
 from ddiloco.algorithm.schedule import SlotClock
 from ddiloco.algorithm.slices import InitUpload, SliceAssembler
 from ddiloco.algorithm.syncer_state import Merged, SyncerConfig, SyncerState
-from ddiloco.config.sections import RuntimeConfig, SyncConfig
+from ddiloco.config.sections import RUNTIME_DEFAULTS, SYNC_DEFAULTS
 from ddiloco.metrics.sinks import open_sinks, parse_sinks
 from ddiloco.runtime.syncer.allocator import tune_malloc
 from ddiloco.runtime.syncer.checkpoint import CHECKPOINT_NAME, DEFAULT_KEEP, remove_stale_temps
@@ -78,8 +78,7 @@ set). int8 and int4 quantise the parameters themselves (learners install the qua
 values; with a quantised uplink their next delta is taken against what they installed, so
 the install error does not reach the global model)."""
 
-_RUNTIME = RuntimeConfig()
-_SYNC = SyncConfig()
+_RUNTIME, _SYNC = RUNTIME_DEFAULTS, SYNC_DEFAULTS
 """The run configuration's defaults, which ``SyncerServerConfig``'s fields take (compared
 in tests/config/test_defaults.py)."""
 
