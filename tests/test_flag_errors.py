@@ -58,3 +58,21 @@ def test_the_reason_of_a_union_names_the_types_other_than_none():
     assert _reason(message) == "expected an integer, got 'abc'"
     assert _reason("could not convert string to float: 'x'") == "expected a number, got 'x'"
     assert _reason("something else\nand more") == "something else; and more"
+
+
+@pytest.mark.parametrize(
+    "argv,line",
+    [
+        (["train", "--stepz", "10"], "unrecognized arguments: --stepz 10 (did you mean --steps?)"),
+        (["simulate", "--chipz=3"], "unrecognized arguments: --chipz=3 (did you mean --chips?)"),
+        (
+            ["train", "--sync.tua", "2", "--lerners", "3"],
+            "unrecognized arguments: --sync.tua 2 --lerners 3 (did you mean --sync.tau or "
+            "--learners?)",
+        ),
+        (["train", "--bogus", "1"], "unrecognized arguments: --bogus 1"),  # nothing close
+    ],
+)
+def test_an_unknown_flag_is_told_the_closest_one(argv, line, capsys):
+    assert _status(argv) == 2
+    assert capsys.readouterr().err == f"ddiloco {argv[0]}: error: {line}\n"

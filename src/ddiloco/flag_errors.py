@@ -7,22 +7,31 @@ that turns each one into a ``FlagError``, a ``ValueError`` of one line naming th
 
     --chips: expected an integer, got 'abc'
     --backend: invalid choice 'pbs'; choose one of slurm
-    unrecognized arguments: --bogus 1
+    unrecognized arguments: --stepz 10 (did you mean --steps?)
 
 The commands catch ``ValueError`` and print ``ddiloco CMD: error: LINE`` with exit status 2,
 as argparse does. An event this module does not know (tyro may add some) keeps tyro's own
 message and exit status 2.
+
+``parse_flags`` also gives ``--help`` each option's text as paragraphs (``plain_help``): an
+attribute docstring's line breaks are where the source wraps, and tyro would keep them,
+breaking the terminal's lines mid-sentence.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import difflib
 import re
+import warnings
 from typing import Any
 
 import tyro
+from tyro.constructors import ConstructorRegistry, StructConstructorSpec
+from tyro.constructors._struct_spec_dataclass import dataclass_rule
 
-__all__ = ["FlagError", "parse_flags", "describe"]
+__all__ = ["FlagError", "parse_flags", "describe", "plain_help"]
 
 
 class FlagError(ValueError):
@@ -31,6 +40,11 @@ class FlagError(ValueError):
 
 class _Rejected(Exception):
     """Raised from tyro's hook, outside any ``except ValueError`` of tyro's own."""
+
+    def __init__(self, line: str, unknown: list[str] | None = None) -> None:
+        super().__init__(line)
+        self.unknown = unknown or []
+        """The unrecognized tokens, if that is the error."""
 
 
 _MESSAGES = (
@@ -86,9 +100,72 @@ def describe(event: Any) -> str | None:
 
 
 def _hook(event: Any) -> None:
+    from tyro import _errors as e
+
     line = describe(event)
     if line is not None:
-        raise _Rejected(line)
+        raise _Rejected(line, event.tokens if isinstance(event, e.UnrecognizedArgs) else None)
+
+
+def _paragraphs(text: str) -> str:
+    """``text`` with the lines of each paragraph joined (a line that starts a list item,
+    ``- ``, ``* `` or ``1. ``, keeps its break)."""
+    out = []
+    for para in re.split(r"\n\s*\n", text.strip()):
+        lines = [ln.strip() for ln in para.splitlines() if ln.strip()]
+        joined = lines[0] if lines else ""
+        for ln in lines[1:]:
+            joined += ("\n" if re.match(r"([-*]|\d+[.)])\s", ln) else " ") + ln
+        out.append(joined)
+    return "\n\n".join(out)
+
+
+def plain_help(spec: StructConstructorSpec) -> StructConstructorSpec:
+    """``spec`` with each field's help text in paragraphs (``_paragraphs``), computed as
+    lazily as tyro computes it."""
+
+    def plain(helptext: Any) -> Any:
+        if isinstance(helptext, str):
+            return _paragraphs(helptext)
+        if callable(helptext):
+            return lambda: None if (text := helptext()) is None else _paragraphs(text)
+        return helptext
+
+    fields = tuple(dataclasses.replace(f, helptext=plain(f.helptext)) for f in spec.fields)
+    return dataclasses.replace(spec, fields=fields)
+
+
+_HELP = ConstructorRegistry()
+"""Every dataclass's options with ``plain_help`` (a caller's registry that builds its own
+specs applies ``plain_help`` itself: its rules come first)."""
+
+
+@_HELP.struct_rule
+def _dataclass_help(info: Any) -> StructConstructorSpec | None:
+    if not dataclasses.is_dataclass(info.type):
+        return None
+    spec = dataclass_rule(info)
+    return None if spec is None else plain_help(spec)
+
+
+def _did_you_mean(cls: Any, unknown: list[str], kwargs: dict[str, Any]) -> str:
+    """`` (did you mean --steps?)`` for the unrecognized flags of ``unknown`` that are close
+    to one of ``cls``'s options; empty where none is."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            keep = ("prog", "description", "default", "registry", "config")
+            with _HELP:
+                parser = tyro.extras.get_parser(cls, **{k: kwargs[k] for k in keep if k in kwargs})
+    except Exception:  # noqa: BLE001 - a tyro without get_parser: no suggestion
+        return ""
+    options = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+    close = []
+    for token in unknown:
+        flag = token.split("=", 1)[0]
+        if flag.startswith("--") and flag not in options:
+            close += difflib.get_close_matches(flag, options, n=1, cutoff=0.75)
+    return f" (did you mean {' or '.join(dict.fromkeys(close))}?)" if close else ""
 
 
 def parse_flags(cls: Any, argv: list[str], **kwargs: Any) -> Any:
@@ -101,7 +178,8 @@ def parse_flags(cls: Any, argv: list[str], **kwargs: Any) -> Any:
     else:
         hook = on_parse_error(_hook)
     try:
-        with hook:
+        with hook, _HELP:
             return tyro.cli(cls, args=argv, **kwargs)
     except _Rejected as r:
-        raise FlagError(str(r)) from None
+        hint = _did_you_mean(cls, r.unknown, kwargs) if r.unknown else ""
+        raise FlagError(f"{r}{hint}") from None
