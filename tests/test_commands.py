@@ -8,6 +8,7 @@ import argparse
 import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -158,6 +159,17 @@ def test_a_run_directory_starts_fresh_and_an_inproc_run_exports(tmp_path, capsys
     assert not missing.parent.parent.exists()
 
 
+def test_the_syncers_help_lists_no_setting_it_refuses():
+    r = _run("syncer", "--help")
+    assert r.returncode == 0, r.stderr
+    flags = set(re.findall(r"(?<![\w-])(--?[\w.-]+)", r.stdout))
+    refused = {"-P", "-H", "--fragments", "--codec", "--fragmentation"}
+    refused |= {"--sync.fragments", "--sync.H", "--sync.codec", "--sync.fragmentation"}
+    assert not flags & refused, sorted(flags & refused)
+    # what it takes is there: its own options and the syncer's share of [sync] and [runtime]
+    assert {"--down-codec", "--tau", "--quorum", "-K", "--checkpoint-dir", "--port"} <= flags
+
+
 def test_the_syncer_refuses_the_learners_settings(tmp_path):
     r = _run("syncer", "-P", "4", "-H", "12", "--codec", "int4", "--port", "0")
     assert r.returncode == 2
@@ -165,6 +177,15 @@ def test_the_syncer_refuses_the_learners_settings(tmp_path):
         "ddiloco syncer: error: -P 4, -H 12, --codec int4: the learners' settings, which a "
         "syncer does not take"
     )
+    # each spelling of them, also with = or attached to a short flag
+    for argv, named in (
+        (["--sync.H=12"], "--sync.H 12"),
+        (["-P4"], "-P 4"),
+        (["--fragmentation", "strided"], "--fragmentation strided"),
+    ):
+        r = _run("syncer", *argv, "--port", "0")
+        assert r.returncode == 2
+        assert r.stderr.startswith(f"ddiloco syncer: error: {named}: the learners' settings")
     # a run file that both the syncer and the learners read may hold them
     cfg = tmp_path / "run.toml"
     cfg.write_text("[sync]\nfragments = 4\nH = 12\ncodec = 'int4'\n")

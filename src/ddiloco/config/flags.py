@@ -77,9 +77,12 @@ def _speeds(args: list[str]) -> tuple[float, ...]:
         ) from None
 
 
-def _registry(taken: frozenset[str] = frozenset()) -> ConstructorRegistry:
+def _registry(
+    taken: frozenset[str] = frozenset(), hidden: frozenset[str] = frozenset()
+) -> ConstructorRegistry:
     """tyro's rules for the configuration: flat aliases (but none of the names in ``taken``,
-    which the command's own options use) and the speeds' comma form."""
+    which the command's own options use), no flag for the section fields named (flat) in
+    ``hidden``, and the speeds' comma form."""
     reg = ConstructorRegistry()
     by_cls = {cls: sec for sec, cls in SECTIONS.items()}
 
@@ -105,7 +108,9 @@ def _registry(taken: frozenset[str] = frozenset()) -> ConstructorRegistry:
         fields = []
         for f in spec.fields:
             flat = next((k for k, v in FLAT.items() if v == (by_cls.get(info.type), f.name)), None)
-            if flat is not None and flat not in taken:
+            if flat is not None and flat in hidden:
+                f = dataclasses.replace(f, type=Annotated[f.type, tyro.conf.Suppress])
+            elif flat is not None and flat not in taken:
                 f = dataclasses.replace(
                     f, type=Annotated[f.type, tyro.conf.arg(aliases=flag_names(flat))]
                 )
@@ -146,11 +151,23 @@ def _base(config: str | None) -> TrainConfig:
         raise ConfigError(str(e)) from None
 
 
-def _cli(cls: type, argv: list[str], default: Any, prog: str, description: str) -> Any:
+def _cli(
+    cls: type,
+    argv: list[str],
+    default: Any,
+    prog: str,
+    description: str,
+    hidden: frozenset[str] = frozenset(),
+) -> Any:
     own = frozenset(f.name for f in dataclasses.fields(cls))  # the command's own options
     try:
         return parse_flags(
-            cls, argv, default=default, prog=prog, description=description, registry=_registry(own)
+            cls,
+            argv,
+            default=default,
+            prog=prog,
+            description=description,
+            registry=_registry(own, hidden),
         )
     except FlagError as e:  # an unparsable value or an unknown flag: one line
         raise ConfigError(str(e)) from None
@@ -225,7 +242,8 @@ def train_config(argv: list[str]) -> tuple[TrainConfig, TrainArgs]:
 LEARNER_SETTINGS = ("fragments", "H", "codec", "fragmentation")
 """[sync] fields a syncer cannot set: the first learner's Init gives the model's
 fragmentation, and each learner's pushes carry their own schedule and codec. ``ddiloco
-syncer`` refuses them as flags (a --config file that the learners also read may hold them)."""
+syncer`` has no flag for them (its --help does not list them) and names them when given (a
+--config file that the learners also read may hold them)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -257,23 +275,27 @@ class SyncerArgs:
     run: Annotated[TrainConfig, tyro.conf.Suppress] = field(default_factory=TrainConfig)
 
 
+def _learner_flags(argv: list[str]) -> list[str]:
+    """``FLAG VALUE`` for each flag of ``LEARNER_SETTINGS`` in ``argv``, as given."""
+    names = {n: f for f in LEARNER_SETTINGS for n in (*flag_names(f), f"--sync.{f}")}
+    found = []
+    for i, a in enumerate(argv):
+        if a == "--":
+            break
+        name, eq, value = a.partition("=")
+        if not eq and len(a) > 2 and a[:2] in names and a[1] != "-":  # -H8
+            name, eq, value = a[:2], "=", a[2:]
+        if name in names:
+            if not eq:
+                value = argv[i + 1] if i + 1 < len(argv) else ""
+            found.append(f"{name} {value}".strip())
+    return found
+
+
 def parse_syncer(argv: list[str]) -> SyncerArgs:
     pre = _pre(argv, "config")
     base = _base(pre.config)
-    args = _cli(
-        SyncerArgs,
-        argv,
-        SyncerArgs(config=pre.config, sync=base.sync, runtime=base.runtime, run=base),
-        "ddiloco syncer",
-        "Run the Decoupled DiLoCo syncer (gRPC). The shared-secret token comes "
-        "from $DDILOCO_TOKEN or --token-file. Its settings are the [sync] and "
-        "[runtime] tables of --config FILE, overridden by flags.",
-    )
-    learners_own = [
-        f"{flag_names(f)[-1] if f in SHORT else flag_names(f)[0]} {getattr(args.sync, f)}"
-        for f in LEARNER_SETTINGS
-        if getattr(args.sync, f) != getattr(base.sync, f)
-    ]
+    learners_own = _learner_flags(argv)
     if learners_own:
         raise ConfigError(
             f"{', '.join(learners_own)}: the learners' settings, which a syncer does not "
@@ -282,6 +304,17 @@ def parse_syncer(argv: list[str]) -> SyncerArgs:
             f"`ddiloco learner` (or put them in the --config file that both read); the "
             f"syncer's own codec is --downlink-codec"
         )
+    # the learners' settings have no flag here (--help does not list them)
+    args = _cli(
+        SyncerArgs,
+        argv,
+        SyncerArgs(config=pre.config, sync=base.sync, runtime=base.runtime, run=base),
+        "ddiloco syncer",
+        "Run the Decoupled DiLoCo syncer (gRPC). The shared-secret token comes "
+        "from $DDILOCO_TOKEN or --token-file. Its settings are the [sync] and "
+        "[runtime] tables of --config FILE, overridden by flags.",
+        hidden=frozenset(LEARNER_SETTINGS),
+    )
     try:
         # a bare syncer does not know M: the quorum alone bounds it
         m = base.learners if pre.config else max(base.learners, args.sync.quorum)
