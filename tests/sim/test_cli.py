@@ -81,12 +81,21 @@ def test_simulate_bad_flags_exit_2_with_a_message(argv, match, capsys):
     assert match in capsys.readouterr().err
 
 
-def test_simulate_grid_writes_png_and_table(tmp_path, capsys):
+def test_simulate_grid_writes_png_and_table(tmp_path, capsys, monkeypatch):
     png = tmp_path / "grid.png"
     assert main(["simulate", "--grid", "--seeds", "2", "--hours", "1", "--png", str(png)]) == 0
     out = capsys.readouterr().out
     assert png.stat().st_size > 10_000
     assert "Decoupled, M = 16" in out and "published" in out
+    assert out.endswith(f"\nwrote {png}\n")
+    # without --png: the table alone, nothing written where it runs
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    argv = ["simulate", "--grid", "--field-costs", "--seeds", "2", "--hours", "1"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "Decoupled, M = 16" in out and "wrote" not in out
+    assert list((tmp_path / "work").iterdir()) == []
 
 
 def test_bandwidth_json(capsys):

@@ -91,9 +91,9 @@ class SimulateArgs:
     ] = ()
     """Override a cost (a field of CostModel), e.g. --set reconfig_s=60 (repeatable)."""
     grid: bool = False
-    """Whole table: every system at 150k..2.4M chips, plus a PNG."""
-    png: str = "goodput_grid.png"
-    """PNG path for --grid."""
+    """Whole table: every system at 150k..2.4M chips (and its plot with --png)."""
+    png: str | None = None
+    """With --grid: also plot the table to this PNG."""
     json: bool = False
     """Print one JSON object, no progress."""
 
@@ -300,7 +300,8 @@ def _run_grid(args: SimulateArgs, costs: CostModel) -> int:
         horizon_s=args.hours * 3600.0,
         progress=not args.json,
     )
-    plot_grid(cells, args.png)
+    if args.png is not None:
+        plot_grid(cells, args.png)
     if args.json:
         print(json.dumps({"cells": [c.as_dict() for c in cells], "png": args.png}))
         return 0
@@ -310,7 +311,8 @@ def _run_grid(args: SimulateArgs, costs: CostModel) -> int:
         print()
         print(table)
         print(f"\nworst |simulated - published| = {worst:.1f} pp")
-    print(f"\nwrote {args.png}")
+    if args.png is not None:
+        print(f"\nwrote {args.png}")
     return 0
 
 
