@@ -168,3 +168,79 @@ def test_mixed_chapters_keep_the_text_and_the_held_out_books(tmp_path):
     heads = [t.split("\n", 1)[0].rsplit(" ", 1)[0] for t in texts[:12]]
     assert len(set(heads)) > 1  # the first chapters already come from several books
     assert sorted(f.name for f in test.iterdir()) == ["08_Ruth.txt", "32_Jonah.txt", "59_James.txt"]
+
+
+_GCIDE_SAMPLE = """
+
+00-database-url
+   ftp://ftp.gnu.org/gnu/gcide
+
+00-database-short
+   The Collaborative International Dictionary of English v.0.48
+
+ This file is part 1 of the GNU version of the dictionary.
+
+Abjure \\Ab*jure"\\, v. t. [imp. & p. p. {Abjured}.]
+   1. To renounce upon oath; to forswear.
+      [1913 Webster]
+
+   2. To renounce or reject with solemnity.
+      [1913 Webster]
+
+Abjurer \\Ab*jur"er\\, n.
+   One who abjures.
+   [1913 Webster]
+
+Zythum \\Zy"thum\\, n. [L., fr. Gr.]
+   A kind of ancient malt beverage.
+   [WordNet 1.5]
+"""
+
+
+def test_the_dictionary_becomes_documents_of_entries_without_source_tags(tmp_path, monkeypatch):
+    """``--with-gcide``: the dictionary's headword entries, grouped into documents in its
+    own order, without the database's header entries or the source tag lines; a share of
+    the documents is held out, the same share for the same seed."""
+    import gzip
+
+    path = tmp_path / "gcide.dict.dz"
+    path.write_bytes(gzip.compress(_GCIDE_SAMPLE.encode()))
+    monkeypatch.setattr(recipe, "GCIDE_ENTRIES_PER_DOC", 2)
+    docs = recipe.gcide_documents(path)
+    assert len(docs) == 2
+    assert docs[0].startswith('Abjure \\Ab*jure"\\, v. t.') and "Abjurer" in docs[0]
+    assert docs[1].startswith("Zythum") and docs[1].endswith("beverage.\n")
+    joined = "".join(docs)
+    assert "[1913 Webster]" not in joined and "[WordNet 1.5]" not in joined
+    assert "00-database" not in joined and "GNU version" not in joined
+    assert "[imp. & p. p. {Abjured}.]" in joined  # brackets inside a line are text
+    for d in ("train", "held_out"):
+        (tmp_path / "out" / "books" / d).mkdir(parents=True)
+    many = [f"entry {i}\n" for i in range(100)]
+    assert recipe.write_gcide(many, tmp_path / "out", seed=0) == (95, 5)
+    held = sorted(p.name for p in (tmp_path / "out" / "books" / "held_out").iterdir())
+    assert len(held) == 5 and len(list((tmp_path / "out" / "books" / "train").iterdir())) == 95
+    for d in ("train", "held_out"):
+        shutil.rmtree(tmp_path / "out" / "books" / d)
+        (tmp_path / "out" / "books" / d).mkdir(parents=True)
+    recipe.write_gcide(many, tmp_path / "out", seed=0)
+    assert sorted(p.name for p in (tmp_path / "out" / "books" / "held_out").iterdir()) == held
+
+
+def test_a_missing_dictionary_without_root_says_what_to_do(tmp_path, monkeypatch):
+    monkeypatch.setattr(recipe.os, "geteuid", lambda: 1000)
+    with pytest.raises(SystemExit, match="apt-get install dict-gcide.*--with-gcide"):
+        recipe.gcide_documents(tmp_path / "absent.dict.dz")
+
+
+def test_the_regime_recipe_merges_each_fragment_100_times_in_under_one_pass():
+    """``bench/real_text/regime.toml``: at least 100 rounds per fragment, and the tokens
+    its M learners read are under the 13.9M training tokens of ``--with-gcide``."""
+    from ddiloco.config.files import loads_config
+
+    text = (BENCH / "regime.toml").read_text()
+    cfg = loads_config(text.replace("bin:data/kjv_gcide", "synthetic"), source="regime.toml")
+    assert cfg.steps // cfg.sync.H >= 100
+    tokens = cfg.learners * cfg.steps * cfg.data.batch_size * cfg.data.block_size
+    assert tokens < 13_895_363  # data/kjv_gcide: 14,617,076 tokens, the last 721,713 held out
+    assert cfg.data.sharding == "interleaved"

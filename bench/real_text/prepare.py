@@ -69,22 +69,73 @@ _VERSE = re.compile(r"^ {2}(\d+) (.*)$")
 def bible_text(passage: str = PASSAGE) -> str:
     """What ``bible PASSAGE`` prints, installing Debian's ``bible-kjv`` first where it is
     missing and this process may (root, apt-get present)."""
+    _install("bible-kjv", shutil.which("bible") is None)
     if shutil.which("bible") is None:
-        if os.geteuid() == 0 and shutil.which("apt-get"):
-            print("installing Debian's bible-kjv (apt-get install -y bible-kjv)", file=sys.stderr)
-            env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-            r = subprocess.run(["apt-get", "install", "-y", "bible-kjv"], env=env)
-            if r.returncode != 0:  # a stale package list: refresh once
-                subprocess.run(["apt-get", "update"], env=env, check=False)
-                subprocess.run(["apt-get", "install", "-y", "bible-kjv"], env=env, check=False)
-        if shutil.which("bible") is None:
-            raise SystemExit(
-                "the `bible` command (Debian package bible-kjv) is not installed: run "
-                "`sudo apt-get install bible-kjv` (Debian, Ubuntu), or pass --books "
-                f"{HERE / 'sample'} to prepare the checked-in sample instead"
-            )
+        raise SystemExit(
+            "the `bible` command (Debian package bible-kjv) is not installed: run "
+            "`sudo apt-get install bible-kjv` (Debian, Ubuntu), or pass --books "
+            f"{HERE / 'sample'} to prepare the checked-in sample instead"
+        )
     r = subprocess.run(["bible", passage], capture_output=True, text=True, check=True)
     return r.stdout
+
+
+GCIDE = Path("/usr/share/dictd/gcide.dict.dz")
+"""Debian's dict-gcide: the Collaborative International Dictionary of English (Webster's
+Revised Unabridged of 1913 and WordNet; GPL 2 or later), 40 MB of text in dictzip
+(gzip) form."""
+GCIDE_ENTRIES_PER_DOC = 500
+"""Consecutive dictionary entries per document (about 90 KB each)."""
+GCIDE_HELD_OUT = 0.05
+"""Share of the dictionary's documents held out, drawn by a fixed seed."""
+_SOURCE_TAG = re.compile(r"^\s*\[[^\]]{1,40}\]\s*$")
+_ENTRY = re.compile(r"\n\n(?=\S)")
+
+
+def _install(package: str, missing: bool) -> None:
+    """``apt-get install -y PACKAGE`` where it is ``missing`` and this process is root."""
+    if not missing or os.geteuid() != 0 or not shutil.which("apt-get"):
+        return
+    print(f"installing Debian's {package} (apt-get install -y {package})", file=sys.stderr)
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    if subprocess.run(["apt-get", "install", "-y", package], env=env).returncode != 0:
+        subprocess.run(["apt-get", "update"], env=env, check=False)  # a stale package list
+        subprocess.run(["apt-get", "install", "-y", package], env=env, check=False)
+
+
+def gcide_documents(path: Path = GCIDE) -> list[str]:
+    """The dictionary as documents of ``GCIDE_ENTRIES_PER_DOC`` consecutive entries, in its
+    own (alphabetical) order: the database's header entries (``00-database-*``) and the
+    source tags on lines of their own (``[1913 Webster]``, ``[WordNet 1.5]``, ``[PJC]``:
+    a third of its lines, and no language) dropped."""
+    import gzip
+
+    _install("dict-gcide", not path.exists())
+    if not path.exists():
+        raise SystemExit(
+            f"{path} (Debian package dict-gcide) is not there: run `sudo apt-get install "
+            f"dict-gcide` (Debian, Ubuntu), or leave out --with-gcide"
+        )
+    text = gzip.decompress(path.read_bytes()).decode("utf-8", errors="replace")
+    lines = [ln.rstrip() for ln in text.splitlines() if not _SOURCE_TAG.match(ln)]
+    entries = [e.strip("\n") for e in _ENTRY.split("\n".join(lines))]
+    entries = [e for e in entries if e.strip() and not e.lstrip().startswith("00-database")]
+    # the licence and front matter come first, as an entry of their own; keep only entries
+    # that start with a headword (``Word \Pro*nun"ci*a*tion\``)
+    entries = [e for e in entries if "\\" in e.split("\n", 1)[0]]
+    n = GCIDE_ENTRIES_PER_DOC
+    return ["\n\n".join(entries[i : i + n]) + "\n" for i in range(0, len(entries), n)]
+
+
+def write_gcide(docs: list[str], out: Path, seed: int = 0) -> tuple[int, int]:
+    """The dictionary's documents into OUT/books/train and OUT/books/held_out (a
+    ``GCIDE_HELD_OUT`` share drawn by ``seed``); returns (training, held-out) counts."""
+    k = max(1, round(len(docs) * GCIDE_HELD_OUT))
+    held = set(random.Random(seed).sample(range(len(docs)), k))
+    for i, d in enumerate(docs):
+        where = "held_out" if i in held else "train"
+        (out / "books" / where / f"gcide_{i:04d}.txt").write_text(d, encoding="utf-8")
+    return len(docs) - k, k
 
 
 def split_books(text: str) -> dict[str, str]:
@@ -191,6 +242,12 @@ def main(argv: list[str] | None = None) -> int:
         help="write the training books' chapters in a random order of SEED, so that every "
         "learner's shard mixes all kinds of book (default: whole books in canonical order, "
         "so each learner gets a run of consecutive books)",
+    )
+    ap.add_argument(
+        "--with-gcide",
+        action="store_true",
+        help="add Debian's dict-gcide dictionary (40 MB, about 10M tokens; 5%% of it held "
+        "out): a corpus that one run in the DiLoCo family's regime does not read twice",
     )
     ap.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     args = ap.parse_args(argv)

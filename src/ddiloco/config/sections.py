@@ -74,8 +74,9 @@ def fraction(name: str, value: float) -> None:
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
     name: str = "gpt_tiny"
-    """Model preset: gpt_tiny, gpt_small, gpt_100m, gpt_125m, moe_tiny, moe_small (language
-    models), vit_digits, vit_tiny_rgb (image classifiers; see ``ddiloco.models``)."""
+    """Model preset: gpt_tiny, gpt_mini, gpt_3m, gpt_small, gpt_100m, gpt_125m, moe_tiny,
+    moe_small (language models), vit_digits, vit_tiny_rgb (image classifiers; see
+    ``ddiloco.models``)."""
 
     def __post_init__(self) -> None:
         from ddiloco.models import MODEL_PRESETS

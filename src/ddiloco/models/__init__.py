@@ -16,7 +16,16 @@ from typing import Any, Literal
 
 import torch.nn as nn
 
-from ddiloco.models.gpt import GPT, GPTConfig, gpt_100m, gpt_125m, gpt_small, gpt_tiny
+from ddiloco.models.gpt import (
+    GPT,
+    GPTConfig,
+    gpt_3m,
+    gpt_100m,
+    gpt_125m,
+    gpt_mini,
+    gpt_small,
+    gpt_tiny,
+)
 from ddiloco.models.moe import MoEConfig, MoEGPT, moe_small, moe_tiny
 from ddiloco.models.vit import ViT, ViTConfig, vit_digits, vit_tiny_rgb
 
@@ -24,6 +33,8 @@ __all__ = [
     "GPT",
     "GPTConfig",
     "gpt_tiny",
+    "gpt_mini",
+    "gpt_3m",
     "gpt_small",
     "gpt_100m",
     "gpt_125m",
@@ -82,6 +93,8 @@ def register_model(
 
 
 register_model("gpt_tiny", gpt_tiny, GPT, "text")
+register_model("gpt_mini", gpt_mini, GPT, "text")
+register_model("gpt_3m", gpt_3m, GPT, "text")
 register_model("gpt_small", gpt_small, GPT, "text")
 register_model("gpt_100m", gpt_100m, GPT, "text")
 register_model("gpt_125m", gpt_125m, GPT, "text")

@@ -80,6 +80,18 @@ def gpt_tiny() -> GPTConfig:
     return GPTConfig()
 
 
+def gpt_mini() -> GPTConfig:
+    """~0.8M parameters besides the embeddings: 4 layers, width 128, 4 heads, context 128
+    (1.3M in all at a vocabulary of 2048)."""
+    return GPTConfig(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=128)
+
+
+def gpt_3m() -> GPTConfig:
+    """~2.7M parameters besides the embeddings: 6 layers, width 192, 6 heads, context 128
+    (3.4M in all at a vocabulary of 2048)."""
+    return GPTConfig(vocab_size=256, block_size=128, n_layer=6, n_head=6, n_embd=192)
+
+
 def gpt_small() -> GPTConfig:
     """~10.8M parameters: 6 layers, width 384, byte vocabulary (256), context 256."""
     return GPTConfig(vocab_size=256, block_size=256, n_layer=6, n_head=6, n_embd=384)
