@@ -257,6 +257,15 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     books = read_books(args.books) if args.books else split_books(bible_text())
     train, test, present = write_split(books, args.out, tuple(args.held_out), args.mix_chapters)
+    extra, n_gcide = "", 0
+    if args.with_gcide:
+        docs = gcide_documents()
+        n_train, n_held = write_gcide(docs, args.out)
+        n_gcide = sum(len(d.encode("utf-8")) for d in docs)
+        extra = (
+            f"; dictionary: {len(docs)} documents ({n_gcide:,} bytes), {n_held} held out, "
+            f"{n_train} for training"
+        )
     tok = args.out / "tokenizer.json"
     tok.unlink(missing_ok=True)  # trained afresh on these training books
     r = prepare(
@@ -268,9 +277,10 @@ def main(argv: list[str] | None = None) -> int:
         progress=not args.no_progress,
     )
     n_bytes = sum(len(t.encode("utf-8")) for t in books.values())
+    n_all = n_bytes + n_gcide
     print(
-        f"{len(books)} books ({n_bytes:,} bytes), held out: {', '.join(present)}; "
-        f"{r.n_tokens:,} tokens ({n_bytes / r.n_tokens:.2f} bytes per token), the last "
+        f"{len(books)} books ({n_bytes:,} bytes), held out: {', '.join(present)}{extra}; "
+        f"{r.n_tokens:,} tokens ({n_all / r.n_tokens:.2f} bytes per token), the last "
         f"{r.eval_tokens:,} held out; vocabulary {r.vocab_size}; "
         f"{time.perf_counter() - t0:.1f} s\n"
         f"(ddiloco prepare {train} --held-out {test} --tokenizer {tok} "
