@@ -6,6 +6,8 @@ held out, a byte-level BPE trained by ``ddiloco prepare`` on the training books 
         --vocab-size 512                                       # the checked-in sample
     ddiloco train --config bench/real_text/run.toml --data bin:data/kjv [--method dp]
 
+Needs the tokenizer's package (``pip install 'ddiloco[text]'``).
+
 The text comes from ``bible "Gen1:1-Rev22:21"`` (Debian's ``bible-kjv``, installed here
 with apt-get when it is missing and this process is root), or from ``--books DIR``, a folder
 of book files as this script writes them (``bench/real_text/sample`` is one). Each book
@@ -291,4 +293,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    try:
+        raise SystemExit(main())
+    except ImportError as e:  # the tokenizer's package: one line that says what to install
+        print(f"prepare.py: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -24,7 +24,8 @@ names and sizes, the tokenizer's path, ``eval_tokens`` where there are held-out 
 ``bin:FOLDER`` reads it back
 (:func:`ddiloco.data.text.load_token_bin`), memory-mapped.
 
-Needs ``tokenizers`` (``pip install ddiloco[hf]``); ``hf:`` sources need ``datasets``.
+Needs ``tokenizers`` (``pip install 'ddiloco[text]'``, also part of ``[hf]``); ``hf:``
+sources need ``datasets`` (``[hf]``).
 """
 
 from __future__ import annotations
@@ -138,7 +139,7 @@ def _import_tokenizers() -> None:
         import tokenizers  # noqa: F401
     except ImportError as e:
         raise ImportError(
-            "ddiloco prepare needs the 'tokenizers' package: pip install ddiloco[hf]"
+            "ddiloco prepare needs the 'tokenizers' package: pip install 'ddiloco[text]'"
         ) from e
 
 
