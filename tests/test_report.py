@@ -351,3 +351,15 @@ def test_the_ledger_bars_end_inside_their_axes_with_their_totals(tmp_path):
 
 def _label_one(run) -> None:
     run.label = f"{run.path.name} ({run.method})"
+
+
+def test_the_report_page_names_every_x_axis():
+    import re
+
+    from ddiloco.report import X_AXES
+
+    page = (Path(__file__).resolve().parent.parent / "docs" / "report.md").read_text()
+    usage = re.search(r"--x-axis ([a-z|]+)\]", page)
+    assert usage is not None and tuple(usage.group(1).split("|")) == X_AXES
+    for axis in X_AXES:
+        assert f"`--x-axis {axis}`" in page or axis == "tokens"

@@ -620,8 +620,9 @@ _HEAD = (
 )
 
 _CAPTIONS = {
-    "loss.png": "Eval loss of the global model against tokens; dashed: each run's entropy "
-    "floor; star: final eval loss.",
+    "loss.png": "Eval loss of the global model against the tokens trained (markers, joined "
+    "where a run has three or more evaluations); dotted: the learners' training loss where "
+    "a run has fewer; dashed: each run's entropy floor; star: final eval loss.",
     "goodput.png": "Cumulative goodput: learner time credited by merges (1/P of a learner's "
     "up-time since its last credit for that fragment or its last failure) over "
     "M x elapsed time; "
