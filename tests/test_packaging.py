@@ -48,3 +48,22 @@ def test_the_readme_names_every_dependency_and_extra() -> None:
     missing = [n for n in wanted if n not in text]
     missing += [f"[{x}]" for x in project["optional-dependencies"] if f"`[{x}]`" not in text]
     assert not missing, f"README.md's install paragraph does not name {missing}"
+
+
+@pytest.mark.timeout(120)
+def test_the_build_configuration_is_read_without_deprecation_warnings(tmp_path) -> None:
+    """setuptools reads pyproject.toml and setup.py (as ``pip install`` and ``make train``
+    do on a fresh clone) without a deprecation warning, e.g. for a license given as a
+    TOML table."""
+    for name in ("pyproject.toml", "setup.py", "README.md"):
+        shutil.copy(ROOT / name, tmp_path / name)
+    r = subprocess.run(
+        [sys.executable, "-W", "always", "setup.py", "--name"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "ddiloco"
+    assert "Deprecat" not in r.stdout + r.stderr, r.stderr
