@@ -1,12 +1,14 @@
 """Every library default equals the run configuration's.
 
-The run configuration (``ddiloco.config``) declares each default once; the library's own
-entry points take the same values: ``DecoupledLearner``'s keyword arguments,
-``SyncerServerConfig`` and the data port's ``BulkLimits``, the syncer state machine's
-``SyncerConfig``, the policy's ``PolicyConfig``, ``LearnerSync``, the simulator's policy
-fields and the flags of ``ddiloco syncer`` and ``ddiloco learner``. Each comparison fails
-naming the library field and the configuration field that drifted apart; the negative
-controls drift one value on purpose and check that it is named.
+Each default is declared once. The algorithm's and the transport's are declared in their
+own dataclasses and read by the run configuration (``ddiloco.config``): the policy's
+``PolicyConfig``, the outer optimizer's ``OuterNesterov``, the syncer state machine's
+``SyncerConfig``, ``LearnerSync``, the data port's ``BulkLimits``. The rest are declared by
+the configuration and read by the library's own entry points: ``DecoupledLearner``'s
+keyword arguments, ``SyncerServerConfig``, the simulator's policy fields and the flags of
+``ddiloco syncer`` and ``ddiloco learner``. The tests compare them all, whichever way. Each
+comparison fails naming the library field and the configuration field that drifted apart;
+the negative controls drift one value on purpose and check that it is named.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 import pytest
 
 from ddiloco.algorithm.learner_state import LearnerSync
+from ddiloco.algorithm.merge import OuterNesterov
 from ddiloco.algorithm.policy import PolicyConfig
 from ddiloco.algorithm.syncer_state import SyncerConfig
 from ddiloco.config import RuntimeConfig, SyncConfig, TrainConfig
@@ -121,6 +124,9 @@ def test_algorithm_defaults_are_the_configuration():
     policy = {n: getattr(sync, n) for n in ("quorum", "grace", "gamma", "tau")}
     assert drift("PolicyConfig", fields_of(PolicyConfig()), policy) == []
     assert policy["gamma"] == 0.8
+    outer = {"lr": sync.outer_lr, "momentum": sync.outer_momentum}
+    assert drift("OuterNesterov", fields_of(OuterNesterov()), outer) == []
+    assert outer == {"lr": 0.7, "momentum": 0.9}
     assert drift("SimConfig", fields_of(SimConfig()), policy) == []
     assert (
         drift(

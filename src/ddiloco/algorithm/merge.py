@@ -311,7 +311,9 @@ class OuterNesterov:
     """SGD with Nesterov momentum on outer gradients, one state per fragment tensor.
 
     Same update as ``torch.optim.SGD(lr, momentum, nesterov=True)``:
-    ``b <- mu*b + g``; ``theta <- theta - lr*(g + mu*b)``.
+    ``b <- mu*b + g``; ``theta <- theta - lr*(g + mu*b)``. Its defaults are the run's
+    (``SyncerConfig`` and the configuration's ``sync.outer_lr``, ``sync.outer_momentum``
+    read them), and every method builds it through ``SyncerConfig.outer_optimizer``.
     """
 
     lr: float = 0.7

@@ -79,6 +79,8 @@ ANCHORS = ("current", "base")
 FINAL_MERGES = ("average", "nesterov", "sgd", "none")
 """How the last, partial round of a run is merged (``SyncerConfig.final_merge``; the
 synchronous baselines take the same setting)."""
+_OUTER = OuterNesterov()
+"""The outer optimizer's declared defaults (lr, momentum)."""
 DEFAULT_NORM_CLIP = 2.5
 """The merge guard's default bound, in medians (docs/results/reliability.md: it clipped no
 push of the default run nor of ``--preset failures``, and halved a wild learner's damage)."""
@@ -90,9 +92,9 @@ class SyncerConfig:
     """Quorum K, grace window (gamma, tau)."""
     merge_rule: str = "rda"
     """``rda`` (radial-directional, embeddings averaged) or ``average`` (plain weighted)."""
-    outer_lr: float = 0.7
+    outer_lr: float = _OUTER.lr
     """Outer Nesterov SGD learning rate."""
-    outer_momentum: float = 0.9
+    outer_momentum: float = _OUTER.momentum
     """Outer Nesterov SGD momentum."""
     max_staleness: int = 16
     """A push whose base version is more than this many versions behind is dropped."""
@@ -141,7 +143,14 @@ class SyncerConfig:
             raise ValueError(f"final_merge must be one of {FINAL_MERGES}, got {self.final_merge!r}")
         if self.anchor == "base" and self.history < self.max_staleness:
             self.history = self.max_staleness
-        OuterNesterov(lr=self.outer_lr, momentum=self.outer_momentum)  # validates
+        self.outer_optimizer()  # validates
+
+    def outer_optimizer(self, final: str | None = None) -> OuterNesterov:
+        """The outer optimizer of every method (DiLoCo, Streaming, Decoupled): Nesterov SGD
+        at ``outer_lr`` and ``outer_momentum``; for a final round merged ``sgd``
+        (``final_merge``), the same step without momentum."""
+        momentum = 0.0 if final == "sgd" else self.outer_momentum
+        return OuterNesterov(lr=self.outer_lr, momentum=momentum)
 
 
 @dataclass(slots=True)
@@ -277,7 +286,7 @@ class SyncerState:
         self.config = config or SyncerConfig()
         self.fragmentation = fragmentation
         self.policy = QuorumGracePolicy(self.config.policy)
-        self.outer = OuterNesterov(lr=self.config.outer_lr, momentum=self.config.outer_momentum)
+        self.outer = self.config.outer_optimizer()
         missing = [
             n
             for p, f in enumerate(fragmentation.fragments)
@@ -767,7 +776,7 @@ class SyncerState:
                 all_final = final == "average"
                 outer = self.outer
                 if final == "sgd":  # the outer gradient's own step, no momentum
-                    outer = OuterNesterov(lr=self.outer.lr, momentum=0.0)
+                    outer = self.config.outer_optimizer(final)
                 for j in range(len(theta0)):
                     if folds is not None:
                         g = folds[j].take()

@@ -9,7 +9,6 @@ import torch
 from tqdm import tqdm
 
 from ddiloco.algorithm.merge import (
-    OuterNesterov,
     alpha_mix,
     merge_outer_gradients,
     token_weight,
@@ -151,13 +150,12 @@ def run_dp(cfg: TrainConfig, ctx) -> dict:
     return {**clock.result(), "bytes_up": total, "bytes_down": total, "merges": cfg.steps}
 
 
-def _outer_step(
-    global_params, names, embedding, workers, outer, momentum, rule, tokens, final=None
-):
-    """Merge every learner's fragment ``names`` into the global parameters (equal steps).
-    ``final``: the run's last, partial round, merged as ``sync.final_merge`` says (the
-    learners' average, a regular or a momentum-free outer step, or left out), as the
-    decoupled syncer merges its learners' final pushes."""
+def _outer_step(global_params, names, embedding, workers, sync, momentum, rule, tokens, final=None):
+    """Merge every learner's fragment ``names`` into the global parameters (equal steps),
+    with the outer optimizer of ``sync`` (the run's ``SyncerConfig``, as the decoupled
+    syncer's). ``final``: the run's last, partial round, merged as ``sync.final_merge``
+    says (the learners' average, a regular or a momentum-free outer step, or left out), as
+    the decoupled syncer merges its learners' final pushes."""
     if final == "none":
         return
     if final == "average":
@@ -170,8 +168,7 @@ def _outer_step(
     deltas = [[global_params[n] - w.params[n].detach() for n in names] for w in workers]
     weights = [token_weight(tokens, 1)] * len(workers)
     update = merge_outer_gradients(deltas, weights, embedding, rule)
-    if final == "sgd":
-        outer = OuterNesterov(lr=outer.lr, momentum=0.0)
+    outer = sync.outer_optimizer(final)
     outer.step([global_params[n] for n in names], update, [momentum[n] for n in names])
 
 
@@ -185,7 +182,7 @@ def run_diloco(cfg: TrainConfig, ctx) -> dict:
     embedding = [n in emb for n in names]
     glob = {n: p.detach().clone().float() for n, p in ctx.global_model.named_parameters()}
     momentum = {n: torch.zeros_like(t) for n, t in glob.items()}
-    outer = OuterNesterov(lr=cfg.sync.outer_lr, momentum=cfg.sync.outer_momentum)
+    sync = cfg.sync.syncer_config()
     numel = _model_numel(ctx.global_model)
     sync_bytes = _ring_bytes(M, world.up_codec.nbytes(numel))
     clock = _Clock(cfg, world, M)
@@ -211,7 +208,7 @@ def run_diloco(cfg: TrainConfig, ctx) -> dict:
             names,
             embedding,
             workers,
-            outer,
+            sync,
             momentum,
             cfg.sync.merge_rule,
             workers[0].tokens_per_step,
@@ -242,7 +239,7 @@ def run_streaming(cfg: TrainConfig, ctx) -> dict:
     sched = FragmentSchedule(P=frag.P, H=cfg.sync.H, tau=cfg.sync.tau)
     glob = {n: p.detach().clone().float() for n, p in ctx.global_model.named_parameters()}
     momentum = {n: torch.zeros_like(t) for n, t in glob.items()}
-    outer = OuterNesterov(lr=cfg.sync.outer_lr, momentum=cfg.sync.outer_momentum)
+    sync = cfg.sync.syncer_config()
     clock = _Clock(cfg, world, M)
     installs: dict[int, list[tuple[int, dict]]] = {}
     since = [0] * frag.P  # steps since fragment p was last merged
@@ -257,7 +254,7 @@ def run_streaming(cfg: TrainConfig, ctx) -> dict:
             f.names,
             f.embedding,
             workers,
-            outer,
+            sync,
             momentum,
             cfg.sync.merge_rule,
             workers[0].tokens_per_step * max(1, since[p]),
