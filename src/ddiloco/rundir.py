@@ -16,7 +16,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-__all__ = ["RUN_FILES", "FINAL_MODEL", "MODEL_FILE", "fresh_run_dir"]
+__all__ = ["RUN_FILES", "FINAL_MODEL", "MODEL_FILE", "TOKEN_FILE", "fresh_run_dir"]
 
 FINAL_MODEL = "final_model.safetensors"
 """The in-process engine's final global model (the real runtime's is its syncer's
@@ -27,6 +27,10 @@ MODEL_FILE = "model.json"
 when a run of the real runtime starts: ``ddiloco export`` and ``ddiloco.load_model`` build
 the model from it without the run's data."""
 
+TOKEN_FILE = "token"
+"""The run's shared secret (mode 0600), written by the local launcher for ``ddiloco status
+RUN_DIR``; the syncer and learners take it from the environment."""
+
 RUN_FILES = (
     "config.toml",
     "config.json",
@@ -36,6 +40,7 @@ RUN_FILES = (
     "chaos.jsonl",
     FINAL_MODEL,
     MODEL_FILE,
+    TOKEN_FILE,
     "syncer*.port",
     "syncer*.metrics.jsonl",
     "checkpoint",

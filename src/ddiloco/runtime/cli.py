@@ -168,8 +168,15 @@ def _exit_island_rank() -> None:
 
 # -- status ----------------------------------------------------------------------------------
 def add_status_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("status", help="show a syncer's learners, versions and goodput")
-    p.add_argument("address", help="HOST:PORT of the syncer")
+    p = subparsers.add_parser(
+        "status",
+        help="show a syncer's learners, versions and goodput",
+        description="Show a syncer's learners, fragment versions and goodput so far. TARGET is "
+        "HOST:PORT of a syncer (token from $DDILOCO_TOKEN or --token-file), or the run "
+        "directory of a `ddiloco train` run: its syncer's address and token are read from "
+        "it, and a run that is over is summarised from what the directory records.",
+    )
+    p.add_argument("address", metavar="RUN_DIR_OR_HOST:PORT", help="a run directory or a syncer")
     p.add_argument("--token-file")
     p.add_argument("--tls-ca")
     p.add_argument("--json", action="store_true", help="print the raw JSON")
@@ -180,27 +187,56 @@ def add_status_parser(subparsers) -> argparse.ArgumentParser:
 def cmd_status(args) -> int:
     import grpc
 
-    from ddiloco.runtime.launch.status import fetch_status, format_status
+    from ddiloco.runtime.launch.status import (
+        StatusTargetError,
+        fetch_status,
+        format_finished_run,
+        format_status,
+        run_dir_target,
+    )
     from ddiloco.runtime.learner.client import rpc_code, rpc_details
 
-    try:
-        st = fetch_status(args.address, token_file=args.token_file, tls_ca=args.tls_ca)
-    except grpc.RpcError as e:
-        code, why = rpc_code(e), rpc_details(e).rsplit(": ", 1)[-1]
-        if code == grpc.StatusCode.UNAUTHENTICATED:
-            msg = f"the syncer at {args.address} refused the token ({why})"
-        elif code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-            msg = (
-                f"no syncer answers at {args.address} ({code.name}: {why}); check the "
-                f"address, that it runs, and --tls-ca for a TLS syncer"
-            )
-        else:
-            msg = f"the syncer at {args.address} answered {code.name}: {why}"
+    def error(msg: str) -> int:
         print(f"ddiloco status: error: {msg}", file=sys.stderr)
         return 2
+
+    address, token_file, tls_ca, where = args.address, args.token_file, args.tls_ca, ""
+    try:
+        target = run_dir_target(args.address, token_file=token_file, tls_ca=tls_ca)
+    except StatusTargetError as e:
+        return error(str(e))
+    if target is not None:
+        if target.summary is not None:  # the run is over: what its directory records
+            print(
+                json.dumps(target.summary, indent=2)
+                if args.json
+                else format_finished_run(args.address, target.summary)
+            )
+            return 0
+        address, token_file, tls_ca = target.address, target.token_file, target.tls_ca
+        where = f", the address {args.address} records"
+    try:
+        st = fetch_status(address, token_file=token_file, tls_ca=tls_ca)
+    except grpc.RpcError as e:
+        code = rpc_code(e)
+        # the innermost reason, without the brackets of the gRPC core's nested messages
+        why = rpc_details(e).rsplit(": ", 1)[-1].strip().rstrip("]").strip()
+        if code == grpc.StatusCode.UNAUTHENTICATED:
+            return error(f"the syncer at {address}{where} refused the token ({why})")
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            if where:
+                return error(
+                    f"no syncer answers at {address}{where} ({code.name}: {why}): the run "
+                    f"is not running, and it ended without a summary.json (stopped by a "
+                    f"signal or a crash; its logs/ tell)"
+                )
+            return error(
+                f"no syncer answers at {address} ({code.name}: {why}); check the address, "
+                f"that it runs, and --tls-ca for a TLS syncer"
+            )
+        return error(f"the syncer at {address}{where} answered {code.name}: {why}")
     except (ValueError, OSError) as e:  # no token, an unreadable token or CA file
-        print(f"ddiloco status: error: {e}", file=sys.stderr)
-        return 2
+        return error(str(e))
     print(json.dumps(st, indent=2) if args.json else format_status(st))
     return 0
 

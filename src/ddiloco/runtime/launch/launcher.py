@@ -248,12 +248,18 @@ class Launcher:
         return self.out / CONFIG_FILE
 
     def write_config(self) -> Path:
-        """Write the resolved run configuration that the syncers and learners read, and the
-        run's model record (``rundir.MODEL_FILE``, what ``ddiloco.load_model`` builds)."""
+        """Write the resolved run configuration that the syncers and learners read, the
+        run's model record (``rundir.MODEL_FILE``, what ``ddiloco.load_model`` builds) and
+        its token (``rundir.TOKEN_FILE``, mode 0600: ``ddiloco status RUN_DIR`` reads it)."""
         from ddiloco.config import dump_config
+        from ddiloco.rundir import TOKEN_FILE
         from ddiloco.runtime.export import write_model_record
+        from ddiloco.runtime.transport.auth import TOKEN_ENV
 
         write_model_record(self.cfg, self.out)
+        fd = os.open(self.out / TOKEN_FILE, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.env[TOKEN_ENV] + "\n")
         return dump_config(self.cfg, self.config_path)
 
     def _syncer_cmd(self, resume: bool, k: int = 0) -> list[str]:

@@ -1,11 +1,129 @@
-"""``ddiloco status HOST:PORT``: learners, their state, fragment versions, goodput so far."""
+"""``ddiloco status RUN_DIR_OR_HOST:PORT``: learners, their state, fragment versions,
+goodput so far; of a run directory, its syncer's (address and token read from the
+directory), or, once the run is over, what the directory records."""
 
 from __future__ import annotations
 
-from ddiloco.runtime.observe.accounting import goodput_so_far, learner_totals
-from ddiloco.runtime.transport.auth import load_token
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
 
-__all__ = ["fetch_status", "format_status"]
+from ddiloco.runtime.observe.accounting import goodput_so_far, learner_totals
+from ddiloco.runtime.transport.auth import TOKEN_ENV, load_token
+
+__all__ = [
+    "RunTarget",
+    "StatusTargetError",
+    "fetch_status",
+    "format_finished_run",
+    "format_status",
+    "run_dir_target",
+]
+
+_ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):\d{1,5}$")
+
+
+class StatusTargetError(ValueError):
+    """``ddiloco status`` cannot tell whose status to show; the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class RunTarget:
+    """What a run directory says about its syncer: ``summary`` (summary.json) once the run
+    is over, else the address, token file and CA to ask it with."""
+
+    summary: dict | None = None
+    address: str = ""
+    token_file: str | None = None
+    tls_ca: str | None = None
+
+
+def run_dir_target(
+    target: str, *, token_file: str | None = None, tls_ca: str | None = None
+) -> RunTarget | None:
+    """None for ``HOST:PORT``; for a run directory of ``ddiloco train``, its summary once
+    the run is over, else its syncer's address (``runtime.host`` of its config.toml, the
+    port in ``syncer.port``), token (``--token-file``, else the run's ``token`` file, else
+    ``$DDILOCO_TOKEN``) and CA (``runtime.tls_ca``). Anything else is an error."""
+    from ddiloco.config import CONFIG_FILE, load_config
+    from ddiloco.rundir import TOKEN_FILE
+
+    run = Path(target)
+    if not run.is_dir():
+        if _ADDRESS.match(target):
+            return None
+        raise StatusTargetError(
+            f"{target} is neither a run directory nor a syncer's HOST:PORT (e.g. "
+            f"`ddiloco status runs/latest` or `ddiloco status 127.0.0.1:50051`)"
+        )
+    summary = run / "summary.json"
+    if summary.is_file():
+        try:
+            return RunTarget(summary=json.loads(summary.read_text()))
+        except (OSError, ValueError) as e:
+            raise StatusTargetError(f"{summary} is not readable ({e})") from None
+    if not (run / CONFIG_FILE).is_file():
+        raise StatusTargetError(
+            f"{run} is not a run directory (no {CONFIG_FILE}): give the --out of a "
+            f"`ddiloco train` run or a syncer's HOST:PORT"
+        )
+    port_file = next(
+        (run / n for n in ("syncer.port", "syncer_0.port") if (run / n).is_file()), None
+    )
+    if port_file is None:
+        raise StatusTargetError(
+            f"{run} records no syncer address (no syncer.port): its run has not started a "
+            f"syncer yet, or runs in-process (no syncer); give a syncer's HOST:PORT"
+        )
+    try:
+        cfg = load_config(run / CONFIG_FILE)
+        port = int(port_file.read_text().strip())
+    except (OSError, ValueError) as e:
+        raise StatusTargetError(f"{run}: {e}") from None
+    host = cfg.runtime.host
+    host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    if token_file is None and (run / TOKEN_FILE).is_file():
+        token_file = str(run / TOKEN_FILE)
+    if token_file is None and not os.environ.get(TOKEN_ENV, "").strip():
+        raise StatusTargetError(
+            f"{run} holds no token for its syncer at {address}: set ${TOKEN_ENV} to the "
+            f"run's token or pass --token-file"
+        )
+    return RunTarget(address=address, token_file=token_file, tls_ca=tls_ca or cfg.runtime.tls_ca)
+
+
+def format_finished_run(run: str, s: dict) -> str:
+    """A finished run, from its summary.json: one line that it is over, then what it
+    records."""
+    state = (
+        "interrupted (Ctrl-C)"
+        if s.get("interrupted")
+        else ("FAILED (see logs/)" if s.get("ok") is False else "finished")
+    )
+
+    def num(x, fmt: str) -> str:
+        return "n/a" if x is None else format(x, fmt)
+
+    rows = [
+        ("method", f"{s.get('method')} ({s.get('engine')}, M={s.get('learners')}), {state}"),
+        ("inner steps / learner", f"{s.get('steps')}"),
+        (
+            "eval loss",
+            f"{num(s.get('initial_eval_loss'), '.4f')} -> {num(s.get('final_eval_loss'), '.4f')}",
+        ),
+        ("goodput", num(s.get("goodput"), ".3f")),
+        ("merges", f"{s.get('merges')}"),
+        ("wall time", f"{num(s.get('wall_s'), '.1f')} s"),
+    ]
+    w = max(len(k) for k, _ in rows)
+    return "\n".join(
+        [f"the run in {run} is over: no syncer runs for it; its summary.json records:"]
+        + [f"  {k:<{w}}  {v}" for k, v in rows]
+        + [f"(ddiloco report {run} for more)"]
+    )
 
 
 def fetch_status(
