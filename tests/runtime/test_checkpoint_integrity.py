@@ -9,6 +9,7 @@ import hashlib
 import io
 import json
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import time
 
 import pytest
 import torch
-from runtime_helpers import SyncerProcess, init_syncer, tiny_model
+from runtime_helpers import SyncerProcess, init_syncer, live_syncer, tiny_model
 from safetensors import safe_open
 
 from ddiloco.algorithm.codecs import get_codec
@@ -88,10 +89,13 @@ def test_checksum_finite_check_fallback_and_temp_cleanup(tmp_path, caplog):
         load_checkpoint(tmp_path / "nan.json")
     d = tmp_path / "stale"
     save_atomic(_snap(1), d / "syncer.json")
+    save_atomic(_snap(2), d / "syncer.json")
+    (d / "syncer.json.1").unlink()  # syncer-000001: older than the newest, named by none
     (d / ".syncer.json.tmp.12345").write_bytes(b"partial")
-    (d / "syncer-000099").mkdir()  # a killed writer's fragment files, named by no manifest
-    assert remove_stale_temps(d) == 2
-    assert _names(d) == ["syncer-000001", "syncer.json"]
+    (d / ".syncer-000003.tmp.12345").mkdir()  # a killed writer's unfinished fragment files
+    (d / "syncer-000099").mkdir()  # newer than every manifest: its manifest may be lost
+    assert remove_stale_temps(d) == 3
+    assert _names(d) == ["syncer-000002", "syncer-000099", "syncer.json"]
 
 
 def test_lazy_load_reads_a_fragment_when_it_is_taken(tmp_path):
@@ -151,23 +155,27 @@ C.save_atomic(snap(2), path)
 
 
 @pytest.mark.parametrize(
-    ("where", "nth"),
+    ("where", "nth", "kept"),
     [
-        ("_write_fragment", 2),  # one fragment file written, the next not
-        ("_fsync_dir", 1),  # every fragment file written, no manifest yet
-        ("replace", 1),  # the manifest in its temp file, not renamed
-        ("replace", 2),  # the manifests moved down, the new one not renamed in yet
+        ("_write_fragment", 2, []),  # one fragment file written, the next not
+        ("_fsync_dir", 1, []),  # every fragment file written, no manifest yet
+        ("rename", 1, []),  # the fragment directory still under its temp name
+        # renamed, no manifest names it: kept at start, removed by the next write
+        ("_fsync_dir", 2, ["syncer-000002"]),
+        ("replace", 1, []),  # the manifest in its temp file, not renamed
+        ("replace", 2, []),  # the manifests moved down, the new one not renamed in yet
     ],
 )
-def test_a_writer_killed_mid_write_leaves_the_previous_checkpoint(tmp_path, where, nth):
+def test_a_writer_killed_mid_write_leaves_the_previous_checkpoint(tmp_path, where, nth, kept):
     r = subprocess.run([sys.executable, "-c", _TORN, str(tmp_path), where, str(nth)], check=False)
     assert r.returncode == -signal.SIGKILL
     ck, used = load_newest_valid(tmp_path / "syncer.json")
     assert ck["i"] == 1 and torch.equal(ck["state"]["theta"][1][0], torch.full((10,), 1.0))
     remove_stale_temps(tmp_path)  # what a syncer does at start
-    assert _names(tmp_path) == ["syncer-000001", used.name]
+    assert _names(tmp_path) == ["syncer-000001", *kept, used.name]
     save_atomic(_snap(3), tmp_path / "syncer.json")  # and the next write goes on from there
     assert load_newest_valid(tmp_path / "syncer.json")[0]["i"] == 3
+    assert not [n for n in _names(tmp_path) if n.startswith(".") or n in kept]
 
 
 def _push_one(client, frag, inc, seq, shift):
@@ -231,6 +239,96 @@ def test_resume_skips_a_corrupt_and_a_nan_checkpoint_and_keeps_the_data_port(tmp
     log = (tmp_path / "syncer.log").read_text()
     assert "CHECKPOINT REJECTED" in log and "checksum" in log and "NaN" in log, log
     assert not list(ck_dir.glob(".syncer.json.tmp.*"))
+
+
+def _damage(manifest, how: str) -> None:
+    raw = manifest.read_bytes()
+    if how == "truncated":
+        raw = raw[: len(raw) // 2]
+    elif how == "empty":
+        raw = b""
+    elif how == "garbage":
+        raw = b"\x00\xff not a manifest \x7f" * 16
+    else:  # one byte flipped: the last digit of the fragment directory's name
+        at = raw.index(b'"data": "syncer-') + len(b'"data": "syncer-000000')
+        raw = raw[:at] + bytes([raw[at] ^ 0x01]) + raw[at + 1 :]
+    manifest.write_bytes(raw)
+
+
+def _files(d) -> dict:
+    return {
+        f.relative_to(d).as_posix(): f.read_bytes() for f in sorted(d.rglob("*")) if f.is_file()
+    }
+
+
+@pytest.mark.timeout(180)
+def test_a_refused_checkpoint_keeps_its_fragment_files_and_resumes_once_repaired(tmp_path):
+    from ddiloco.runtime.syncer.server import SyncerServer, SyncerServerConfig
+
+    ck_dir = tmp_path / "ck"
+    with live_syncer(checkpoint_dir=str(ck_dir), checkpoint_keep=1) as s:
+        for k in range(1, 3):  # two merged, published versions of fragment 0
+            _push_one(s.client, s.frag, s.inc, (s.inc << 32) + k, 0.01)
+            deadline = time.monotonic() + 20
+            while s.client.status()["versions"][0] < k:
+                assert time.monotonic() < deadline, "published once durable"
+                time.sleep(0.05)
+    manifest = ck_dir / "syncer.json"
+    good = manifest.read_bytes()
+    data = ck_dir / json.loads(good)["data"]
+    assert sorted(p.name for p in ck_dir.glob("syncer*")) == [data.name, "syncer.json"]
+    original = _files(data)
+    assert original, "the checkpoint has fragment files"
+
+    def config(**kw):
+        return SyncerServerConfig(
+            token="tok", checkpoint_dir=str(ck_dir), resume=True, checkpoint_keep=1, **kw
+        )
+
+    for how in ("truncated", "empty", "garbage", "flipped"):
+        _damage(manifest, how)
+        with pytest.raises(CheckpointError) as ei:
+            SyncerServer(config())  # a real start: its clean-up, then the resume
+        assert _files(data) == original, f"{how}: the fragment files are as they were"
+        msg = str(ei.value)
+        assert "no valid checkpoint" in msg and str(data) in msg and "--resume" in msg, msg
+        manifest.write_bytes(good)  # the repair
+
+    _damage(manifest, "flipped")  # the command says it too, and exits 2
+    r = subprocess.run(
+        [sys.executable, "-m", "ddiloco.runtime.cli", "syncer", "--port", "0", "--resume",
+         "--checkpoint-dir", str(ck_dir)],
+        env={**__import__("os").environ, "DDILOCO_TOKEN": "tok"},
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "CHECKPOINT REJECTED" in r.stderr and str(data) in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert _files(data) == original
+
+    manifest.write_bytes(good)
+    with SyncerServer(config(port=0)) as s2:  # repaired: it resumes where it was
+        c2 = SyncerClient(f"127.0.0.1:{s2.port}", "tok")
+        assert c2.status()["versions"][0] == 2
+        assert all(torch.isfinite(t).all() for t in c2.fetch([0])[0][1])
+        c2.close()
+
+
+def test_a_damaged_newest_manifest_keeps_its_fragment_files_beside_the_fallback(tmp_path):
+    path = tmp_path / "syncer.json"
+    for i in range(1, 3):
+        save_atomic(_snap(i), path)
+    newest = tmp_path / json.loads(path.read_text())["data"]
+    before = _files(newest)
+    shutil.copy(path, tmp_path / "good.json.bak")
+    _damage(path, "truncated")
+    assert remove_stale_temps(tmp_path) == 0  # what a syncer does at start
+    assert _files(newest) == before
+    assert load_newest_valid(path)[0]["i"] == 1  # the older one, as before
+    save_atomic(_snap(3), path)  # the next write keeps it too while its manifest is damaged
+    assert _files(newest) == before
+    (tmp_path / "good.json.bak").replace(tmp_path / "syncer.json.1")  # the repair
+    assert load_checkpoint(tmp_path / "syncer.json.1")["i"] == 2
 
 
 def _disk_full(limit: int):

@@ -17,15 +17,27 @@ entry per fragment (``file``, ``bytes``, ``sha256``, the number of ``theta`` and
 ledger, counters... everything but ``state.theta`` and ``state.momentum``) and
 ``manifest_sha256``, the SHA-256 of the canonical JSON of everything else.
 
-**Write** (``save_atomic``): a new fragment directory, one file per fragment, each hashed as
-its bytes go out (the tensors' own memory, in 64 MiB pieces: nothing model-sized is built)
-and fsynced; the directory fsynced; then the manifest to a temp file, fsynced, the older
-manifests moved down one place (``syncer.json`` -> ``.1`` ...), the temp file renamed to
-``syncer.json`` and the directory fsynced; last, fragment directories no kept manifest
-names are removed. A reader sees the previous complete checkpoint or the new one, never a
-torn one, even if the writer is SIGKILLed at any point: fragment files are only reachable
-through a manifest, and the manifest appears by a rename after its files are on disk. A
-failed write (disk full) removes what it wrote.
+**Write** (``save_atomic``): a new fragment directory under a temp name
+(``.syncer-000042.tmp.PID``), one file per fragment, each hashed as its bytes go out (the
+tensors' own memory, in 64 MiB pieces: nothing model-sized is built) and fsynced; the
+directory fsynced and renamed to ``syncer-000042``; then the manifest to a temp file,
+fsynced, the older manifests moved down one place (``syncer.json`` -> ``.1`` ...), the temp
+file renamed to ``syncer.json`` and the directory fsynced; last, the manifests past the
+last ``keep`` and the fragment directories they alone named are removed. A reader sees the
+previous complete checkpoint or the new one, never a torn one, even if the writer is
+SIGKILLed at any point: fragment files are only reachable through a manifest, and the
+manifest appears by a rename after its files are on disk. A failed write (disk full)
+removes what it wrote.
+
+**What is removed.** Only what is provably a writer's leftover (``_remove_unreferenced``):
+a temp-named fragment directory (an incomplete write), one that an intact temp manifest
+names (a write killed before its rename), and one that no manifest names and that is older
+than the newest intact manifest's (a checkpoint rotated out, or a killed writer's). A
+manifest is intact when its own SHA-256 checks. While any manifest in the directory is not
+intact (truncated, empty, garbage, one byte flipped), no fragment directory that is not
+temp-named is removed: it may hold that manifest's model, recoverable by repairing the
+manifest. A directory newer than every intact manifest is kept too (its manifest may have
+been lost); the next write, whose manifest is newer, removes it.
 
 **Read** (``load_checkpoint``): the manifest's checksum, format and every fragment file's
 size are checked at once; a fragment's file is verified (SHA-256) the first time one of its
@@ -33,9 +45,10 @@ tensors is read, then its tensors are read one at a time (``safe_open``, closed 
 so at most one tensor's pages are mapped) and checked finite. With ``lazy=True`` fragment p
 is read when ``state["theta"][p]`` (or ``momentum``) is taken, so a resume holds the live
 state plus about one fragment. ``load_newest_valid`` falls back from a damaged newest
-checkpoint to the newest valid older one and says so loudly. Temp files, and fragment
-directories no manifest names (a killed writer's), are removed by ``remove_stale_temps``
-when a syncer starts.
+checkpoint to the newest valid older one and says so loudly. Temp files, and the fragment
+directories above that are a writer's leftovers, are removed by ``remove_stale_temps`` when
+a syncer starts; ``fragment_dirs`` lists the fragment directories a checkpoint directory
+holds (where a refused checkpoint's data is).
 
 **Memory.** A write holds references to the live tensors, no copies: the syncer's state
 never writes theta or momentum in place (``SyncerState.state_dict``). It allocates no more
@@ -70,6 +83,7 @@ __all__ = [
     "load_checkpoint",
     "load_newest_valid",
     "remove_stale_temps",
+    "fragment_dirs",
     "has_checkpoint",
     "CheckpointError",
     "CHECKPOINT_NAME",
@@ -123,8 +137,11 @@ def _stem(name: str) -> str:
     return name.split(".", 1)[0]
 
 
-def _data_dirs(directory: Path, name: str) -> list[tuple[int, Path]]:
-    pat = re.compile(rf"^{re.escape(_stem(name))}-(\d+)$")
+def _data_dirs(directory: Path, name: str, *, temp: bool = False) -> list[tuple[int, Path]]:
+    """The fragment directories in ``directory`` (``syncer-000042``), oldest first; with
+    ``temp`` the temp-named ones of unfinished writes (``.syncer-000042.tmp.PID``)."""
+    stem = re.escape(_stem(name))
+    pat = re.compile(rf"^\.{stem}-(\d+)\.tmp\.\d+$" if temp else rf"^{stem}-(\d+)$")
     out = []
     if directory.is_dir():
         for d in directory.iterdir():
@@ -132,6 +149,11 @@ def _data_dirs(directory: Path, name: str) -> list[tuple[int, Path]]:
             if m and d.is_dir():
                 out.append((int(m.group(1)), d))
     return sorted(out)
+
+
+def fragment_dirs(directory: str | os.PathLike, name: str = CHECKPOINT_NAME) -> list[Path]:
+    """The fragment directories of the checkpoints in ``directory``, newest first."""
+    return [d for _, d in reversed(_data_dirs(Path(directory), name))]
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -233,10 +255,11 @@ def save_atomic(
     clean = json.loads(_canonical(body))
     dirs = _data_dirs(directory, path.name)
     data = directory / f"{_stem(path.name)}-{(dirs[-1][0] + 1 if dirs else 1):06d}"
+    writing = directory / f".{data.name}.tmp.{os.getpid()}"  # renamed to ``data`` once written
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
     total = 0
     try:
-        data.mkdir()
+        writing.mkdir()
         entries: list[dict | None] = []
         for p in range(P):
             counts = {k: len(c[p]) for k, c in zip(TENSOR_FIELDS, columns)}
@@ -245,14 +268,15 @@ def save_atomic(
                 entries.append(None)
                 continue
             name = f"fragment-{p:04d}.safetensors"
-            nbytes, digest = _write_fragment(data / name, ts)
+            nbytes, digest = _write_fragment(writing / name, ts)
             del ts
             if release:
                 for c in columns:
                     c[p] = []
             total += nbytes
             entries.append({"file": name, "bytes": nbytes, "sha256": digest, **counts})
-        _fsync_dir(data)
+        _fsync_dir(writing)
+        os.rename(writing, data)
         _fsync_dir(directory)
         clean["data"] = data.name
         clean["fragments"] = entries
@@ -266,6 +290,7 @@ def save_atomic(
     except BaseException:
         # a failed write (disk full) leaves nothing behind
         tmp.unlink(missing_ok=True)
+        shutil.rmtree(writing, ignore_errors=True)
         shutil.rmtree(data, ignore_errors=True)
         raise
     for i in range(keep - 1, 0, -1):
@@ -290,17 +315,34 @@ def _manifests(directory: Path, name: str) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
-def _data_of(manifest: Path) -> str | None:
+def _intact_data(manifest: Path) -> str | None:
+    """The fragment directory that ``manifest`` names if the manifest is intact (JSON whose
+    own SHA-256 checks); None when it cannot be read, is damaged or names none."""
     try:
-        data = json.loads(manifest.read_bytes()).get("data")
-    except (OSError, ValueError, AttributeError):
+        doc = json.loads(manifest.read_bytes())
+    except (OSError, ValueError):
         return None
+    if not isinstance(doc, dict):
+        return None
+    digest = doc.pop("manifest_sha256", None)
+    if not isinstance(digest, str) or hashlib.sha256(_canonical(doc)).hexdigest() != digest:
+        return None
+    data = doc.get("data")
     return data if isinstance(data, str) else None
 
 
-def _remove_unreferenced(directory: Path, name: str, keep: int | None = None) -> int:
-    """Remove the fragment directories no manifest names (and, with ``keep``, the
-    manifests past the last ``keep``); returns how many things were removed."""
+def _remove_unreferenced(
+    directory: Path, name: str, keep: int | None = None, *, temps: bool = False
+) -> int:
+    """Remove what is provably a writer's leftover (with ``keep``, the manifests past the
+    last ``keep`` first; with ``temps``, the temp-named fragment directories and those an
+    intact temp manifest names: writes that never finished, as a syncer finds them at
+    start); returns how many things were removed.
+
+    A fragment directory no manifest names is removed only if it is older than the newest
+    intact manifest's, and only while every manifest left is intact: a manifest that cannot
+    be read may be the one naming it, and its model is recoverable by repairing it. One
+    newer than every intact manifest is kept (its manifest may have been lost)."""
     n = 0
     manifests = _manifests(directory, name)
     if keep is not None:
@@ -309,11 +351,40 @@ def _remove_unreferenced(directory: Path, name: str, keep: int | None = None) ->
                 m.unlink(missing_ok=True)
                 n += 1
         manifests = [(i, m) for i, m in manifests if i < keep]
-    named = {_data_of(m) for _, m in manifests}
-    for _, d in _data_dirs(directory, name):
-        if d.name not in named:
+    dirs = _data_dirs(directory, name)
+    if temps:
+        for _, d in _data_dirs(directory, name, temp=True):
             shutil.rmtree(d, ignore_errors=True)
             n += 1
+        named = {_intact_data(f) for f in directory.glob(f".{name}.tmp.*")}
+        kept = {_intact_data(m) for _, m in manifests}
+        for _, d in dirs:
+            if d.name in named and d.name not in kept:
+                shutil.rmtree(d, ignore_errors=True)
+                n += 1
+        dirs = _data_dirs(directory, name)
+    data = [_intact_data(m) for _, m in manifests]
+    damaged = [m for (_, m), d in zip(manifests, data) if d is None]
+    if damaged:
+        if dirs:
+            log.warning(
+                "%s cannot be read or fails its checksum: no fragment directory is removed "
+                "from %s (kept: %s)",
+                ", ".join(m.name for m in damaged),
+                directory,
+                ", ".join(d.name for _, d in dirs),
+            )
+        return n
+    number = {d.name: i for i, d in dirs}
+    newest = max((number[d] for d in data if d in number), default=None)
+    for i, d in dirs:
+        if d.name in data:
+            continue
+        if newest is not None and i < newest:
+            shutil.rmtree(d, ignore_errors=True)
+            n += 1
+        else:
+            log.info("%s: no manifest names it, and none is newer: kept", d)
     return n
 
 
@@ -544,18 +615,21 @@ def load_newest_valid(
 
 
 def remove_stale_temps(directory: str | os.PathLike, name: str = CHECKPOINT_NAME) -> int:
-    """Delete what a killed writer left in ``directory``: temp manifests (and temp files of
-    the earlier format) and fragment directories no manifest names; returns how many."""
+    """Delete what a killed writer left in ``directory``: temp-named fragment directories
+    and those its temp manifests name, the temp manifests (and temp files of the earlier
+    format), and fragment directories no manifest names that are older than the newest
+    intact manifest's (none while a manifest is damaged: ``_remove_unreferenced``); returns
+    how many."""
     d = Path(directory)
     n = 0
     if d.is_dir():
+        n += _remove_unreferenced(d, name, temps=True)
         for f in [*d.glob(f".{name}.tmp.*"), *d.glob(f".{LEGACY_NAME}.tmp.*")]:
             try:
                 f.unlink()
                 n += 1
             except OSError as e:
                 log.warning("cannot remove stale checkpoint temp file %s: %s", f, e)
-        n += _remove_unreferenced(d, name)
     if n:
         log.info("removed %d stale checkpoint temp file(s) or directories from %s", n, d)
     return n

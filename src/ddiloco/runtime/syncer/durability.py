@@ -17,7 +17,13 @@ from ddiloco.algorithm.codecs import get_codec
 from ddiloco.algorithm.downlink import DeltaChain
 from ddiloco.algorithm.schedule import SlotClock
 from ddiloco.algorithm.syncer_state import Merged, SyncerState
-from ddiloco.runtime.syncer.checkpoint import CHECKPOINT_NAME, load_newest_valid, save_atomic
+from ddiloco.runtime.syncer.checkpoint import (
+    CHECKPOINT_NAME,
+    CheckpointError,
+    fragment_dirs,
+    load_newest_valid,
+    save_atomic,
+)
 from ddiloco.runtime.syncer.common import LearnerInfo
 from ddiloco.runtime.transport.spec import check_spec, fragmentation_from_spec, spec_fingerprint
 
@@ -223,7 +229,14 @@ class Durability:
                     self._publish_merged(mg, merged_seq)
 
     def _load(self, path: Path) -> None:
-        ck, path = load_newest_valid(path, self.config.checkpoint_keep, use=self._load_state)
+        try:
+            ck, path = load_newest_valid(path, self.config.checkpoint_keep, use=self._load_state)
+        except CheckpointError as e:
+            raise CheckpointError(f"{e}. {_where_the_data_is(path)}") from None
+        except FileNotFoundError as e:
+            if not fragment_dirs(path.parent, path.name):
+                raise
+            raise FileNotFoundError(f"{e}. {_where_the_data_is(path)}") from None
         for p in range(len(self._pub)):
             self._publish(p, self.state.version(p), self.state.frags[p].theta)
         self._merged_seq = {
@@ -294,3 +307,18 @@ class Durability:
         self._pub_theta, self._chains, self._held = {}, {}, {}
         shape = dict(zip(spec["names"], (tuple(s) for s in spec["shapes"])))
         self._shapes = [[shape[n] for n in f.names] for f in frag.fragments]  # per fragment
+
+
+def _where_the_data_is(manifest: Path) -> str:
+    """What a refused resume says about the fragment directories left beside ``manifest``
+    (a refusal deletes none of them) and what to do."""
+    dirs = fragment_dirs(manifest.parent, manifest.name)
+    if not dirs:
+        return f"No fragment directory is left in {manifest.parent}"
+    listed = ", ".join(str(d) for d in dirs)
+    return (
+        f"The fragment directories are kept, newest first: {listed} (one safetensors file "
+        f"per fragment). To resume from one, put its intact manifest back as {manifest} "
+        f"(repaired, or from a backup) and start again with --resume; to start a new run "
+        f"instead, move {manifest.parent} aside and start without --resume"
+    )
