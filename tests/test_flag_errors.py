@@ -76,3 +76,38 @@ def test_the_reason_of_a_union_names_the_types_other_than_none():
 def test_an_unknown_flag_is_told_the_closest_one(argv, line, capsys):
     assert _status(argv) == 2
     assert capsys.readouterr().err == f"ddiloco {argv[0]}: error: {line}\n"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("command", ["train", "syncer", "simulate"])
+def test_help_breaks_each_options_text_only_where_the_next_word_does_not_fit(command):
+    """At 80 columns every line of an option's help is as full as the next word allows: no
+    break where the docstring's source line ended."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    env = {**os.environ, "COLUMNS": "80", "TERM": "dumb"}
+    out = subprocess.run(
+        [sys.executable, "-m", "ddiloco.cli", command, "--help"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=100,
+    ).stdout
+    rows = [ln[2:-2] for ln in out.splitlines() if ln.startswith("│ ") and ln.endswith(" │")]
+    assert len(rows) > 20, out
+    bad = []
+    for a, b in zip(rows, rows[1:]):
+        at = len(b) - len(b.lstrip())  # where the option's text starts: 6, or 21 beside flags
+        if at < 6 or not b.strip() or len(a) <= at or a[at] == " ":
+            continue  # not a continuation of text above, or nothing above it in that column
+        if not (a.startswith(" " * at) or a[at - 2 : at] == "  "):
+            continue  # a flag line whose text starts below it
+        words = b.split()
+        if re.match(r"([-*]|\d+[.)])\s", b.strip()):
+            continue  # a list item
+        if len(a.rstrip()) - at + 1 + len(words[0]) <= len(b) - at:
+            bad.append((a.strip(), b.strip()))
+    assert bad == [], bad[:5]

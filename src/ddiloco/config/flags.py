@@ -27,7 +27,7 @@ from tyro.constructors._struct_spec_dataclass import dataclass_rule
 from ddiloco.config.files import load_config
 from ddiloco.config.run import FLAT, PRESETS, TrainConfig, preset
 from ddiloco.config.sections import SECTIONS, RuntimeConfig, SyncConfig
-from ddiloco.flag_errors import FlagError, parse_flags
+from ddiloco.flag_errors import FlagError, parse_flags, plain_help
 
 __all__ = [
     "ConfigError",
@@ -126,7 +126,9 @@ def _registry(
             except (ValueError, TypeError) as e:
                 raise ConfigError(str(e)) from None
 
-        return StructConstructorSpec(instantiate=instantiate, fields=tuple(fields))
+        # each option's docstring as paragraphs in --help (parse_flags' own rule does
+        # this for the structs no rule here builds)
+        return plain_help(StructConstructorSpec(instantiate=instantiate, fields=tuple(fields)))
 
     return reg
 
