@@ -133,7 +133,8 @@ class OptimConfig:
     min_lr_frac: float = 0.1
     """Final learning rate of the cosine schedule, as a fraction of ``inner_lr``."""
     eval_every: int = 100
-    """Evaluate the global model every this many inner steps (per learner; in-process)."""
+    """Evaluate the global model every this many inner steps per learner (both engines; the
+    real runtime's launcher evaluates the model the syncer publishes)."""
     eval_batches: int = 8
     """Held-out batches per evaluation."""
 
