@@ -1,14 +1,22 @@
 """The learner's connection to a syncer: ``SyncerClient`` (gRPC control plane, data-port
 pushes and fetches, retries), ``LinkLimits`` (emulated bandwidth and latency), ``LINK_CUT``
-(the process's emulated link cut) and ``SyncerError`` (a call the syncer rejected for good)."""
+(the process's emulated link cut) and ``SyncerError`` (a call the syncer rejected for good).
+
+Every failure of a call reaches the caller as a ``grpc.RpcError`` with a status code (the
+data port's ``BulkError`` is one), never as another exception: grpc raises ``ValueError``
+for a call started on a closed channel, which ``SyncerClient`` turns into a new channel
+and the call made again (a channel closed under a call, e.g. by another thread) or, once
+the client itself is closed, into ``ChannelClosedError`` (CANCELLED). The learner's threads
+retry the codes in ``RETRYABLE`` and report the others."""
 
 from __future__ import annotations
 
 import logging
 import math
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import torch
@@ -23,6 +31,7 @@ __all__ = [
     "LinkCut",
     "LinkCutError",
     "LINK_CUT",
+    "ChannelClosedError",
     "SyncerClient",
     "SyncerError",
     "RETRYABLE",
@@ -117,6 +126,32 @@ class LinkCut:
 LINK_CUT = LinkCut()
 """The process-wide link switch (one learner per process)."""
 
+T = TypeVar("T")
+
+
+class ChannelClosedError(grpc.RpcError):
+    """A call on a closed gRPC channel (grpc raises ``ValueError`` for it, before anything
+    is sent), as a typed failure: CANCELLED once the ``SyncerClient`` itself is closed,
+    UNAVAILABLE when the channel opened in place of a closed one was closed too."""
+
+    def __init__(self, address: str, client_closed: bool) -> None:
+        why = "the client is closed" if client_closed else "the channel was closed under the call"
+        super().__init__(f"channel to {address} closed")
+        self._code = grpc.StatusCode.CANCELLED if client_closed else grpc.StatusCode.UNAVAILABLE
+        self._details = f"E_CLOSED: call to {address} on a closed channel ({why})"
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+def _closed_channel(e: ValueError) -> bool:
+    """Whether grpc raised ``e`` for a call started on a closed channel."""
+    msg = str(e).lower()
+    return "invoke rpc" in msg and "closed" in msg
+
 
 class SyncerClient:
     """Thin typed wrapper over the syncer's calls: gRPC channels for control (and bulk when
@@ -129,25 +164,10 @@ class SyncerClient:
         self.address = address
         self._token, self._tls, self._tls_ca = token, bool(tls or tls_ca), tls_ca
         self._md = ((wire.TOKEN_METADATA, token),)
-        mk = (
-            (lambda: grpc.secure_channel(address, channel_credentials(tls_ca), wire.GRPC_OPTIONS))
-            if (tls or tls_ca)
-            else (lambda: grpc.insecure_channel(address, wire.GRPC_OPTIONS))
-        )
-        self.bulk = mk()
-        # a distinct channel arg keeps grpc from sharing the bulk connection (liveness must
-        # not queue behind multi-megabyte pushes)
-        self.control = (
-            grpc.secure_channel(
-                address,
-                channel_credentials(tls_ca),
-                wire.GRPC_OPTIONS + [("ddiloco.channel", "control")],
-            )
-            if (tls or tls_ca)
-            else grpc.insecure_channel(
-                address, wire.GRPC_OPTIONS + [("ddiloco.channel", "control")]
-            )
-        )
+        self._closed = False
+        self._channel_lock = threading.Lock()
+        self.bulk = self._channel("bulk")
+        self.control = self._channel("control")
         self.data: BulkClient | None = None
         """The data-port connection for pushes, or None: fragments go over gRPC."""
         self.session: tuple[int, bytes] | None = None
@@ -162,7 +182,42 @@ class SyncerClient:
         self._fetch_lock = threading.Lock()
         """One fetch at a time: on the fetch connection, and against the copies it names."""
 
+    def _channel(self, kind: str) -> grpc.Channel:
+        # a distinct channel arg keeps grpc from sharing the bulk connection with the
+        # control one (liveness must not queue behind multi-megabyte pushes)
+        opts = wire.GRPC_OPTIONS + ([("ddiloco.channel", "control")] if kind == "control" else [])
+        if self._tls:
+            return grpc.secure_channel(self.address, channel_credentials(self._tls_ca), opts)
+        return grpc.insecure_channel(self.address, opts)
+
+    def _invoke(self, control: bool, call: Callable[[grpc.Channel], T]) -> T:
+        """``call(channel)`` on the control (or bulk) channel. A call started on a closed
+        channel fails before anything is sent (grpc's ``ValueError``): while this client is
+        open the channel is replaced by a new one and the call made again on it; otherwise
+        (or if the new one is closed too) it raises ``ChannelClosedError``."""
+        kind = "control" if control else "bulk"
+        for attempt in range(2):
+            ch = getattr(self, kind)
+            try:
+                return call(ch)
+            except ValueError as e:
+                if not _closed_channel(e):
+                    raise
+                if self._closed or attempt:
+                    raise ChannelClosedError(self.address, self._closed) from None
+                with self._channel_lock:
+                    if not self._closed and getattr(self, kind) is ch:
+                        setattr(self, kind, self._channel(kind))
+                        log.info(
+                            "gRPC %s channel to %s was closed under a call: opened a new one",
+                            kind,
+                            self.address,
+                        )
+        raise AssertionError("unreachable")
+
     def close(self) -> None:
+        with self._channel_lock:
+            self._closed = True
         self.use_data_port(None)
         self.bulk.close()
         self.control.close()
@@ -214,7 +269,6 @@ class SyncerClient:
         self, name: str, header: dict, timeout_s: float = 10.0, control: bool = False
     ) -> dict:
         LINK_CUT.check(self.address)
-        ch = self.control if control else self.bulk
         if name in _SIGNED:
             if name == "Heartbeat":
                 with self._hb_lock:
@@ -223,8 +277,10 @@ class SyncerClient:
             if "report" in header:
                 header = {**header, "report": finite_only(header["report"])}
             header = self.sign(header)
-        resp = ch.unary_unary(wire.method(name))(
-            wire.pack(header), timeout=timeout_s, metadata=self._md
+        req = wire.pack(header)
+        resp = self._invoke(
+            control,
+            lambda ch: ch.unary_unary(wire.method(name))(req, timeout=timeout_s, metadata=self._md),
         )
         r = wire.unpack(resp)[0]
         if name == "Join" and not r.get("need_init"):
@@ -238,8 +294,12 @@ class SyncerClient:
 
     def stream(self, name: str, frames, timeout_s: float = 60.0) -> dict:
         LINK_CUT.check(self.address)
-        resp = self.bulk.stream_unary(wire.method(name))(
-            frames, timeout=timeout_s, metadata=self._md
+        # a call refused by a closed channel has not taken a frame from ``frames``
+        resp = self._invoke(
+            False,
+            lambda ch: ch.stream_unary(wire.method(name))(
+                frames, timeout=timeout_s, metadata=self._md
+            ),
         )
         return wire.unpack(resp)[0]
 
@@ -355,8 +415,12 @@ class SyncerClient:
                 decode(item, mv[off : off + item["nbytes"]])
                 off += item["nbytes"]
             return out
-        call = self.bulk.unary_stream(wire.method("Fetch"))(
-            wire.pack(req), timeout=timeout_s, metadata=self._md
+        packed = wire.pack(req)
+        call = self._invoke(
+            False,
+            lambda ch: ch.unary_stream(wire.method("Fetch"))(
+                packed, timeout=timeout_s, metadata=self._md
+            ),
         )
         cur: dict | None = None
         buf = bytearray()
