@@ -21,19 +21,10 @@ import time
 from pathlib import Path
 
 from ddiloco.config import TrainConfig
+from ddiloco.metrics.sinks import read_jsonl
 from ddiloco.runtime.launch.launcher import Launcher, LaunchOptions
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _rows(path: Path) -> list[dict]:
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return out
 
 
 def one(seed: int, fresh: bool, steps: int, kill_at: int, window: int, out: Path) -> dict:
@@ -49,7 +40,7 @@ def one(seed: int, fresh: bool, steps: int, kill_at: int, window: int, out: Path
         cfg, LaunchOptions(extra_learner_args=(["--fresh-optimizer"] if fresh else []))
     ) as la:
         s = la.run()
-    rows = _rows(run / "learner_0" / "metrics.jsonl")
+    rows = read_jsonl(run / "learner_0" / "metrics.jsonl")
     starts = [i for i, r in enumerate(rows) if r["kind"] == "learner_start"]
     if len(starts) < 2:
         raise RuntimeError(f"{run}: learner 0 was not restarted ({len(starts)} starts)")

@@ -33,7 +33,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "runtime"))
 
 from ray_helpers import DDILOCO, train_with_kills, two_node_cluster  # noqa: E402
-from runtime_helpers import read_jsonl  # noqa: E402
+
+from ddiloco.metrics.sinks import read_jsonl  # noqa: E402
 
 
 def _step_walls(out: Path) -> dict[int, list[float]]:

@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import subprocess
 import sys
@@ -24,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from ddiloco.metrics.sinks import read_jsonl
 
 TINY = dict(
     model="gpt_tiny",
@@ -44,16 +45,6 @@ def tiny_config(out: Path, **kw):
     from ddiloco.config import TrainConfig
 
     return TrainConfig(engine="processes", out=str(out), **{**TINY, **kw})
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    rows = []
-    for line in Path(path).read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return rows
 
 
 def step_walls(run: Path, m: int) -> list[float]:

@@ -14,6 +14,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from ddiloco.metrics.sinks import read_jsonl  # noqa: E402
+
 # The paper's figures this study compares with (ALGORITHM.md, "Reference figures").
 PAPER = {
     "a": "Quality parity: 5B dense, 1T tokens: DP (no failures) 70.1 text / 58.7 vision, "
@@ -113,16 +115,11 @@ def _tokens(c: dict) -> float:
 
 def eval_curve(run_dir: Path) -> list[tuple[float, float]]:
     """(mean inner step per learner, eval loss) rows of a run's metrics.jsonl."""
-    rows = []
-    with open(run_dir / "metrics.jsonl", encoding="utf-8") as f:
-        for line in f:
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if r.get("kind") == "eval" and "step" in r:
-                rows.append((float(r["step"]), float(r["eval_loss"])))
-    return rows
+    return [
+        (float(r["step"]), float(r["eval_loss"]))
+        for r in read_jsonl(run_dir / "metrics.jsonl")
+        if r.get("kind") == "eval" and "step" in r
+    ]
 
 
 def _seed0_curve(c: dict) -> list:

@@ -34,6 +34,7 @@ import torch
 
 from ddiloco.algorithm.learner_state import DEFAULT_INSTALL, INSTALL_RULES
 from ddiloco.config import TrainConfig, dump_config
+from ddiloco.metrics.sinks import read_jsonl
 from ddiloco.recipe import eval_setup, evaluate, new_model
 from ddiloco.runtime.transport.spec import fragmentation_from_spec, model_spec
 from ddiloco.wan import LinkSpec, Topology
@@ -164,15 +165,7 @@ def _cutter(topo: Topology, region: str, at_s: float, for_s: float, t0: float, l
 
 
 def _jsonl(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    return rows
+    return read_jsonl(path) if path.is_file() else []
 
 
 def run_dp(a, cfg: TrainConfig, topo: Topology, out: Path, events: list) -> tuple[list, dict]:

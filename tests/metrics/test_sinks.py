@@ -9,7 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from ddiloco.metrics.sinks import SINKS, JsonlSink, MultiSink, open_sinks, parse_sinks, scalars
+from ddiloco.metrics.sinks import (
+    SINKS,
+    JsonlSink,
+    MultiSink,
+    open_sinks,
+    parse_jsonl,
+    parse_sinks,
+    read_jsonl,
+    scalars,
+)
 
 ROWS = [
     {"kind": "config", "model": "gpt_tiny", "H": 24, "speeds": [1.0, 0.85]},
@@ -64,6 +73,28 @@ def test_jsonl_sink_round_trip_and_modes(tmp_path):
     assert path.read_text() == ""
     with pytest.raises(ValueError, match="mode"):
         JsonlSink(path, mode="x")
+
+
+def test_read_jsonl_skips_torn_lines(tmp_path):
+    """A writer killed mid-row tears the last line; its restarted process appends after it
+    (its first row on the torn line), so a torn line can stand in the middle too. Torn lines
+    are skipped and every whole row is kept."""
+    path = tmp_path / "m.jsonl"
+    with JsonlSink(path, mode="w") as s:
+        s.write(ROWS[0])
+    path.write_bytes(path.read_bytes() + json.dumps(ROWS[1]).encode()[:-3])  # the kill
+    assert read_jsonl(path) == [ROWS[0]]
+    with JsonlSink(path, mode="a") as s:  # the restart
+        for r in ROWS[2:]:
+            s.write(r)
+    assert read_jsonl(path) == [ROWS[0], *ROWS[3:]]
+    assert read_jsonl(path, containing='"merge"') == ROWS[3:]
+    # blank lines, values that are no row, and a two-byte character cut in two
+    text = b'\n[1, 2]\n"step"\n{"kind": "step", "note": "\xc3\xa9"}\n{"kind": "st\xc3'
+    assert parse_jsonl(text) == [{"kind": "step", "note": "\u00e9"}]
+    assert parse_jsonl("") == []
+    with pytest.raises(FileNotFoundError):
+        read_jsonl(tmp_path / "missing.jsonl")
 
 
 def _write_all(tmp_path: Path, sink: str, name: str = "learner_0") -> None:

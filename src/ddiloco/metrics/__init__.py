@@ -11,7 +11,9 @@ from ddiloco.metrics.sinks import (
     WandbSink,
     check_available,
     open_sinks,
+    parse_jsonl,
     parse_sinks,
+    read_jsonl,
 )
 
 __all__ = [
@@ -25,4 +27,6 @@ __all__ = [
     "open_sinks",
     "parse_sinks",
     "check_available",
+    "read_jsonl",
+    "parse_jsonl",
 ]

@@ -50,6 +50,8 @@ __all__ = [
     "parse_sinks",
     "scalars",
     "check_available",
+    "read_jsonl",
+    "parse_jsonl",
 ]
 
 _NOT_SCALARS = frozenset({"kind", "step", "wall", "pid"})
@@ -183,6 +185,32 @@ class JsonlSink(_Closing):
     def close(self) -> None:
         if not self._f.closed:
             self._f.close()
+
+
+def parse_jsonl(data: str | bytes, *, containing: str | None = None) -> list[dict]:
+    """The rows (JSON objects) of JSONL text, in order. A line that is no JSON object is
+    skipped: a writer killed in the middle of a row (SIGKILL) leaves a torn line, at the end
+    of the file or, once its restarted process appends to the file, in the middle.
+    ``containing``: parse only the lines that hold this text (a cheap filter for a large
+    file)."""
+    text = data.decode("utf-8", errors="replace") if isinstance(data, bytes) else data
+    rows = []
+    for line in text.split("\n"):
+        if containing is not None and containing not in line:
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # torn, or blank
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def read_jsonl(path: str | Path, *, containing: str | None = None) -> list[dict]:
+    """The rows of the JSONL file ``path`` (a ``JsonlSink``'s file, say), torn lines skipped
+    (``parse_jsonl``). The file must exist."""
+    return parse_jsonl(Path(path).read_bytes(), containing=containing)
 
 
 class _ScalarSink(_Closing):

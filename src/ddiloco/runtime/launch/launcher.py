@@ -14,7 +14,6 @@ engine, plus ``logs/*.log``, ``chaos.jsonl`` and per-learner directories.
 from __future__ import annotations
 
 import errno
-import json
 import os
 import signal
 import socket
@@ -25,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ddiloco.metrics.sinks import read_jsonl
 from ddiloco.runtime.launch.backends import check_runnable
 from ddiloco.runtime.launch.summary import (
     GlobalEval,
@@ -684,13 +684,7 @@ class Launcher:
             path = d / "metrics.jsonl"
             if not d.name[len("learner_") :].isdigit() or not path.is_file():
                 continue
-            for line in path.read_text().splitlines():
-                if '"learner_start"' not in line:
-                    continue
-                try:
-                    r = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
+            for r in read_jsonl(path, containing='"learner_start"'):
                 p = pids.get(r.get("pid"))
                 if p is not None:
                     p.learner = int(r["learner"])

@@ -457,17 +457,6 @@ def _final_model(out: Path, cfg) -> dict | None:
         return None
 
 
-def _learner_rows(path: Path) -> list[dict]:
-    rows = []
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a line torn by a kill
-    return rows
-
-
 def summarise(out: str | os.PathLike) -> dict:
     """``summary.json`` of a finished Slurm run in ``out``: the islands' exit codes and
     steps, the syncer's merges and goodput (``status.json``), the initial and final eval
@@ -476,6 +465,7 @@ def summarise(out: str | os.PathLike) -> dict:
     import torch
 
     from ddiloco.config import load_config
+    from ddiloco.metrics.sinks import read_jsonl
     from ddiloco.recipe import eval_setup, evaluate, new_model
     from ddiloco.run_summary import RunSummary
     from ddiloco.runtime.observe.accounting import goodput_so_far
@@ -502,7 +492,8 @@ def summarise(out: str | os.PathLike) -> dict:
         rc = int(rc_path.read_text()) if rc_path.is_file() else None
         final_path = out / f"learner_{m}" / "final.json"
         final = json.loads(final_path.read_text()) if final_path.is_file() else {}
-        rows = _learner_rows(out / f"learner_{m}" / "metrics.jsonl")
+        metrics = out / f"learner_{m}" / "metrics.jsonl"
+        rows = read_jsonl(metrics) if metrics.is_file() else []
         losses = [r["loss"] for r in rows if r.get("kind") == "step"]
         starts = [r for r in rows if r.get("kind") == "learner_start"]
         per_learner.append(

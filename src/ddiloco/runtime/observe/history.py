@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
+from ddiloco.metrics.sinks import parse_jsonl
 from ddiloco.runtime.observe.accounting import goodput_so_far, learner_totals
 
 __all__ = ["StatusHistory", "RunDirReader", "MAX_POINTS", "MAX_EVENTS"]
@@ -258,13 +259,7 @@ class RunDirReader:
             data = f.read()
         end = data.rfind(b"\n") + 1
         self._offsets[path] = off + end
-        rows = []
-        for line in data[:end].splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a line torn by SIGKILL
-        return rows
+        return parse_jsonl(data[:end])
 
     def _t(self, r: dict) -> float:
         w = r.get("wall")
