@@ -55,6 +55,20 @@ SYSTEMS = ("dp", "elastic-dp", "decoupled")
 _P_RECOVER, _P_FAIL, _P_TIMER = 0, 1, 2
 
 
+@dataclass(slots=True)
+class _Round:
+    """An open fragment round of the step-level decoupled system (round t: step t's pushes)."""
+
+    open_at_s: float
+    """When its first push arrived."""
+    members: set[int] = field(default_factory=set)
+    """The learners that pushed into it."""
+    quorum_at_s: float | None = None
+    """When it first reached the quorum (the policy's grace window runs from there)."""
+    gen: int = 0
+    """Generation of its grace timer: a timer event of an older one is stale."""
+
+
 @dataclass(kw_only=True, slots=True)
 class CostModel:
     """Physical costs of the cluster. Every cost of a failure is one of these fields."""
@@ -554,7 +568,7 @@ class _Sim:
         self.l_running = [False] * M
         self.l_blocked_on: list[int | None] = [None] * M  # round awaited
         self.l_waits: list[dict[int, int]] = [dict() for _ in range(M)]  # step -> round
-        self.rounds: dict[int, list] = {}  # open rounds: t -> [members, open_at, quorum_at, gen]
+        self.rounds: dict[int, _Round] = {}  # open rounds by t
         self.done: dict[int, float] = {}  # merged rounds: t -> install time
         self.merge_members = 0
         self.k.on("step_done", self._on_step_done)
@@ -605,15 +619,15 @@ class _Sim:
         if t not in self.done:  # else: late for a merged round; it installs that result
             r = self.rounds.get(t)
             if r is None:
-                r = self.rounds[t] = [set(), now, None, 0]
-            r[0].add(m)
+                r = self.rounds[t] = _Round(open_at_s=now)
+            r.members.add(m)
             self._decide(t, now)
         if self.l_running[m]:
             self._start_step(m, now)
 
     def _decide(self, t: int, now: float) -> None:
         r = self.rounds[t]
-        members = r[0]
+        members = r.members
         can_still = sum(
             1
             for i in range(self.cfg.learners)
@@ -623,11 +637,11 @@ class _Sim:
             now_s=now,
             n_arrived=len(members),
             n_live=max(1, len(members) + can_still),
-            quorum_at_s=r[2],
+            quorum_at_s=r.quorum_at_s,
         )
-        if (isinstance(d, MergeNow) or isinstance(d, WaitUntil)) and r[2] is None:
-            r[2] = now
-            self.policy.xi_quorum.update(now - r[1])
+        if (isinstance(d, MergeNow) or isinstance(d, WaitUntil)) and r.quorum_at_s is None:
+            r.quorum_at_s = now
+            self.policy.xi_quorum.update(now - r.open_at_s)
         if isinstance(d, MergeNow):
             self.done[t] = now + self.c.sync_s
             self.k.after(self.c.sync_s, Event("merge_done", t), _P_TIMER)
@@ -636,12 +650,12 @@ class _Sim:
                 self.merge_members += len(members)
             del self.rounds[t]
         elif isinstance(d, WaitUntil):
-            r[3] += 1
-            self.k.schedule(d.at_s, Event("grace", t, r[3]), _P_TIMER)
+            r.gen += 1
+            self.k.schedule(d.at_s, Event("grace", t, r.gen), _P_TIMER)
 
     def _on_grace(self, k: EventKernel, ev: Event) -> None:
         r = self.rounds.get(ev.target)
-        if r is not None and r[3] == ev.data:
+        if r is not None and r.gen == ev.data:
             self._decide(ev.target, k.now_s)
 
     def _on_merge_done(self, k: EventKernel, ev: Event) -> None:
