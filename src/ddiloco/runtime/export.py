@@ -33,6 +33,7 @@ from ddiloco.runtime.transport.spec import check_spec, fragmentation_from_spec
 
 __all__ = [
     "ExportError",
+    "assemble_state_dict",
     "load_model",
     "write_model_record",
     "state_dict_from_checkpoint",
@@ -51,8 +52,10 @@ class ExportError(RuntimeError):
     wrong token); the message says what to do."""
 
 
-def _assemble(spec: dict, fragments: list[list[torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Per-fragment flat tensors -> name -> tensor in the spec's shapes and order."""
+def assemble_state_dict(spec: dict, fragments: list[list[torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Per-fragment flat tensors (fragment p's tensors in the order of the spec's
+    fragmentation) -> name -> fp32 tensor in the spec's shapes and order. Raises
+    ``ExportError`` when the fragments do not fit the spec."""
     frag = fragmentation_from_spec(spec)
     if len(fragments) != frag.P:
         raise ExportError(f"{len(fragments)} fragments for a spec with P = {frag.P}")
@@ -68,6 +71,9 @@ def _assemble(spec: dict, fragments: list[list[torch.Tensor]]) -> dict[str, torc
                 )
             flat[n] = t.detach().reshape(shapes[n]).to(torch.float32).contiguous().clone()
     return {n: flat[n] for n in spec["names"]}
+
+
+_assemble = assemble_state_dict
 
 
 def _checkpoint_path(source: str | Path) -> Path:
@@ -115,7 +121,7 @@ def state_dict_from_checkpoint(source: str | Path) -> tuple[dict[str, torch.Tens
     try:
         spec, state = ck["spec"], ck["state"]
         check_spec(spec)
-        sd = _assemble(spec, state["theta"])
+        sd = assemble_state_dict(spec, state["theta"])
         versions = [int(v) for v in state["versions"]]
     except CheckpointError as e:  # a damaged fragment file, met while reading theta
         raise unreadable(e) from None
@@ -227,7 +233,7 @@ def state_dict_from_syncer(
     finally:
         client.close()
     P = len(got)  # noqa: N806
-    sd = _assemble(spec, [got[p][1] for p in range(P)])
+    sd = assemble_state_dict(spec, [got[p][1] for p in range(P)])
     return sd, {
         "source": address,
         "versions": [got[p][0] for p in range(P)],

@@ -439,7 +439,7 @@ def write_status(out: str | os.PathLike, syncer: str, timeout_s: float = 30.0) -
 def _final_model(out: Path, cfg) -> dict | None:
     """The global model of the shards' final checkpoints (fragment p from shard p % S), or
     None where a checkpoint is missing or unreadable."""
-    from ddiloco.runtime.export import ExportError, _assemble
+    from ddiloco.runtime.export import ExportError, assemble_state_dict
     from ddiloco.runtime.syncer.checkpoint import CHECKPOINT_NAME, load_checkpoint
     from ddiloco.runtime.transport.spec import check_spec
 
@@ -451,7 +451,7 @@ def _final_model(out: Path, cfg) -> dict | None:
         spec = cks[0]["spec"]
         check_spec(spec)
         thetas = [ck["state"]["theta"] for ck in cks]
-        return _assemble(spec, [thetas[p % S][p] for p in range(len(thetas[0]))])
+        return assemble_state_dict(spec, [thetas[p % S][p] for p in range(len(thetas[0]))])
     except (ExportError, OSError, KeyError, TypeError, ValueError) as e:
         print(f"ddiloco: no final model from {dirs}: {e}", file=sys.stderr)
         return None
