@@ -26,9 +26,9 @@ What runs
         otherwise encoded parameters. After an accepted push the learner waits (Watch on
         the owner shard) until the fragment is merged, fetches it, drops it and goes on:
         one push in flight per learner, as a real learner with tau < H / P has;
-      * retry a call refused with a retryable code, with the real learner's backoff: on
-        loopback every learner is one peer of the data port, whose per-peer limit
-        (``BulkLimits.max_requests_per_peer``, 8) refuses the rest with ``E_BUSY``.
+      * retry a call refused with a retryable code, with the real learner's backoff (the
+        data port counts each learner's requests as its own session's,
+        ``BulkLimits.max_requests_per_session``, 8; ``E_BUSY`` beyond).
   - The model is ``tensors_per_fragment`` x P equal 2-D fp32 matrices (plus one small
     tensor for the remainder) whose sizes sum to N; balanced fragmentation makes P equal
     fragments. No tensor is an embedding.

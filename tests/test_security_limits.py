@@ -41,9 +41,11 @@ def expected() -> dict[str, str]:
         "hello size before authentication": _bytes(limits.hello_max_bytes),
         "data-port handshake deadline": f"{run.handshake_timeout_s:g} s",
         "data-port connections in total": str(run.max_connections),
-        "data-port connections per peer address": str(run.max_connections_per_peer),
+        "data-port connections per peer address (no learner's session)": str(
+            run.max_connections_per_peer
+        ),
         "data-port worker threads": str(run.data_workers),
-        "data-port requests in service per peer address": str(limits.max_requests_per_peer),
+        "data-port requests in service per session": str(limits.max_requests_per_session),
         "data-port message deadline (header, payload, reply)": (
             f"{limits.message_timeout_s:g} s + size / {_bytes(int(limits.min_rate_bytes_s))}/s"
         ),

@@ -371,7 +371,8 @@ class RuntimeConfig:
     max_connections: int = _DATA_PORT.max_connections
     """Open data-port connections in total (more are closed at once)."""
     max_connections_per_peer: int = _DATA_PORT.max_connections_per_peer
-    """Open data-port connections from one IP address."""
+    """Open data-port connections from one IP address that no learner's session holds
+    (handshaking, or authenticated by the token alone)."""
     data_workers: int = _DATA_PORT.workers
     """Threads serving data-port requests (idle connections hold none)."""
     token_file: str | None = None

@@ -236,8 +236,28 @@ class SyncerClient:
         self.data = self.data_fetch = None
         if port is not None:
             ctx = client_ssl_context(self._tls_ca) if self._tls else None
-            self.data = BulkClient(host, int(port), self._token, ssl_context=ctx)
-            self.data_fetch = BulkClient(host, int(port), self._token, ssl_context=ctx)
+            # each connection's hello proves this client's session: the data port then
+            # counts its requests as this learner's, not as its host's
+            self.data, self.data_fetch = (
+                BulkClient(
+                    host,
+                    int(port),
+                    self._token,
+                    ssl_context=ctx,
+                    learner_session=lambda: self.session,
+                )
+                for _ in range(2)
+            )
+
+    def _set_session(self, sess: tuple[int, bytes] | None) -> None:
+        """Act as the learner of ``sess`` from now on; the data-port connections say so in
+        a new hello at their next request."""
+        if sess == self.session:
+            return
+        self.session = sess
+        for c in (self.data, self.data_fetch):
+            if c is not None:
+                c.renew()
 
     def credentials(self) -> dict:
         """What another rank of this learner's island needs to push and fetch as it: the
@@ -251,7 +271,7 @@ class SyncerClient:
     def adopt(self, creds: dict) -> None:
         """Act as the learner whose root rank's client gave ``credentials()``."""
         sess = creds.get("session")
-        self.session = None if sess is None else (int(sess[0]), bytes.fromhex(sess[1]))
+        self._set_session(None if sess is None else (int(sess[0]), bytes.fromhex(sess[1])))
         data = creds.get("data")
         self.use_data_port(
             None if data is None else int(data[1]), None if data is None else data[0]
@@ -286,9 +306,8 @@ class SyncerClient:
         if name == "Join" and not r.get("need_init"):
             self.use_data_port(r.get("bulk_port"), r.get("bulk_host"))
             if isinstance(r.get("session"), str):  # keyed to the id the syncer gave
-                self.session = (
-                    r.get("learner", header.get("learner")),
-                    bytes.fromhex(r["session"]),
+                self._set_session(
+                    (r.get("learner", header.get("learner")), bytes.fromhex(r["session"]))
                 )
         return r
 

@@ -392,6 +392,7 @@ class SyncerServer(ControlHandlers, DataHandlers, Durability, Liveness):
                     on_auth_failure=self._bulk_auth_failed,
                     on_refused=self._bulk_refused,
                     limits=cfg.data_limits,
+                    session_of=self._bulk_session,
                 )
                 break
             except OSError as e:
@@ -489,6 +490,15 @@ class SyncerServer(ControlHandlers, DataHandlers, Durability, Liveness):
         with self._lock:
             self.rejections[code] += 1
         log.warning("data connection from %s dropped: %s: %s", peer, code, reason)
+
+    def _bulk_session(self, hello: dict) -> int | None:
+        """The learner whose session a data-port hello proves (its MAC under the key of
+        that learner's latest Join), or None. Called by the data port's selector thread
+        without the lock: it reads one learner's session key, which a Join sets in one step."""
+        m = hello.get("learner")
+        info = self._learners.get(m) if isinstance(m, int) else None
+        key = None if info is None else info.session_key
+        return m if key is not None and session.verify(key, hello) else None
 
     def _bulk_auth_failed(self, peer: str) -> None:
         with self._lock:

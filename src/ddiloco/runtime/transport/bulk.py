@@ -10,8 +10,10 @@ minimal protocol:
                then the payload (codec output, never pickled). Payloads are read straight
                into one preallocated buffer and sent from memory views (no joins).
   connection   the client's first message is ``{"op": "hello", "token": ...}`` (at most
-               ``BulkLimits.hello_max_bytes``, within ``handshake_timeout_s``); the server
-               answers ``{"ok": true}`` or an ``E_AUTH`` error and closes.
+               ``BulkLimits.hello_max_bytes``, within ``handshake_timeout_s``); a learner
+               that has joined adds ``"learner": m`` and ``"mac"``, the message's HMAC
+               under its session key (``transport.session``). The server answers
+               ``{"ok": true}`` or an ``E_AUTH`` error and closes.
   push         ``{"op": "push", <the Push header>}`` + payload  ->  ``{"status": ...}``
   fetch        ``{"op": "fetch", "fragments": [...]}``  ->  ``{"items": [{"fragment",
                "version", "codec", "numels", "nbytes"}, ...]}`` + the payloads, concatenated
@@ -22,9 +24,17 @@ Limits are checked before anything is allocated: a hello over ``hello_max_bytes`
 over ``MAX_HEADER_BYTES``, or a payload over the server's limit, closes the connection. No
 thread waits on a handshake, an idle connection or a request header (a selector reads them
 without blocking); a worker thread takes a request only once its whole header is in.
-Connections are bounded in total and per peer address, requests in service per peer
-(``BulkLimits``: the workers above one peer's share stay free for the others; a request
-over it is refused with ``E_BUSY``). Every message has a deadline that fits its size:
+
+Limits before authentication count hosts, limits after it sessions (``BulkLimits``).
+Connections are bounded in total and per peer address while they handshake (against a
+flood). A connection whose hello proves a learner's session (``session_of``) is that
+learner's from then on: it no longer counts against its host, and its requests in service
+count against the learner's share, so any number of learners on one host are served alike.
+A connection the token alone authenticated (no learner, or a session the server does not
+know, as after its restart) stays its host's: it counts against the host's connections,
+and the requests of all such connections of one host share one session's share. A request
+over its session's share is refused with ``E_BUSY`` (retryable); the workers above one
+session's share stay free for the others. Every message has a deadline that fits its size:
 ``message_timeout_s + bytes / min_rate_bytes_s``. A client that closes mid-message ends its
 request as ``E_CANCELLED``, one that misses the deadline as ``E_TIMEOUT`` (counted through
 ``on_refused``, or by the handler from ``read_payload``'s ``BulkAborted``); neither is an
@@ -52,7 +62,7 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from ddiloco.runtime.transport import wire
+from ddiloco.runtime.transport import session, wire
 from ddiloco.runtime.transport.auth import check_token
 from ddiloco.runtime.transport.schema import Hello, SchemaError, loads, parse
 
@@ -60,6 +70,7 @@ __all__ = [
     "BulkClient",
     "BulkError",
     "BulkLimits",
+    "hello",
     "BulkServer",
     "BulkReject",
     "BulkAborted",
@@ -108,6 +119,17 @@ class BulkAborted(Exception):
     def __init__(self, code: str, status: grpc.StatusCode, message: str) -> None:
         super().__init__(f"{code}: {message}")
         self.code, self.status, self.message = code, status, message
+
+
+def hello(token: str, learner_session: tuple[int, bytes] | None = None) -> dict:
+    """A data-port connection's first message: the token, and with ``learner_session``
+    ((learner, key) of a Join) the learner and the message's MAC under the key, which makes
+    the connection one of that learner's session."""
+    h: dict = {"op": "hello", "token": token}
+    if learner_session is None:
+        return h
+    m, key = learner_session
+    return session.sign(key, {**h, "learner": m})
 
 
 def split_host(address: str) -> str:
@@ -231,14 +253,16 @@ class BulkLimits:
     max_connections: int = 256
     """Open connections in total; more are closed at once."""
     max_connections_per_peer: int = 32
-    """Open connections from one IP address; more are closed at once."""
+    """Open connections from one IP address that are not a learner session's (handshaking,
+    or authenticated by the token alone); more are closed at once."""
     workers: int = 16
     """Threads serving requests; idle connections and request headers hold none (a
     selector reads them)."""
-    max_requests_per_peer: int = 8
-    """Requests of one IP address in service at once (reading a payload, handling,
-    sending a reply); more are refused at once with ``E_BUSY`` (retryable). At most
-    ``workers - 1``: the rest is the reserve that one peer's stalled requests cannot
+    max_requests_per_session: int = 8
+    """Requests of one session in service at once (reading a payload, handling, sending a
+    reply): a learner's connections, or those of one IP address that the token alone
+    authenticated. More are refused at once with ``E_BUSY`` (retryable). At most
+    ``workers - 1``: the rest is the reserve that one session's stalled requests cannot
     take."""
     message_timeout_s: float = 10.0
     """Fixed part of every message's deadline (a request's header from its first byte, its
@@ -253,7 +277,7 @@ class BulkLimits:
             "max_connections",
             "max_connections_per_peer",
             "workers",
-            "max_requests_per_peer",
+            "max_requests_per_session",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
@@ -262,9 +286,9 @@ class BulkLimits:
                 raise ValueError(f"{name} must be a positive number")
 
     @property
-    def peer_requests(self) -> int:
-        """``max_requests_per_peer``, kept below ``workers`` (one worker: no reserve)."""
-        return max(1, min(self.max_requests_per_peer, self.workers - 1))
+    def session_requests(self) -> int:
+        """``max_requests_per_session``, kept below ``workers`` (one worker: no reserve)."""
+        return max(1, min(self.max_requests_per_session, self.workers - 1))
 
     def deadline_s(self, nbytes: int) -> float:
         """Time a message of ``nbytes`` bytes may take (sent or received)."""
@@ -282,15 +306,30 @@ class _Pending:
         self.tls_done = not tls
 
 
+Session = tuple[str, str | int]
+"""Whose share a connection's requests count against: ``("learner", m)`` for a connection
+whose hello proved learner m's session, ``("host", address)`` for one the token alone
+authenticated."""
+
+
+def _who(sess: Session) -> str:
+    return (
+        f"learner {sess[1]}" if sess[0] == "learner" else f"the token-only connections of {sess[1]}"
+    )
+
+
 class _Incoming:
     """An authenticated connection whose next request header is being read without
     blocking (``buf``: the prefix, then the header), or which is being drained before it
     is closed (``drain``: an error reply was sent and the request's payload is discarded)."""
 
-    __slots__ = ("sock", "peer", "started", "deadline", "buf", "drain")
+    __slots__ = ("sock", "peer", "session", "started", "deadline", "buf", "drain")
 
-    def __init__(self, sock: socket.socket, peer: str, deadline: float, drain: bool) -> None:
-        self.sock, self.peer, self.deadline, self.drain = sock, peer, deadline, drain
+    def __init__(
+        self, sock: socket.socket, peer: str, sess: Session, deadline: float, drain: bool
+    ) -> None:
+        self.sock, self.peer, self.session = sock, peer, sess
+        self.deadline, self.drain = deadline, drain
         self.started = time.monotonic()
         self.buf = bytearray()
 
@@ -300,8 +339,10 @@ class BulkServer:
     without blocking (under a deadline and a small hello limit), watches idle
     authenticated connections and reads each request's header, also without blocking; a
     bounded pool of ``limits.workers`` threads serves the requests whose header is in
-    (payload, handler, reply), at most ``limits.peer_requests`` of one peer at a time.
-    Connections are bounded in total and per peer address."""
+    (payload, handler, reply), at most ``limits.session_requests`` of one session at a
+    time. Connections are bounded in total, and per peer address until a hello proves a
+    learner's session (``session_of``: given a hello whose token is right, the learner
+    whose session its MAC proves, or None; the module doc)."""
 
     def __init__(
         self,
@@ -315,15 +356,17 @@ class BulkServer:
         on_auth_failure: Callable[[str], None] | None = None,
         on_refused: Callable[[str, str, str], None] | None = None,
         limits: BulkLimits | None = None,
+        session_of: Callable[[dict], int | None] | None = None,
     ) -> None:
         self.token, self.handler, self.max_payload = token, handler, max_payload
+        self.session_of = session_of
         self.ssl_context = ssl_context
         self.on_auth_failure = on_auth_failure
         self.on_refused = on_refused
         """Called with (peer, code, reason) when a connection or a request is ended by the
         port rather than served: before authentication ``E_BUSY`` (a connection limit) or
         ``E_HANDSHAKE`` (no valid hello in time, or one too large); after it ``E_BUSY``
-        (the peer's requests in service), ``E_CANCELLED`` (closed mid-message),
+        (the session's requests in service), ``E_CANCELLED`` (closed mid-message),
         ``E_TIMEOUT`` (a message past its deadline), ``E_FRAME`` / ``E_OVERSIZE`` (a header
         that is not a JSON object, or too large)."""
         self.limits = limits or BulkLimits()
@@ -336,10 +379,11 @@ class BulkServer:
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._pending: dict[socket.socket, _Pending] = {}
-        self._peer_of: dict[socket.socket, str] = {}
-        self._per_peer: Counter[str] = Counter()
+        self._peer_of: dict[socket.socket, str] = {}  # every open connection -> its host
+        self._per_peer: Counter[str] = Counter()  # host -> its connections of no learner
+        self._session_of: dict[socket.socket, Session] = {}  # authenticated connections
         self._incoming: dict[socket.socket, _Incoming] = {}  # headers being read, drains
-        self._serving: Counter[str] = Counter()  # peer -> its requests held by workers
+        self._serving: Counter[Session] = Counter()  # session -> its requests held by workers
         self._ready: list[tuple[socket.socket, bool]] = []  # served: (conn, drain) back
         self._lock = threading.Lock()
         self._closed = False
@@ -465,6 +509,8 @@ class BulkServer:
     def _swap(self, old: socket.socket, new: socket.socket) -> socket.socket:
         with self._lock:
             self._peer_of[new] = self._peer_of.pop(old)
+            if old in self._session_of:
+                self._session_of[new] = self._session_of.pop(old)
         return new
 
     def _handshake(self, pend: _Pending) -> None:
@@ -520,6 +566,21 @@ class BulkServer:
                 self.on_auth_failure(pend.peer)
             self._refuse(pend, "bad hello", reply=True, counted=False)
             return
+        learner = None
+        if hello.learner is not None and self.session_of is not None:
+            try:
+                learner = self.session_of(raw)
+            except Exception:  # noqa: BLE001 - a failed check proves no session
+                log.exception("data connection from %s: session check failed", pend.peer)
+        with self._lock:
+            if learner is not None and conn in self._peer_of:
+                # a learner's from now on: its host's connection limit no longer counts it
+                self._session_of[conn] = ("learner", learner)
+                self._per_peer[pend.peer] -= 1
+                if self._per_peer[pend.peer] <= 0:
+                    del self._per_peer[pend.peer]
+            else:
+                self._session_of[conn] = ("host", pend.peer)
         del self._pending[conn]
         self._sel.unregister(conn)
         try:
@@ -576,7 +637,9 @@ class BulkServer:
         a deadline that grows with the header's announced size."""
         with self._lock:
             peer = self._peer_of.get(conn, "?")
-        inc = _Incoming(conn, peer, time.monotonic() + self.limits.deadline_s(_PREFIX.size), False)
+            sess = self._session_of.get(conn, ("host", peer))
+        deadline = time.monotonic() + self.limits.deadline_s(_PREFIX.size)
+        inc = _Incoming(conn, peer, sess, deadline, False)
         self._incoming[conn] = inc
         try:
             self._sel.modify(conn, selectors.EVENT_READ, inc)
@@ -628,29 +691,31 @@ class BulkServer:
             return
         del self._incoming[conn]
         self._sel.unregister(conn)
-        peer = inc.peer
+        peer, sess = inc.peer, inc.session
         with self._lock:
-            busy = self._serving[peer] >= lim.peer_requests
+            busy = self._serving[sess] >= lim.session_requests
             if not busy:
-                self._serving[peer] += 1
+                self._serving[sess] += 1
         if busy:
             self._note_refused(
-                peer, wire.ErrorCode.BUSY, f"{lim.peer_requests} requests of this peer in service"
+                peer,
+                wire.ErrorCode.BUSY,
+                f"{lim.session_requests} requests of {_who(sess)} in service",
             )
             self._reply_now(
                 conn,
                 {
-                    "error": f"{wire.ErrorCode.BUSY}: {lim.peer_requests} requests from "
-                    f"{peer} are in service; retry",
+                    "error": f"{wire.ErrorCode.BUSY}: {lim.session_requests} requests of "
+                    f"{_who(sess)} are in service; retry",
                     "grpc": "UNAVAILABLE",
                 },
                 drain=plen > 0,
             )
             return
         try:
-            self._pool.submit(self._serve_one, conn, peer, header, plen)
+            self._pool.submit(self._serve_one, conn, peer, sess, header, plen)
         except RuntimeError:  # shut down
-            self._release(peer)
+            self._release(sess)
             self._drop(conn)
 
     def _reply_now(self, conn: socket.socket, header: dict, drain: bool) -> None:
@@ -674,10 +739,11 @@ class BulkServer:
         thread waits on it."""
         with self._lock:
             peer = self._peer_of.get(conn, "?")
+            sess = self._session_of.get(conn, ("host", peer))
         try:
             conn.setblocking(False)
             conn.shutdown(socket.SHUT_WR)
-            inc = _Incoming(conn, peer, time.monotonic() + 2.0, True)
+            inc = _Incoming(conn, peer, sess, time.monotonic() + 2.0, True)
             self._sel.register(conn, selectors.EVENT_READ, inc)
         except (OSError, ValueError, KeyError):
             self._drop(conn)
@@ -705,16 +771,17 @@ class BulkServer:
             self._note_refused(inc.peer, code, reason)
         self._drop(inc.sock)
 
-    def _release(self, peer: str) -> None:
+    def _release(self, sess: Session) -> None:
         with self._lock:
-            self._serving[peer] -= 1
-            if self._serving[peer] <= 0:
-                del self._serving[peer]
+            self._serving[sess] -= 1
+            if self._serving[sess] <= 0:
+                del self._serving[sess]
 
     def _drop(self, conn: socket.socket) -> None:
         with self._lock:
             peer = self._peer_of.pop(conn, None)
-            if peer is not None:
+            sess = self._session_of.pop(conn, None)
+            if peer is not None and (sess is None or sess[0] != "learner"):
                 self._per_peer[peer] -= 1
                 if self._per_peer[peer] <= 0:
                     del self._per_peer[peer]
@@ -722,7 +789,9 @@ class BulkServer:
             conn.close()
 
     # -- the workers ------------------------------------------------------------------------
-    def _serve_one(self, conn: socket.socket, peer: str, header: dict, plen: int) -> None:
+    def _serve_one(
+        self, conn: socket.socket, peer: str, sess: Session, header: dict, plen: int
+    ) -> None:
         after = "close"
         try:
             after = self._request(conn, peer, header, plen)
@@ -737,7 +806,7 @@ class BulkServer:
         except Exception:  # noqa: BLE001 - a handler bug ends this connection, not the port
             log.exception("bulk request failed")
         finally:
-            self._release(peer)
+            self._release(sess)
         if after != "close":
             with self._lock:
                 if not self._closed:
@@ -811,7 +880,10 @@ class BulkServer:
 
 class BulkClient:
     """One authenticated connection to a syncer's data port, one request at a time
-    (a lock serialises callers). Reconnects on the next request after any failure."""
+    (a lock serialises callers). Reconnects on the next request after any failure.
+    ``learner_session`` gives (learner, key) of the session the connection's hello proves
+    (None: the token alone); ``renew`` makes the next request open a new connection, as
+    when that session changes."""
 
     def __init__(
         self,
@@ -821,13 +893,21 @@ class BulkClient:
         *,
         ssl_context: ssl.SSLContext | None = None,
         connect_timeout_s: float = 5.0,
+        learner_session: Callable[[], tuple[int, bytes] | None] | None = None,
     ) -> None:
         self.host, self.port, self.token = host, port, token
         self.ssl_context = ssl_context
         self.connect_timeout_s = connect_timeout_s
+        self.learner_session = learner_session
         self._sock: socket.socket | None = None
         self._timeout_s: float | None = None  # the timeouts set on _sock
         self._lock = threading.Lock()
+        self._renew = False
+
+    def renew(self) -> None:
+        """Open a new connection (with a new hello) at the next request; a request in
+        progress is not waited for."""
+        self._renew = True
 
     def close(self) -> None:
         with self._lock:
@@ -848,7 +928,7 @@ class BulkClient:
             _tune(s)
             if self.ssl_context is not None:
                 s = self.ssl_context.wrap_socket(s, server_hostname=self.host)
-            _send(s, {"op": "hello", "token": self.token})
+            _send(s, hello(self.token, self.learner_session() if self.learner_session else None))
             h, plen = _recv_header(s)
             if "error" in h or plen:
                 raise self._error(h)
@@ -867,6 +947,9 @@ class BulkClient:
     ) -> tuple[dict, memoryview]:
         """Send one request; returns (reply header, reply payload)."""
         with self._lock:
+            if self._renew:
+                self._renew = False
+                self._drop()
             if self._sock is None:
                 try:
                     self._sock = self._connect()

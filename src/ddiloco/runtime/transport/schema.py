@@ -265,8 +265,13 @@ class LeaveRequest(BaseModel):
 
 
 class Hello(BaseModel):
-    """The first message on a data-port connection (read before authentication)."""
+    """The first message on a data-port connection (read before authentication): the
+    run's token, and, from a learner that has joined, its id and the ``mac`` of this
+    message under its session key (``transport.session``), which makes the connection
+    one of that learner's session."""
 
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
     op: Literal["hello"]
     token: Annotated[str, Field(max_length=1024)]
+    learner: LearnerId | None = None
+    mac: Annotated[str, Field(max_length=128)] | None = None
