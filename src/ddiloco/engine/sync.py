@@ -212,7 +212,10 @@ def run_diloco(cfg: TrainConfig, ctx) -> dict:
             momentum,
             cfg.sync.merge_rule,
             workers[0].tokens_per_step,
-            final=cfg.sync.final_merge if done + h >= cfg.steps else None,
+            # the last round is final only when it is partial (fewer than H steps): a whole
+            # round is a regular one, as for a decoupled learner, which then has no
+            # progress left to flush
+            final=cfg.sync.final_merge if h < cfg.sync.H else None,
         )
         merges += 1
         if eval_at is not None and eval_at == done + h:
@@ -258,7 +261,7 @@ def run_streaming(cfg: TrainConfig, ctx) -> dict:
             momentum,
             cfg.sync.merge_rule,
             workers[0].tokens_per_step * max(1, since[p]),
-            final=cfg.sync.final_merge if k == cfg.steps else None,
+            final=cfg.sync.final_merge if p in flushed else None,
         )
         since[p] = 0
         installs.setdefault(k + cfg.sync.tau, []).append((p, {n: glob[n].clone() for n in f.names}))
@@ -267,6 +270,8 @@ def run_streaming(cfg: TrainConfig, ctx) -> dict:
 
     for k in range(1, cfg.steps + 1):
         sends = sched.fragments_to_send(k) if k < cfg.steps else tuple(range(frag.P))
+        # at the last step, the fragments off their schedule are flushed: a final round
+        flushed = set(sends) - set(sched.fragments_to_send(k)) if k == cfg.steps else set()
         comm = max(
             (
                 world.transfer_s(_ring_bytes(M, world.up_codec.nbytes(frag.fragments[p].numel)))
