@@ -73,8 +73,6 @@ def assemble_state_dict(spec: dict, fragments: list[list[torch.Tensor]]) -> dict
     return {n: flat[n] for n in spec["names"]}
 
 
-_assemble = assemble_state_dict
-
 
 def _checkpoint_path(source: str | Path) -> Path:
     p = Path(source)

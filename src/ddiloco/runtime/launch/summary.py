@@ -5,7 +5,7 @@ model, its evaluation, ``summary.json`` and the run's ``metrics.jsonl``.
 Everything here reads the run directory and the syncer: the learners' rows
 (``learner_m/metrics.jsonl``, ``final.json``), the syncers' event files, ``chaos.jsonl``, and
 the syncer's status snapshot, which holds goodput and every learner's step ledger
-(``syncer.accounting``). What the launcher adds is how often each learner was started.
+(``runtime.observe.accounting``). What the launcher adds is how often each learner was started.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def checkpoint_model(cfg, out: Path) -> tuple[dict, dict]:
     checkpoints (``out/checkpoint``; a sharded syncer's ``shard_k`` directories, fragment p
     from shard p % S): the fp32 values ``ddiloco export OUT`` writes. Raises
     ``ExportError`` where a checkpoint is missing or unreadable."""
-    from ddiloco.runtime.export import ExportError, _assemble, state_dict_from_checkpoint
+    from ddiloco.runtime.export import ExportError, assemble_state_dict, state_dict_from_checkpoint
 
     S = cfg.runtime.shards  # noqa: N806
     if S == 1:
@@ -98,7 +98,7 @@ def checkpoint_model(cfg, out: Path) -> tuple[dict, dict]:
         check_spec(spec)
         states = [ck["state"] for ck in cks]
         P = len(states[0]["theta"])  # noqa: N806
-        sd = _assemble(spec, [states[p % S]["theta"][p] for p in range(P)])
+        sd = assemble_state_dict(spec, [states[p % S]["theta"][p] for p in range(P)])
         versions = [int(states[p % S]["versions"][p]) for p in range(P)]
         merges = sum(int(st.get("merges", 0)) for st in states)
     except (OSError, KeyError, TypeError, ValueError) as e:
@@ -238,16 +238,14 @@ def _learner_dirs(out: Path) -> list[int]:
 def collect_rows(out: Path, wall0: float) -> dict:
     """Merge learner step rows, syncer events and chaos events into one time-ordered list
     (``t_s`` relative to ``wall0``, the launch), and compute the uptime."""
+    from ddiloco.metrics.sinks import read_jsonl
+
     rows, walls = [], []
     for m in _learner_dirs(out):
         path = out / f"learner_{m}" / "metrics.jsonl"
         if not path.is_file():
             continue
-        for line in path.read_text().splitlines():
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line torn by SIGKILL
+        for r in read_jsonl(path):  # a line torn by SIGKILL is skipped
             if r.get("kind") == "step":
                 walls.append(r["wall"])
             r["t_s"] = round(r.pop("wall") - wall0, 4)
@@ -256,11 +254,7 @@ def collect_rows(out: Path, wall0: float) -> dict:
     for path in [*sorted(out.glob("syncer*.metrics.jsonl")), out / "chaos.jsonl"]:
         name = path.name
         if path.is_file():
-            for line in path.read_text().splitlines():
-                try:
-                    r = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
+            for r in read_jsonl(path):
                 r["t_s"] = round(r.pop("wall") - wall0, 4)
                 if name == "chaos.jsonl":
                     r["kind"] = "chaos-" + r["kind"]
@@ -329,10 +323,9 @@ def write_summary(
     starts = [r["t_s"] for r in rows["rows"] if r["kind"] == "learner_start"]
     t_first = max(t_learners, min(starts)) if starts else t_learners
     T = max(1e-9, t_end - t_first)
-    # goodput and the step ledger are the syncer's (``syncer.accounting``): every learner
+    # goodput and the step ledger are the syncer's (``runtime.observe.accounting``): every learner
     # process's last report, restarts folded in; the same as `ddiloco status`
-    from ddiloco.runtime.launch.status import goodput_so_far
-    from ddiloco.runtime.syncer.accounting import learner_totals
+    from ddiloco.runtime.observe.accounting import goodput_so_far, learner_totals
 
     per_learner = []
     st = status or {}
