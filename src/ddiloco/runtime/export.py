@@ -73,7 +73,6 @@ def assemble_state_dict(spec: dict, fragments: list[list[torch.Tensor]]) -> dict
     return {n: flat[n] for n in spec["names"]}
 
 
-
 def _checkpoint_path(source: str | Path) -> Path:
     p = Path(source)
     from ddiloco.runtime.syncer.checkpoint import CHECKPOINT_NAME, LEGACY_NAME
