@@ -34,10 +34,12 @@ def test_parse_spec() -> None:
         DataConfig(kind="images", path="x", channels=4)
 
 
-def test_vocab_size_hint() -> None:
+def test_vocab_size_hint(tmp_path: Path) -> None:
     assert DataConfig(markov=MarkovConfig(vocab_size=16)).vocab_size == 16
     assert parse_data_spec("text:x").vocab_size == 256
-    assert parse_data_spec("bin:x").vocab_size is None
+    flat = tmp_path / "tokens.bin"
+    flat.write_bytes(b"\x00\x00" * 8)
+    assert parse_data_spec(f"bin:{flat}").vocab_size is None
 
 
 def check(stream: BatchStream, x_shape: tuple[int, ...]) -> None:

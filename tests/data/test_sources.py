@@ -17,7 +17,7 @@ from ddiloco.data import (
 from ddiloco.recipe import tokens_per_step
 
 
-def test_every_kind_is_a_registered_source():
+def test_every_kind_is_a_registered_source(tmp_path):
     assert DATA_KINDS == ("synthetic", "text", "bin", "hf", "digits", "images")
     assert {k for k, s in DATA_SOURCES.items() if s.task == "image"} == {"digits", "images"}
     assert {k for k, s in DATA_SOURCES.items() if s.needs_path} == {"text", "bin", "hf", "images"}
@@ -30,9 +30,12 @@ def test_every_kind_is_a_registered_source():
         "images": 0.2,
     }
     assert parse_data_spec("synthetic").vocab_size == 64
-    assert (
-        parse_data_spec("text:x").vocab_size == 256 and parse_data_spec("bin:x").vocab_size is None
-    )
+    flat = tmp_path / "tokens.bin"
+    flat.write_bytes(b"\x00\x00" * 8)
+    assert parse_data_spec("text:x").vocab_size == 256
+    assert parse_data_spec(f"bin:{flat}").vocab_size is None  # a flat file names none
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        parse_data_spec("bin:x").vocab_size  # noqa: B018
     with pytest.raises(ValueError, match="unknown data kind 'csv'; valid kinds: synthetic, text"):
         parse_data_spec("csv:x")
     with pytest.raises(ValueError, match="needs a path"):
