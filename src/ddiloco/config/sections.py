@@ -21,6 +21,7 @@ from ddiloco.algorithm.policy import PolicyConfig
 from ddiloco.algorithm.syncer_state import FINAL_MERGES, SyncerConfig
 from ddiloco.backends import backend_names
 from ddiloco.config.chaos import ChaosConfig
+from ddiloco.data.stream import DEFAULT_SHARD_BLOCK, SHARDINGS
 from ddiloco.runtime.transport.bulk import BulkLimits
 
 __all__ = [
@@ -100,7 +101,7 @@ class DataConfig:
     shard_block tokens dealt round-robin, so every learner samples the whole corpus and
     DP reads the same shares) or contiguous (one run of the corpus each, for non-iid
     studies)."""
-    shard_block: int = 4096
+    shard_block: int = DEFAULT_SHARD_BLOCK
     """Tokens per block of the interleaved sharding."""
 
     def __post_init__(self) -> None:
@@ -113,7 +114,7 @@ class DataConfig:
         at_least("data.batch_size", self.batch_size, 1)
         at_least("data.block_size", self.block_size, 1)
         at_least("data.vocab_size", self.vocab_size, 2)
-        one_of("data.sharding", self.sharding, ("interleaved", "contiguous"))
+        one_of("data.sharding", self.sharding, SHARDINGS)
         at_least("data.shard_block", self.shard_block, 2)
 
 

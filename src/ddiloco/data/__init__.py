@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 import torch
 
-from ddiloco.data.stream import BatchStream
+from ddiloco.data.stream import DEFAULT_SHARD_BLOCK, SHARDINGS, BatchStream
 from ddiloco.data.synthetic import MarkovConfig, MarkovLanguage, SyntheticStream, eval_batches
 
 __all__ = [
@@ -118,7 +118,7 @@ class DataConfig:
     """How token data is shared among learners: "interleaved" (blocks of ``shard_block``
     tokens dealt round-robin, so every learner samples the whole corpus) or "contiguous"
     (one run of the corpus each); see ``data.text``."""
-    shard_block: int = 4096
+    shard_block: int = DEFAULT_SHARD_BLOCK
     """Tokens per block of the interleaved sharding."""
 
     def __post_init__(self) -> None:
@@ -134,10 +134,8 @@ class DataConfig:
             raise ValueError(f"eval_fraction must be in [0, 1), got {self.eval_fraction}")
         if self.channels not in (1, 3):
             raise ValueError(f"channels must be 1 or 3, got {self.channels}")
-        if self.sharding not in ("interleaved", "contiguous"):
-            raise ValueError(
-                f"sharding must be 'interleaved' or 'contiguous', got {self.sharding!r}"
-            )
+        if self.sharding not in SHARDINGS:
+            raise ValueError(f"sharding must be one of {SHARDINGS}, got {self.sharding!r}")
         if self.shard_block < 2:
             raise ValueError(f"shard_block must be >= 2 tokens, got {self.shard_block}")
 

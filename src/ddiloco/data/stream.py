@@ -25,12 +25,19 @@ __all__ = [
     "rng_for",
     "check_learner",
     "check_state",
+    "SHARDINGS",
+    "DEFAULT_SHARD_BLOCK",
 ]
 
 TRAIN = 0
 """Key domain of per-learner training data."""
 EVAL = 1
 """Key domain of held-out evaluation data."""
+
+SHARDINGS = ("interleaved", "contiguous")
+"""How token data is shared among learners (``data.sharding``; ``data.text``)."""
+DEFAULT_SHARD_BLOCK = 4096
+"""Tokens per block of the interleaved sharding (``data.shard_block``)."""
 
 
 @runtime_checkable

@@ -39,7 +39,15 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from ddiloco.data.stream import EVAL, TRAIN, check_learner, check_state, rng_for
+from ddiloco.data.stream import (
+    DEFAULT_SHARD_BLOCK,
+    EVAL,
+    SHARDINGS,
+    TRAIN,
+    check_learner,
+    check_state,
+    rng_for,
+)
 
 __all__ = [
     "TEXT_SUFFIXES",
@@ -60,10 +68,6 @@ __all__ = [
 TEXT_SUFFIXES = (".txt", ".md")
 """Files read from a folder by :func:`load_text_bytes` unless ``all_files=True``."""
 
-SHARDINGS = ("interleaved", "contiguous")
-"""How the training tokens are shared among learners (``data.sharding``)."""
-DEFAULT_SHARD_BLOCK = 4096
-"""Tokens per block of the interleaved sharding (``data.shard_block``)."""
 MIN_BLOCKS_PER_LEARNER = 4
 """Blocks each learner gets at least, where the data allows: shorter data gets shorter
 blocks."""
@@ -323,11 +327,6 @@ class TokenStream:
     @property
     def position(self) -> int:
         return self._position
-
-    @property
-    def n_tokens(self) -> int:
-        """Tokens in this learner's share."""
-        return int((self.pieces[:, 1] - self.pieces[:, 0]).sum())
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         rng = rng_for(self.seed, TRAIN, self.learner, self._position)
