@@ -13,6 +13,7 @@ import pytest
 
 from ddiloco.config.flags import parse_learner
 from ddiloco.config.sections import SyncConfig
+from ddiloco.runtime.learner.context import LearnerStats
 from ddiloco.runtime.learner.hook import DecoupledLearner, late_install_advice
 
 pytestmark = pytest.mark.timeout(60)
@@ -73,7 +74,7 @@ def _fake_learner(settings_as: str, delay: float, H: int = 24, tau: int = 2):  #
     )
     return SimpleNamespace(
         sync=sync,
-        stats={},
+        stats=LearnerStats(),
         _delay_mark=(0, 0.0),
         _delay_warned=False,
         fragmentation=SimpleNamespace(P=24),

@@ -46,6 +46,7 @@ from ddiloco.algorithm.learner_state import LearnerSync
 from ddiloco.algorithm.schedule import ClockTrack, FragmentSchedule, StepTimer
 from ddiloco.config.sections import RUNTIME_DEFAULTS, SyncConfig
 from ddiloco.runtime.learner.client import LinkLimits, SyncerError, rpc_details
+from ddiloco.runtime.learner.context import LearnerStats
 from ddiloco.runtime.learner.device import DeviceCopier
 from ddiloco.runtime.learner.events import InboxMixin, Received
 from ddiloco.runtime.learner.island import IslandMixin
@@ -301,18 +302,8 @@ class DecoupledLearner(InboxMixin, SessionMixin, LinksMixin, IslandMixin, ShardI
         self.process_id = uuid.uuid4().hex[:12]
         """This learner process: the syncer carries a restarted learner's earlier totals."""
         self.extra_report: dict = {}
-        self.stats = {
-            "bytes_sent": 0,
-            "bytes_received": 0,
-            "pushes": 0,
-            "pushes_accepted": 0,
-            "pushes_rejected": 0,
-            "installs": 0,
-            "install_delay_steps": 0.0,
-            "reconnects": 0,
-            "fetch_s": None,
-            "push_errors": 0,
-        }
+        self.stats = LearnerStats()
+        """Traffic and install counters (a mapping: ``stats["pushes"]``)."""
         self._base_params: dict[int, dict[int, list[torch.Tensor]]] = {}
         self._hook = None
         self._connected = True
@@ -538,7 +529,7 @@ class DecoupledLearner(InboxMixin, SessionMixin, LinksMixin, IslandMixin, ShardI
                 for p in installed:
                     self._base_versions[p] = self.sync.frags[p].base_version
                 self._wanted = set(self.sync.waiting_fragments)
-            self.stats["installs"] += len(installed)
+            self.stats.installs += len(installed)
             if installed:
                 self._watch_install_delay()
         stop = self._stop.is_set() if self._is_root else False
@@ -553,7 +544,7 @@ class DecoupledLearner(InboxMixin, SessionMixin, LinksMixin, IslandMixin, ShardI
         last max(4, P) installs, it is well past tau: the grace window then cannot gather
         learners (and ``install = overwrite`` loses the late steps)."""
         installs, delay = self.sync.installs, self.sync.install_delay_steps
-        self.stats["install_delay_steps"] = round(self.sync.mean_install_delay_steps, 2)
+        self.stats.install_delay_steps = round(self.sync.mean_install_delay_steps, 2)
         n = installs - self._delay_mark[0]
         if n < max(4, self.fragmentation.P):
             return
@@ -611,7 +602,7 @@ class DecoupledLearner(InboxMixin, SessionMixin, LinksMixin, IslandMixin, ShardI
                 for p in got:
                     self._base_versions[p] = self.sync.frags[p].base_version
                 self._wanted = set(self.sync.waiting_fragments)
-            self.stats["installs"] += len(got)
+            self.stats.installs += len(got)
             installed += got
         self._last_step_t = time.monotonic()  # the wait is not compute time
         return installed
@@ -629,7 +620,7 @@ class DecoupledLearner(InboxMixin, SessionMixin, LinksMixin, IslandMixin, ShardI
             "compute_s": self.compute_s,
             "ledger": asdict(self.sync.ledger),
             "tokens_per_step": self.tokens_per_step,
-            "fetch_s": self.stats["fetch_s"],
+            "fetch_s": self.stats.fetch_s,
             "global_step": self.global_step,
             **self.stats,
             **self._island_report,

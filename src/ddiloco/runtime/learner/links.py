@@ -117,10 +117,8 @@ class LinksMixin:
                     if d > 0:
                         time.sleep(d)
                     r = self.client.push(header, data, timeout_s=30.0 + len(data) / 1e6)
-                    self.stats["bytes_sent"] += len(data)
-                    self.stats["pushes"] += 1
                     ok = r["status"] == "accepted"
-                    self.stats["pushes_accepted" if ok else "pushes_rejected"] += 1
+                    self.stats.pushed(len(data), ok)
                     if ok:
                         self._accepted_by_boot[o.seq] = self.client.boot_part(boot, o.fragment)
                     elif r["status"] != "duplicate":
@@ -153,7 +151,7 @@ class LinksMixin:
                         backoff = min(backoff * 2, 2.0)
                         continue
                     if code in RETRYABLE:
-                        self.stats["push_errors"] += 1
+                        self.stats.push_errors += 1
                         with self._lock:
                             if not self.sharded and self._latest_seq.get(o.fragment, o.seq) > o.seq:
                                 break  # superseded while the syncer was away
@@ -209,10 +207,7 @@ class LinksMixin:
                     d = self.link.delay_s(nbytes)
                     if d > 0:
                         time.sleep(d)
-                    dt = time.monotonic() - t0
-                    f = self.stats["fetch_s"]
-                    self.stats["fetch_s"] = dt if f is None else 0.8 * f + 0.2 * dt
-                    self.stats["bytes_received"] += nbytes
+                    self.stats.fetched(nbytes, time.monotonic() - t0)
                     for p, (v, ts, _) in res.items():
                         got[p] = max(got[p], v)
                         shaped = [

@@ -148,7 +148,7 @@ class SessionMixin:
             shaped = [t.view(self.params[n].shape) for n, t in zip(f.names, got[p][1])]
             params.update(zip(f.names, shaped))
             self._remember_base(p, got[p][0], shaped)
-            self.stats["bytes_received"] += got[p][2]
+            self.stats.bytes_received += got[p][2]
         return versions, params
 
     def _upload_initial(self) -> None:
@@ -161,7 +161,7 @@ class SessionMixin:
         r = self.client.stream(
             "Init", wire.chunks({"learner": who, "spec": self.spec, "nbytes": len(data)}, data)
         )
-        self.stats["bytes_sent"] += len(data)
+        self.stats.bytes_sent += len(data)
         log.info(
             "[learner %d] initial model upload: %s",
             self.learner,
@@ -208,7 +208,7 @@ class SessionMixin:
                         rpc_code(e).name,
                     )
                     self._connected = False
-                    self.stats["reconnects"] += 1
+                    self.stats.reconnects += 1
 
     def _rejoin(self) -> None:
         if self._leaving.is_set():

@@ -151,7 +151,7 @@ class ShardIslandMixin:
             "upload": self._upload_id,
         }
         r = self.client.stream("Init", wire.chunks(head, payload))
-        self.stats["bytes_sent"] += len(payload)
+        self.stats.bytes_sent += len(payload)
         log.info(
             "[learner %d rank %d] initial model upload of %d runs: %s",
             self.learner,
@@ -195,7 +195,7 @@ class ShardIslandMixin:
                 for p, (v, ts, nb) in self._fetch_runs(want, timeout_s).items():
                     got[p] = (v, ts)
                     self._remember_base(p, v, ts)
-                    self.stats["bytes_received"] += nb
+                    self.stats.bytes_received += nb
             except grpc.RpcError as e:
                 error = f"{rpc_code(e).name}: {rpc_details(e)}"
             late = time.monotonic() > deadline
@@ -365,7 +365,7 @@ class ShardIslandMixin:
             for p in installed:
                 self._base_versions[p] = self.sync.frags[p].base_version
             self._wanted = set(self.sync.waiting_fragments)
-        self.stats["installs"] += len(installed)
+        self.stats.installs += len(installed)
         if installed and self._is_root:
             self._watch_install_delay()
         return installed, bool(root["stop"])
