@@ -115,7 +115,7 @@ def _run(quick: bool, cores) -> dict:
             os.sched_setaffinity(0, cores[0])
         for i in range(pairs):
             for mode in ("on", "off") if i % 2 == 0 else ("off", "on"):
-                while not dl._sendq.empty():  # idle between blocks
+                while not dl.links.sendq.empty():  # idle between blocks
                     time.sleep(0.01)
                 time.sleep(0.2)
                 t0 = 0.0

@@ -5,6 +5,7 @@ chain, and one push encoding for both engines."""
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from ddiloco.algorithm.learner_state import Outgoing
 from ddiloco.algorithm.payload import EncodedParams, encode_push
 from ddiloco.algorithm.policy import PolicyConfig
 from ddiloco.algorithm.syncer_state import Contribution, Status, SyncerConfig, SyncerState
-from ddiloco.runtime.learner.links import LinksMixin
+from ddiloco.runtime.learner.links import DeltaBases, Links
 
 SHAPES = [(64, 32), (32,)]
 
@@ -172,10 +173,14 @@ def test_both_engines_put_the_same_bytes_on_the_wire():
     base = [p - 0.01 for p in params]
     for name in ("fp32", "bf16", "int8", "int4", "fp8"):
         codec = get_codec(name)
-        links = object.__new__(LinksMixin)
-        links.codec = codec  # type: ignore[attr-defined]
-        links._lock = threading.Lock()  # type: ignore[attr-defined]
-        links._base_params = {0: {3: base}}  # type: ignore[attr-defined]
+        bases = DeltaBases(codec, threading.Lock())
+        bases.remember(0, 3, base)
+        links = Links(
+            SimpleNamespace(codec=codec, plan=None, fragmentation=SimpleNamespace(P=1)),
+            None,
+            None,
+            bases,
+        )  # type: ignore[arg-type]
         o = Outgoing(
             fragment=0,
             params=params,
@@ -186,6 +191,6 @@ def test_both_engines_put_the_same_bytes_on_the_wire():
             send_step=1,
             covered_steps=1,
         )
-        runtime = links._encode(o)  # type: ignore[attr-defined]
+        runtime = links._encode(o)
         engine = encode_push(codec, params, base if codec.delta else None)
         assert runtime == engine and runtime[1] == codec.delta, name

@@ -13,8 +13,8 @@ import pytest
 
 from ddiloco.config.flags import parse_learner
 from ddiloco.config.sections import SyncConfig
-from ddiloco.runtime.learner.context import LearnerStats
 from ddiloco.runtime.learner.hook import DecoupledLearner, late_install_advice
+from ddiloco.runtime.learner.island import InstallWatch
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -64,7 +64,7 @@ def test_advice_is_valid_for_the_command_line(delay, H, P):  # noqa: N803
     parse_learner(argv)  # the flags, with the values advised, are a valid command line
 
 
-def _fake_learner(settings_as: str, delay: float, H: int = 24, tau: int = 2):  # noqa: N803
+def _fake_watch(settings_as: str, delay: float, H: int = 24, tau: int = 2):  # noqa: N803
     sync = SimpleNamespace(
         installs=24,
         install_delay_steps=24 * delay,
@@ -72,24 +72,23 @@ def _fake_learner(settings_as: str, delay: float, H: int = 24, tau: int = 2):  #
         step=300,
         install="rebase",
     )
-    return SimpleNamespace(
+    ctx = SimpleNamespace(
         sync=sync,
-        stats=LearnerStats(),
-        _delay_mark=(0, 0.0),
-        _delay_warned=False,
+        stats=SimpleNamespace(install_delay_steps=0.0),
         fragmentation=SimpleNamespace(P=24),
         schedule=SimpleNamespace(tau=tau, H=H),
         learner=0,
         codec=SimpleNamespace(name="bf16"),
         settings_as=settings_as,
     )
+    return InstallWatch(ctx)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("settings_as", ["keywords", "flags"])
 def test_the_learner_warns_in_its_interfaces_names(settings_as, caplog):
-    fake = _fake_learner(settings_as, delay=73.2)
+    watch = _fake_watch(settings_as, delay=73.2)
     with caplog.at_level(logging.WARNING, logger="ddiloco.learner"):
-        DecoupledLearner._watch_install_delay(fake)
+        watch.installed()
     (msg,) = [r.getMessage() for r in caplog.records]
     assert msg.startswith(
         "[learner 0 step 300] merged fragments come back 73.2 steps after their push on "
@@ -101,5 +100,5 @@ def test_the_learner_warns_in_its_interfaces_names(settings_as, caplog):
     else:
         assert "(-H 75 or more, with --tau 74)" in msg and "tau=" not in msg
     # once per process
-    DecoupledLearner._watch_install_delay(fake)
+    watch.installed()
     assert len(caplog.records) == 1

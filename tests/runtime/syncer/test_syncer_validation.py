@@ -218,7 +218,7 @@ def test_a_failed_communication_thread_stops_training_with_a_clear_error(syncer_
     def broken(o):
         raise RuntimeError("encoder exploded")
 
-    dl._encode = broken
+    dl.links._encode = broken  # type: ignore[method-assign]
     with pytest.raises(SyncerError, match="communication thread failed.*encoder exploded"):
         with dl:
             for _ in range(200):
