@@ -23,8 +23,9 @@ What is measured, per case
     streams 4 MiB buffers to another, ``perf_syncer.raw_tcp_bytes_per_s``, best of 3 runs of
     1 s), and memory bandwidth on one thread (the syncer runs with one torch thread): a
     ``copy_`` of a 256 MiB fp32 tensor (bytes read + written per second) and a ``sum`` of it
-    (bytes read per second), each the best of 5. The roofline uses the mean of the before
-    and after figures (the machine is shared; the windows are adjacent to the merges').
+    (bytes read per second), each the best of 5; with checkpoints, also a 256 MiB write
+    with ``fsync`` where the checkpoints go. The roofline uses the mean of the before and
+    after figures (the machine is shared; the windows are adjacent to the merges').
 
 The memory traffic model (bytes one merge of a fragment of n fp32 elements must move
 through memory, beyond the socket copies; e_up: bytes per element of a push as received,
@@ -41,8 +42,9 @@ e_down of the downlink codec, r = 1.0625 of the downlink chain's int8 residual):
     residual (8 + 2 r + e_down) n;
   - checkpoint (on): the merged fragment's Theta and momentum copied into files (read and
     written once, hashed in the same pass): 16 n. (The syncer writes the whole state at each
-    checkpoint; the measured checkpoint bytes are reported beside. The disk's own bandwidth
-    is not part of the roofline: the page cache takes the write, ``fsync`` waits on it.)
+    checkpoint; the measured checkpoint bytes are reported beside.) The disk is a third
+    resource: with checkpoints, ``roofline_disk_s`` adds the merged fragment's 8 n bytes at
+    the measured disk rate (``fsync`` waits for them, and publication for the checkpoint).
 The socket bytes are the payloads measured: M pushes in and M fetch replies out.
 
 Roofline = socket bytes / raw TCP rate + memory bytes / copy rate. The two are added, not
@@ -131,11 +133,33 @@ def memory_bandwidth(numel: int = MEM_BENCH_NUMEL, repeat: int = 5) -> dict:
         torch.set_num_threads(threads)
 
 
-def machine(tcp_s: float = 1.0, tcp_repeat: int = 3) -> dict:
-    """Raw loopback TCP (best of ``tcp_repeat`` runs of ``tcp_s``) and memory bandwidth,
-    with the load average when they were measured."""
+def disk_bytes_per_s(directory: Path, nbytes: int = 1 << 28) -> float:
+    """Write ``nbytes`` to a file in ``directory`` in 1 MiB pieces and ``fsync`` it (as a
+    checkpoint is written); bytes per second, the file removed."""
+    directory.mkdir(parents=True, exist_ok=True)
+    piece = bytes(1 << 20)
+    path = directory / f".disk-rate.{os.getpid()}"
+    try:
+        t = time.perf_counter()
+        with open(path, "wb") as f:
+            for _ in range(nbytes >> 20):
+                f.write(piece)
+            f.flush()
+            os.fsync(f.fileno())
+        return nbytes / (time.perf_counter() - t)
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def machine(tcp_s: float = 1.0, tcp_repeat: int = 3, disk_dir: Path | None = None) -> dict:
+    """Raw loopback TCP (best of ``tcp_repeat`` runs of ``tcp_s``), memory bandwidth and,
+    with ``disk_dir``, the rate of a 256 MiB write with ``fsync`` there; with the load
+    average when they were measured."""
     tcp = max(raw_tcp_bytes_per_s(tcp_s) for _ in range(tcp_repeat))
-    return {"tcp_bytes_per_s": tcp, **memory_bandwidth(), "loadavg": _loadavg()}
+    out = {"tcp_bytes_per_s": tcp, **memory_bandwidth(), "loadavg": _loadavg()}
+    if disk_dir is not None:
+        out["disk_bytes_per_s"] = disk_bytes_per_s(disk_dir)
+    return out
 
 
 def _loadavg() -> list[float]:
@@ -143,8 +167,8 @@ def _loadavg() -> list[float]:
 
 
 def _mean_machine(a: dict, b: dict) -> dict:
-    keys = ("tcp_bytes_per_s", "copy_bytes_per_s", "sum_bytes_per_s")
-    return {k: (a[k] + b[k]) / 2 for k in keys}
+    keys = ("tcp_bytes_per_s", "copy_bytes_per_s", "sum_bytes_per_s", "disk_bytes_per_s")
+    return {k: (a[k] + b[k]) / 2 for k in keys if k in a and k in b}
 
 
 # -- the model --------------------------------------------------------------------------------
@@ -248,7 +272,7 @@ def run_case(
         learners[0].join()
         in_threads(lambda lr: lr.join(), learners[1:])
         in_threads(lambda lr: [lr.fetch(p) for p in range(P)], learners)
-        before = machine(tcp_s) if measure_machine else None
+        before = machine(tcp_s, disk_dir=ckpt_root) if measure_machine else None
         status0 = learners[0].sc.clients[0].status(timeout_s=60.0)
         stats0 = sum((Counter(lr.stats) for lr in learners), Counter())
         if profile is not None and have_pyspy():
@@ -266,7 +290,7 @@ def run_case(
         status1 = learners[0].sc.clients[0].status(timeout_s=60.0)
         hwm = status_bytes(pid, "VmHWM")
         stats1 = sum((Counter(lr.stats) for lr in learners), Counter())
-        after = machine(tcp_s) if measure_machine else None
+        after = machine(tcp_s, disk_dir=ckpt_root) if measure_machine else None
         for lr in learners:
             lr.leave()
     except Exception as e:  # noqa: BLE001 - reported in the result
@@ -340,6 +364,11 @@ def run_case(
                 "data_rate_vs_tcp": sock / pm["wall_s"] / mach["tcp_bytes_per_s"],
             }
         )
+        if "disk_bytes_per_s" in mach:  # the merged fragment's Theta and momentum on disk
+            pm["disk_bytes"] = 8 * n
+            pm["disk_s"] = 8 * n / mach["disk_bytes_per_s"]
+            pm["roofline_disk_s"] = tcp_s + mem_s + pm["disk_s"]
+            pm["wall_x_roofline_disk"] = pm["wall_s"] / pm["roofline_disk_s"]
     if spy is not None and profile is not None:
         title = (
             f"syncer during {merges} fragment merges ({case.name}, N={N:.3g}, P={P}, M={M}; "
