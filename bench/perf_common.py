@@ -260,9 +260,16 @@ def pyspy_start(pid: int, duration_s: float, raw_path: Path) -> subprocess.Popen
     )
 
 
-def summarise_collapsed(raw_path: Path, out_txt: Path, title: str, top: int = 25) -> str:
+def summarise_collapsed(
+    raw_path: Path,
+    out_txt: Path,
+    title: str,
+    top: int = 25,
+    sampled: str = "50 Hz, --idle: waiting threads included",
+) -> str:
     """Turn py-spy collapsed stacks into a small text summary: samples per thread, and the
-    functions with the most self and inclusive samples (idle frames listed separately)."""
+    functions with the most self and inclusive samples (idle frames listed separately);
+    ``sampled`` says how the samples were taken (the rate, which threads)."""
     if not raw_path.is_file():
         return ""
     self_c, incl_c, thread_c = collections.Counter(), collections.Counter(), collections.Counter()
@@ -282,7 +289,7 @@ def summarise_collapsed(raw_path: Path, out_txt: Path, title: str, top: int = 25
                 incl_c[f] += n
     lines = [
         f"# {title}",
-        f"py-spy samples: {total} (50 Hz, --idle: waiting threads included)",
+        f"py-spy samples: {total} ({sampled})",
         "",
         "## samples per thread",
     ]
