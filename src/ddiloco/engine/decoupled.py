@@ -143,8 +143,9 @@ class _DecoupledRun:
     def run(self) -> None:
         """Take events in (time, priority) order until the heap drains. An event handled
         with an empty heap behind it makes the syncer flush its open rounds (their
-        broadcasts queue more events); a handler returns False for an event it ignores,
-        which does not."""
+        broadcasts queue more events). A handler returns False where no flush follows: an
+        event it ignores, a step start that finishes its learner (whose leave is queued) and
+        a rejoin after the step budget is spent."""
         M, N = self.M, self.N  # noqa: N806
         handlers = {
             "start": self._on_start,
