@@ -307,79 +307,28 @@ def write_summary(
     ``evals`` the run's evaluations so far (a fresh ``GlobalEval`` where None); ``extra``
     adds the launcher's own fields."""
     from ddiloco.run_summary import RunSummary
+    from ddiloco.runtime.observe.accounting import goodput_so_far
 
     c = cfg
     if evals is None:
         evals = GlobalEval(c, wall0)
     evals.wait()
-    data, lang, floor = evals.data, evals.lang, evals.floor
+    lang, floor = evals.lang, evals.floor
     init_loss = evals.init_loss
     n_params = sum(p.numel() for p in evals.model.parameters())
     final_loss = None if final_params is None else evals.loss(final_params)
-    per_step = c.data.batch_size if data.task == "image" else c.data.batch_size * c.data.block_size
+    per_step = _tokens_per_step(c, evals.data)
     rows = collect_rows(out, wall0)
-    # the clock starts when the first learner is ready to step (process start-up of the
-    # first launch is reported apart; restarts after failures count against goodput)
-    starts = [r["t_s"] for r in rows["rows"] if r["kind"] == "learner_start"]
-    t_first = max(t_learners, min(starts)) if starts else t_learners
+    t_first = _first_step_s(rows["rows"], t_learners)
     T = max(1e-9, t_end - t_first)
-    # goodput and the step ledger are the syncer's (``runtime.observe.accounting``): every learner
-    # process's last report, restarts folded in; the same as `ddiloco status`
-    from ddiloco.runtime.observe.accounting import goodput_so_far, learner_totals
-
-    per_learner = []
     st = status or {}
     run_s = st.get("run_s") or T
-    bytes_up = bytes_down = 0
-    reports = dict(reports)
-    ids = sorted(set(range(c.learners)) | set(members))
-    for m in ids:
-        member = members.get(m)
-        final_path = out / f"learner_{m}" / "final.json"
-        final = json.loads(final_path.read_text()) if final_path.is_file() else None
-        if final is not None:
-            reports[(m, final["incarnation"])] = final
-        for (mm, _), rep in reports.items():
-            if mm == m:
-                bytes_up += rep.get("bytes_sent", 0)
-                bytes_down += rep.get("bytes_received", 0)
-        info = st.get("learners", {}).get(str(m), {})
-        tot = learner_totals(info)
-        ledger, useful, compute = tot["ledger"], tot["useful_s"], tot["compute_s"]
-        bal = abs(ledger["computed"] - sum(ledger[k] for k in ledger if k != "computed"))
-        per_learner.append(
-            {
-                "learner": m,
-                "steps": (final or {}).get(
-                    "global_step", info.get("report", {}).get("global_step")
-                ),
-                "failures": member.failures if member else 0,
-                "starts": member.starts if member else 0,
-                "stops": member.stops if member else 0,
-                "ledger_steps": {k: round(v, 4) + 0.0 for k, v in ledger.items()},
-                "ledger_tokens": {
-                    k: round(v * per_step * c.runtime.island(m).size) for k, v in ledger.items()
-                },
-                "ledger_balance_error": bal,
-                "install_delay_steps": (final or info.get("report", {})).get("install_delay_steps"),
-                "tokens_computed": tot["tokens"],
-                "syncer_tokens": info.get("syncer_ledger", {}),
-                "time": {
-                    "useful_s": round(useful, 3),
-                    "stepping_s": round(compute, 3),
-                    "other_s": round(run_s - compute, 3),
-                },
-            }
-        )
-    model_bytes = 4 * n_params
-    total_steps = sum(pl["ledger_steps"]["computed"] for pl in per_learner)
-    # what the learners trained: their global steps (those the step budget counts; steps
-    # redone after a restart count once), x tokens per step x ranks
-    steps_trained = sum(int(pl["steps"] or 0) for pl in per_learner)
-    tokens = sum(
-        int(pl["steps"] or 0) * per_step * c.runtime.island(pl["learner"]).size
-        for pl in per_learner
+    per_learner, bytes_up, bytes_down = _learner_rows(
+        c, out, st, reports, members, per_step=per_step, run_s=run_s
     )
+    ids = [pl["learner"] for pl in per_learner]
+    model_bytes = 4 * n_params
+    total_steps, steps_trained, tokens = _trained(c, per_learner, per_step)
     budget = c.runtime.step_budget if c.runtime.step_budget is not None else c.learners * c.steps
     summary = {
         "ok": not interrupted and final_loss is not None and processes_ok,
@@ -404,6 +353,7 @@ def write_summary(
         "initial_eval_loss": init_loss,
         "data": c.data.source,
         "model": c.model.name,
+        # the syncer's, as in `ddiloco status` (``runtime.observe.accounting``)
         "goodput": goodput_so_far(st) or 0.0,
         "run_s": run_s,
         "uptime": rows["uptime"](T),
@@ -428,10 +378,153 @@ def write_summary(
         "chaos": chaos,
         **(extra or {}),
     }
-    # the run's metrics.jsonl: every process's rows in time order; the run-level rows
-    # (config, evaluations) also go to the other sinks, as writer "run"
+    _write_run_metrics(
+        c,
+        out,
+        summary["config"],
+        rows["rows"],
+        evals,
+        init_loss=init_loss,
+        final_loss=final_loss,
+        final_step=round(steps_trained / max(1, len(ids)), 3),
+    )
+    summary = RunSummary.from_dict(summary).write(out)
+    if c.progress:
+        _print_end(
+            summary, out, interrupted=interrupted, init_loss=init_loss, final_loss=final_loss
+        )
+    return summary
+
+
+def _tokens_per_step(cfg, data) -> int:
+    """Tokens (images for an image task) one rank trains on per inner step."""
+    batch = cfg.data.batch_size
+    return batch if data.task == "image" else batch * cfg.data.block_size
+
+
+def _first_step_s(rows: list[dict], t_learners: float) -> float:
+    """When the run's clock starts: the first learner ready to step (``learner_start``),
+    not before the learners were started. Process start-up of the first launch is reported
+    apart; restarts after failures count against goodput."""
+    starts = [r["t_s"] for r in rows if r["kind"] == "learner_start"]
+    return max(t_learners, min(starts)) if starts else t_learners
+
+
+def _learner_rows(
+    cfg,
+    out: Path,
+    st: dict,
+    reports: dict[tuple[int, int], dict],
+    members: dict[int, Member],
+    *,
+    per_step: int,
+    run_s: float,
+) -> tuple[list[dict], int, int]:
+    """(``per_learner`` rows, bytes up, bytes down) of every learner id of the config or the
+    launcher. Each learner process's last report (its ``final.json`` where it wrote one) gives
+    its bytes and steps; the step ledger and the times are the syncer's
+    (``runtime.observe.accounting``): every learner process's last report, restarts folded
+    in; the same as `ddiloco status`."""
+    from ddiloco.runtime.observe.accounting import learner_totals
+
+    per_learner = []
+    bytes_up = bytes_down = 0
+    reports = dict(reports)
+    for m in sorted(set(range(cfg.learners)) | set(members)):
+        final_path = out / f"learner_{m}" / "final.json"
+        final = json.loads(final_path.read_text()) if final_path.is_file() else None
+        if final is not None:
+            reports[(m, final["incarnation"])] = final
+        for (mm, _), rep in reports.items():
+            if mm == m:
+                bytes_up += rep.get("bytes_sent", 0)
+                bytes_down += rep.get("bytes_received", 0)
+        info = st.get("learners", {}).get(str(m), {})
+        per_learner.append(
+            _learner_row(
+                cfg,
+                m,
+                members.get(m),
+                final,
+                info,
+                learner_totals(info),
+                per_step=per_step,
+                run_s=run_s,
+            )
+        )
+    return per_learner, bytes_up, bytes_down
+
+
+def _trained(cfg, per_learner: list[dict], per_step: int) -> tuple[float, int, int]:
+    """(steps computed, steps trained, tokens trained) of the learners' rows. What the
+    learners trained: their global steps (those the step budget counts; steps redone after a
+    restart count once), x tokens per step x ranks."""
+    total_steps = sum(pl["ledger_steps"]["computed"] for pl in per_learner)
+    steps_trained = sum(int(pl["steps"] or 0) for pl in per_learner)
+    tokens = sum(
+        int(pl["steps"] or 0) * per_step * cfg.runtime.island(pl["learner"]).size
+        for pl in per_learner
+    )
+    return total_steps, steps_trained, tokens
+
+
+def _learner_row(
+    cfg,
+    m: int,
+    member: Member | None,
+    final: dict | None,
+    info: dict,
+    tot: dict,
+    *,
+    per_step: int,
+    run_s: float,
+) -> dict:
+    """Learner m's row of ``per_learner``: ``member`` what the launcher saw of it, ``final``
+    its ``final.json``, ``info`` the syncer's status of it and ``tot`` its totals."""
+    ledger, useful, compute = tot["ledger"], tot["useful_s"], tot["compute_s"]
+    bal = abs(ledger["computed"] - sum(ledger[k] for k in ledger if k != "computed"))
+    return {
+        "learner": m,
+        "steps": (final or {}).get("global_step", info.get("report", {}).get("global_step")),
+        "failures": member.failures if member else 0,
+        "starts": member.starts if member else 0,
+        "stops": member.stops if member else 0,
+        "ledger_steps": {k: round(v, 4) + 0.0 for k, v in ledger.items()},
+        "ledger_tokens": {
+            k: round(v * per_step * cfg.runtime.island(m).size) for k, v in ledger.items()
+        },
+        "ledger_balance_error": bal,
+        "install_delay_steps": (final or info.get("report", {})).get("install_delay_steps"),
+        "tokens_computed": tot["tokens"],
+        "syncer_tokens": info.get("syncer_ledger", {}),
+        "time": {
+            "useful_s": round(useful, 3),
+            "stepping_s": round(compute, 3),
+            "other_s": round(run_s - compute, 3),
+        },
+    }
+
+
+def _write_run_metrics(
+    cfg,
+    out: Path,
+    config: dict,
+    rows: list[dict],
+    evals: GlobalEval,
+    *,
+    init_loss: float,
+    final_loss: float | None,
+    final_step: float,
+) -> None:
+    """The run's metrics.jsonl: the config, the initial evaluation, then every process's rows
+    and the evaluations during the run in time order, then the final evaluation
+    (``final_step``: mean steps per learner). The run-level rows (config, evaluations) also
+    go to the other sinks, as writer "run"."""
+    from ddiloco.metrics.sinks import JsonlSink, open_sinks, parse_sinks
+
+    floor = evals.floor
     head = [
-        {"kind": "config", **summary["config"]},
+        {"kind": "config", **config},
         {
             "kind": "eval",
             "t_s": 0.0,
@@ -441,39 +534,41 @@ def write_summary(
         },
     ]
     evaluated = sorted(evals.rows, key=lambda r: r["t_s"])
-    body = sorted(rows["rows"] + evaluated, key=lambda r: r["t_s"])
+    body = sorted(rows + evaluated, key=lambda r: r["t_s"])
     tail = (
         []
         if final_loss is None
         else [
             {
                 "kind": "final",
-                "step": round(steps_trained / max(1, len(ids)), 3),
+                "step": final_step,
                 "eval_loss": final_loss,
                 "gap": None if floor is None else final_loss - floor,
             }
         ]
     )
-    from ddiloco.metrics.sinks import JsonlSink, open_sinks, parse_sinks
-
     with JsonlSink(out / "metrics.jsonl", mode="w") as jsonl:
         for r in head + body + tail:
             jsonl.write(r)
     with open_sinks(
-        [s for s in parse_sinks(c.runtime.metrics_sinks) if s != "jsonl"], out, name="run"
+        [s for s in parse_sinks(cfg.runtime.metrics_sinks) if s != "jsonl"], out, name="run"
     ) as extra_sinks:
         for r in head + evaluated + tail:
             extra_sinks.write(r)
-    summary = RunSummary.from_dict(summary).write(out)
-    if c.progress:
-        ended = "done" if summary["ok"] else "interrupted" if interrupted else "FAILED"
-        print(
-            f"ddiloco: {ended} in {summary['wall_s']:.1f} s: "
-            f"eval loss {init_loss:.4f} -> {_loss(final_loss)}, goodput {summary['goodput']:.3f}, "
-            f"merges {summary['merges']}, summary in {out / 'summary.json'}",
-            file=sys.stderr,
-        )
-    return summary
+
+
+def _print_end(
+    summary: dict, out: Path, *, interrupted: bool, init_loss: float, final_loss: float | None
+) -> None:
+    """The run's last line on the console: how it ended, the eval loss from the initial to
+    the final model, goodput, merges and where the summary is."""
+    ended = "done" if summary["ok"] else "interrupted" if interrupted else "FAILED"
+    print(
+        f"ddiloco: {ended} in {summary['wall_s']:.1f} s: "
+        f"eval loss {init_loss:.4f} -> {_loss(final_loss)}, goodput {summary['goodput']:.3f}, "
+        f"merges {summary['merges']}, summary in {out / 'summary.json'}",
+        file=sys.stderr,
+    )
 
 
 def _loss(x: float | None) -> str:
