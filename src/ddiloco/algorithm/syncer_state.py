@@ -37,14 +37,14 @@ import torch
 
 from ddiloco.algorithm.fragments import Fragmentation
 from ddiloco.algorithm.history import FragmentHistory
-from ddiloco.algorithm.ledger import Ledger, LedgerEntry, vars_of
+from ddiloco.algorithm.ledger import Ledger, LedgerEntry
+from ddiloco.algorithm.ledger import vars_of as vars_of  # importable from here too
 from ddiloco.algorithm.merge import foldable
 from ddiloco.algorithm.policy import MergeNow, QuorumGracePolicy, WaitUntil
 from ddiloco.algorithm.round_merge import (
     FragmentState,
     Step,
     as_f32,
-    distance,
     fold_push,
     nbytes,
     open_folds,
@@ -52,13 +52,10 @@ from ddiloco.algorithm.round_merge import (
     round_weights,
     validate,
 )
+from ddiloco.algorithm.round_merge import distance as distance  # importable from here too
 from ddiloco.algorithm.rounds import DROP, FOLDING, Contribution, Round, Rounds
-from ddiloco.algorithm.syncer_config import (
-    ANCHORS,
-    DEFAULT_NORM_CLIP,
-    FINAL_MERGES,
-    SyncerConfig,
-)
+from ddiloco.algorithm.syncer_config import ANCHORS as ANCHORS  # importable from here too
+from ddiloco.algorithm.syncer_config import DEFAULT_NORM_CLIP, FINAL_MERGES, SyncerConfig
 
 __all__ = [
     "SyncerConfig",
@@ -71,9 +68,6 @@ __all__ = [
     "DEFAULT_NORM_CLIP",
     "FINAL_MERGES",
 ]
-
-# importable from here, where they were defined before the state's parts had modules
-_REEXPORTED = (ANCHORS, distance, vars_of)
 
 
 class Status(enum.Enum):
