@@ -108,7 +108,7 @@ def test_a_round_holds_about_one_fragment_whatever_the_number_of_learners():
 
 def test_a_push_after_a_folded_one_of_its_learner_goes_to_the_next_round():
     st = _state(4, 4, clip=0)
-    tokens = st._tokens(_push(st, 0, 0))
+    tokens = st.books.tokens(_push(st, 0, 0))
     r0 = st.submit(_push(st, 0, 0, seq=0), 0.0)
     st.submit(_push(st, 1, 1, seq=0), 0.0)
     r1 = st.submit(_push(st, 0, 2, seq=1), 0.0)  # two pushes held: this one supersedes

@@ -1,3 +1,3 @@
-"""The syncer service: ``server`` (``SyncerServer``, assembled from ``control``, ``data``,
-``liveness`` and ``durability`` around one ``SyncerState``) and ``checkpoint`` (atomic,
+"""The syncer service: ``server`` (``SyncerServer``, assembled from ``control``, ``data``
+and ``durability`` around one ``SyncerState``, owning ``liveness``) and ``checkpoint`` (atomic,
 checkpoint files)."""

@@ -397,6 +397,22 @@ class ControlHandlers:
                 log.info("[learner %d] left, %d live", m, len(st.live))
             return wire.pack({"ok": True})
 
+    def _last_heartbeat_s(self, m: int) -> float | None:
+        info = self._learners.get(m)
+        return None if info is None else info.last_hb_s
+
+    def _declare_dead(self, m: int, now: float) -> None:
+        """Learner m's heartbeats stopped (the timer thread, ``Liveness``; lock held): it
+        leaves the state machine."""
+        info = self._learners[m]
+        info.state = "dead"
+        log.warning("[learner %d] no heartbeat for %.1f s: declared dead", m, now - info.last_hb_s)
+        t0 = time.monotonic()
+        self._handle_merges(self.state.leave(m, now), t0)
+        self._forget_copies(m)
+        self.members.note("dead", m, info.incarnation, len(self.state.live))
+        self._event("dead", learner=m, live=len(self.state.live))
+
     @staticmethod
     def _note_process(info: LearnerInfo, process: str | None) -> None:
         """A learner id heard from a process: another process than the one behind its last

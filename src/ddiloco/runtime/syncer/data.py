@@ -234,7 +234,7 @@ class DataHandlers:
                 if res.merged is not None:
                     self._on_merged(res.merged, time.monotonic() - t0)
                 elif res.wake_at_s is not None:
-                    self._add_timer(res.wake_at_s, p)
+                    self.liveness.add_timer(res.wake_at_s, p)
                 self._followups(t0)
             elif res.status is not Status.DUPLICATE:
                 self._event("push-" + res.status.value, learner=m, fragment=p, message=res.message)

@@ -5,7 +5,6 @@ coalescing the merges made during a write; resume from a checkpoint."""
 from __future__ import annotations
 
 import contextlib
-import heapq
 import logging
 import time
 from dataclasses import asdict
@@ -138,7 +137,22 @@ class Durability:
             if isinstance(out, Merged):
                 self._on_merged(out, time.monotonic() - t0)
             else:
-                self._add_timer(out.at_s, p)
+                self.liveness.add_timer(out.at_s, p)
+
+    def _retry_due(self) -> None:
+        """Each tick of the timer thread (``Liveness``; lock held)."""
+        if self._publish_retry:
+            self._retry_publish()
+
+    def _fire_timer(self, p: int, now: float) -> None:
+        """Fragment p's grace deadline is due (the timer thread; lock held)."""
+        t0 = time.monotonic()
+        out = self.state.on_timer(p, now)
+        if isinstance(out, Merged):
+            self._on_merged(out, time.monotonic() - t0)
+        elif out is not None:
+            self.liveness.add_timer(out.at_s, p)
+        self._followups(t0)
 
     @contextlib.contextmanager
     def _unlocked(self):
@@ -154,10 +168,6 @@ class Durability:
             self._lock.acquire()
             self.merge_s += wall
             self.merge_cpu_s += cpu
-
-    def _add_timer(self, at_s: float, p: int) -> None:
-        heapq.heappush(self._timers, (at_s, p))
-        self._timer_cv.notify_all()
 
     def _snapshot(self) -> dict:
         """What a checkpoint holds (caller holds the lock; the write happens outside it).

@@ -12,10 +12,11 @@ only after a checkpoint containing it is on disk, so a SIGKILLed syncer restarte
 ``--resume`` never goes back on a version any learner has seen. Writes are coalesced: merges
 that happen during a write are covered by the next one.
 
-The server is assembled from its parts: ``control`` (Join, Init, Watch, Heartbeat, Leave,
-Status), ``data`` (pushes and fetches on gRPC and on the data port), ``liveness`` (the timer
-thread: grace deadlines, heartbeat timeouts) and ``durability`` (publication, checkpoints,
-resume).
+The server is assembled from ``control`` (Join, Init, Watch, Heartbeat, Leave, Status),
+``data`` (pushes and fetches on gRPC and on the data port) and ``durability``
+(publication, checkpoints, resume), mixins over the server's state, and owns ``liveness``
+(``Liveness``: the timer thread, with its grace deadlines and heartbeat timeouts), a part
+with its own state that acts through the callbacks the server gives it.
 
 Slot clock: the syncer starts the run's clock (its epoch, Unix time) when it receives the
 initial model, and once the learners report step times it announces the slot length (their
@@ -212,7 +213,7 @@ class SyncerServerConfig:
             )
 
 
-class SyncerServer(ControlHandlers, DataHandlers, Durability, Liveness):
+class SyncerServer(ControlHandlers, DataHandlers, Durability):
     """The gRPC syncer. ``start()`` binds and serves; ``close()`` checkpoints and stops."""
 
     def __init__(self, config: SyncerServerConfig) -> None:
@@ -225,7 +226,6 @@ class SyncerServer(ControlHandlers, DataHandlers, Durability, Liveness):
         self.merge_cpu_s = 0.0
         self._lock = threading.Lock()
         self._published_cv = threading.Condition(self._lock)
-        self._timer_cv = threading.Condition(self._lock)
         self._ckpt_cv = threading.Condition(self._lock)
         self.state: SyncerState | None = None
         self.spec: dict | None = None
@@ -251,7 +251,6 @@ class SyncerServer(ControlHandlers, DataHandlers, Durability, Liveness):
         self._learners: dict[int, LearnerInfo] = {}
         self._incarnations: dict[int, int] = {}
         self.members = MembershipLog(self.started_s)
-        self._timers: list[tuple[float, int]] = []
         self._dirty_merges = 0
         self._steps_done: dict[int, int] = {}  # learner -> its latest reported total steps
         self.run_started_wall: float | None = None
@@ -281,6 +280,18 @@ class SyncerServer(ControlHandlers, DataHandlers, Durability, Liveness):
         self.http_port: int | None = None
         self._threads: list[threading.Thread] = []
         self.port = -1
+        self.liveness = Liveness(
+            self._lock,
+            config.heartbeat_timeout_s,
+            closed=lambda: self._closed,
+            ready=lambda: self.state is not None,
+            tick=self._retry_due,
+            fire=self._fire_timer,
+            live=lambda: self.state.live if self.state is not None else (),
+            last_heartbeat_s=self._last_heartbeat_s,
+            declare_dead=self._declare_dead,
+        )
+        """The timer thread: grace deadlines and heartbeat timeouts."""
         if config.checkpoint_dir:
             remove_stale_temps(config.checkpoint_dir)
         if config.resume:
@@ -323,10 +334,10 @@ class SyncerServer(ControlHandlers, DataHandlers, Durability, Liveness):
             )
         if self.config.bulk_port is not None:
             self._start_data_port()
-        for target, name in ((self._timer_loop, "syncer-timer"), (self._ckpt_loop, "syncer-ckpt")):
-            t = threading.Thread(target=target, name=name, daemon=True)
-            t.start()
-            self._threads.append(t)
+        self._threads.append(self.liveness.start())
+        t = threading.Thread(target=self._ckpt_loop, name="syncer-ckpt", daemon=True)
+        t.start()
+        self._threads.append(t)
         self._server.start()
         if self.config.http_port is not None:
             from ddiloco.runtime.observe import serve_syncer
@@ -418,7 +429,7 @@ class SyncerServer(ControlHandlers, DataHandlers, Durability, Liveness):
             if self._closed:
                 return
             self._closed = True
-            self._timer_cv.notify_all()
+            self.liveness.wake()
             self._ckpt_cv.notify_all()
             self._published_cv.notify_all()
         if self._observer is not None:
