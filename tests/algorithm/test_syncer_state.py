@@ -338,6 +338,49 @@ def test_the_merge_guard_clips_each_push_of_a_multi_learner_round_and_final_roun
     assert float((s.frags[p].theta[0] - theta).max()) < 0.3  # not (0.1 + 9) / 2
 
 
+def test_the_merge_guard_leaves_a_round_whose_pushes_all_grew_together_alone():
+    """The learning rate's warm-up: every learner's outer gradient grows far above the
+    recent ones at once. That is shared progress, not a wild learner: nothing is clipped,
+    and the merge is the unguarded one exactly."""
+    on, p = make(quorum=3, grace=False, M=3, norm_clip=2.5)
+    off, _ = make(quorum=3, grace=False, M=3, norm_clip=0.0)
+    for s in (on, off):
+        for i, d in enumerate([0.01, 0.01, 0.01, 0.02, 0.3, 0.4]):  # the last two: 15x and 20x
+            theta = float(s.frags[p].theta[0][0])
+            for m, e in enumerate((d, 1.1 * d, 0.9 * d)):
+                r = s.submit(push(m, p, theta + e, base=s.version(p), seq=i), 0.0)
+            assert r.merged is not None
+    assert on.clipped_pushes == 0
+    assert torch.equal(on.frags[p].theta[0], off.frags[p].theta[0])
+
+
+def test_the_merge_guard_still_clips_a_wild_learner_among_grown_peers():
+    s, p = make(quorum=3, grace=False, M=3, norm_clip=2.5)
+    for i in range(3):  # nine pushes of norm 0.02
+        theta = float(s.frags[p].theta[0][0])
+        for m in range(3):
+            s.submit(push(m, p, theta + 0.01, base=s.version(p), seq=i), 0.0)
+    theta = float(s.frags[p].theta[0][0])
+    # the peers grew 10x together (not clipped); learner 2 is 10x above them (clipped)
+    for m, d in ((0, 0.1), (1, 0.1), (2, 1.0)):
+        r = s.submit(push(m, p, theta + d, base=s.version(p), seq=10), 0.0)
+    assert r.merged is not None and r.merged.clipped == (2,) and s.clipped_pushes == 1
+
+
+def test_clip_factor_compares_with_the_recent_norms_and_the_round():
+    from ddiloco.algorithm.merge import NORM_MIN_HISTORY, clip_factor
+
+    recent = [1.0] * NORM_MIN_HISTORY
+    assert clip_factor(10.0, recent, 2.0) == pytest.approx(0.2)  # a lone push: history only
+    assert clip_factor(10.0, recent, 2.0, [9.0, 11.0]) == 1.0  # its peers grew with it
+    assert clip_factor(10.0, recent, 2.0, [1.0, 1.2]) == pytest.approx(0.2)  # a wild one
+    assert clip_factor(10.0, recent, 2.0, [1.0, 9.0]) == pytest.approx(0.2)  # lower median
+    assert clip_factor(1.5, recent, 2.0, [0.1]) == 1.0  # under the recent bound: never
+    assert clip_factor(float("inf"), recent, 2.0, [1.0, float("nan")]) == 0.0
+    assert clip_factor(10.0, recent[:-1], 2.0) == 1.0  # too little history
+    assert clip_factor(10.0, recent, 0.0) == 1.0  # off
+
+
 def test_norm_clip_is_validated():
     with pytest.raises(ValueError, match="norm_clip"):
         SyncerConfig(norm_clip=0.5)

@@ -37,7 +37,7 @@ from ddiloco.algorithm.merge import (
     Fold,
     OuterNesterov,
     all_finite,
-    clip_bound,
+    clip_factor,
     fold_for,
     merge_tensor,
     token_weight,
@@ -54,6 +54,9 @@ __all__ = [
     "guard_round",
     "outer_step",
     "fold_push",
+    "measure",
+    "Measured",
+    "peers_of",
     "open_folds",
     "validate",
     "distance",
@@ -118,6 +121,15 @@ def pushed(s: FragmentState, c: Contribution, j: int) -> torch.Tensor:
     return x
 
 
+@dataclass(slots=True)
+class Measured:
+    """A push's outer-gradient norm, measured before it is folded (``measure``)."""
+
+    norm: float
+    tensor_norms: list[float] | None
+    """Each tensor's norm, for a push folded a piece at a time (None otherwise)."""
+
+
 def clipped(cfg: SyncerConfig, s: FragmentState, c: Contribution, j: int, f: float) -> torch.Tensor:
     """``pushed`` after the merge guard: ``anchor - f (anchor - theta)``."""
     x = pushed(s, c, j)
@@ -134,11 +146,41 @@ def push_norm(cfg: SyncerConfig, s: FragmentState, c: Contribution) -> float:
     )
 
 
-def guard_factor(cfg: SyncerConfig, s: FragmentState, norm: float) -> float:
-    """The merge guard's scale for an outer gradient of ``norm``: 1, or its bound over
-    the norm (0 when the norm overflowed)."""
-    bound = clip_bound(s.norms, cfg.norm_clip)
-    return bound / norm if bound is not None and norm > bound else 1.0
+def guard_factor(
+    cfg: SyncerConfig, s: FragmentState, norm: float, peers: Sequence[float] = ()
+) -> float:
+    """The merge guard's scale for an outer gradient of ``norm`` among the other pushes of
+    its round of norms ``peers`` (``merge.clip_factor``)."""
+    return clip_factor(norm, s.norms, cfg.norm_clip, peers)
+
+
+def _by_pieces(c: Contribution) -> bool:
+    """Whether push c is read a piece at a time (fp32, bf16 parameters, not delta-coded)."""
+    return (
+        isinstance(c.params, EncodedParams)
+        and not c.params.delta
+        and c.params.codec.element_bytes is not None
+    )
+
+
+def measure(cfg: SyncerConfig, s: FragmentState, c: Contribution) -> Measured:
+    """Push c's outer-gradient norm, before it is folded (the merge guard compares it with
+    the other pushes of its round). A push read a piece at a time also keeps each tensor's
+    norm, which its fold needs; the norm is 0.0 with the guard off, as it is recorded."""
+    if _by_pieces(c):
+        assert isinstance(c.params, EncodedParams)
+        norms = [
+            math.sqrt(
+                sum(distance([a[o : o + x.numel()]], [x]) ** 2 for o, x in c.params.chunks(j))
+            )
+            for j, a in enumerate(_flat_anchors(cfg, s, c))
+        ]
+        return Measured(math.sqrt(sum(n * n for n in norms)), norms)
+    return Measured(push_norm(cfg, s, c) if cfg.norm_clip > 0 else 0.0, None)
+
+
+def _flat_anchors(cfg: SyncerConfig, s: FragmentState, c: Contribution) -> list[torch.Tensor]:
+    return [anchor(cfg, s, c, j).reshape(-1) for j in range(len(s.theta))]
 
 
 def weight(cfg: SyncerConfig, s: FragmentState, c: Contribution) -> float:
@@ -194,21 +236,25 @@ def open_folds(cfg: SyncerConfig, s: FragmentState, embedding: Sequence[bool]) -
 
 
 def fold_push(
-    cfg: SyncerConfig, s: FragmentState, r: Round, c: Contribution
+    cfg: SyncerConfig,
+    s: FragmentState,
+    r: Round,
+    c: Contribution,
+    measured: Measured | None = None,
+    peers: Sequence[float] = (),
 ) -> tuple[float, float]:
     """Add push c's outer gradient, after the merge guard, to round r's folds; returns
     its norm and the guard's factor. The anchor, the guard's bound and the staleness
     discount are the ones its merge would use: the fragment does not change until its
-    round merges (which waits for a fold in progress)."""
+    round merges (which waits for a fold in progress). ``measured`` is c's ``measure``
+    when it was taken already, ``peers`` the norms of the other pushes of its round."""
     assert r.folds is not None
-    if (
-        isinstance(c.params, EncodedParams)
-        and not c.params.delta
-        and c.params.codec.element_bytes is not None
-    ):
-        return _fold_pieces(cfg, s, r, c)
-    norm = push_norm(cfg, s, c) if cfg.norm_clip > 0 else 0.0
-    factor = guard_factor(cfg, s, norm)
+    if measured is None:
+        measured = measure(cfg, s, c)
+    if measured.tensor_norms is not None:
+        return _fold_pieces(cfg, s, r, c, measured, peers)
+    norm = measured.norm
+    factor = guard_factor(cfg, s, norm, peers)
     w = weight(cfg, s, c)
     # an encoded push is read into new tensors that nobody else reads (the push is
     # consumed here): each becomes its outer gradient in place
@@ -228,24 +274,30 @@ def fold_push(
 
 
 def _fold_pieces(
-    cfg: SyncerConfig, s: FragmentState, r: Round, c: Contribution
+    cfg: SyncerConfig,
+    s: FragmentState,
+    r: Round,
+    c: Contribution,
+    measured: Measured,
+    peers: Sequence[float],
 ) -> tuple[float, float]:
     """``fold_push`` of a push whose tensors decode a piece at a time (fp32, bf16
-    parameters): two passes over each tensor's pieces, its norm, then the sum, so that
-    folding holds one piece of the push decoded, not a tensor."""
+    parameters): two passes over each tensor's pieces, its norm (``measure``), then the
+    sum, so that folding holds one piece of the push decoded, not a tensor."""
     assert r.folds is not None and isinstance(c.params, EncodedParams)
-    anchors = [anchor(cfg, s, c, j).reshape(-1) for j in range(len(s.theta))]
-    norms = [
-        math.sqrt(sum(distance([a[o : o + x.numel()]], [x]) ** 2 for o, x in c.params.chunks(j)))
-        for j, a in enumerate(anchors)
-    ]
-    norm = math.sqrt(sum(n * n for n in norms))
-    factor = guard_factor(cfg, s, norm)
+    assert measured.tensor_norms is not None
+    norm = measured.norm
+    factor = guard_factor(cfg, s, norm, peers)
     w = weight(cfg, s, c)
-    for j, (fold, a) in enumerate(zip(r.folds, anchors)):
+    for j, (fold, a) in enumerate(zip(r.folds, _flat_anchors(cfg, s, c))):
         with r.lock:
-            fold.add_pieces(a, c.params.chunks(j), w, norms[j], factor)
+            fold.add_pieces(a, c.params.chunks(j), w, measured.tensor_norms[j], factor)
     return (norm if cfg.norm_clip > 0 else 0.0), factor
+
+
+def peers_of(norms: dict[int, float], learner: int) -> list[float]:
+    """The norms of the other pushes of a round (the merge guard's ``peers``)."""
+    return [n for m, n in norms.items() if m != learner]
 
 
 # -- a round's merge, in steps --------------------------------------------------------
@@ -280,16 +332,20 @@ def guard_round(
     norms: list[float] = []
     folds = None
     if r.folds is not None:  # a folded round: fold the rest, step from the folds
+        rest = {c.learner: measure(cfg, s, c) for c in contribs if c.learner not in r.folded}
+        r.norms.update({m: x.norm for m, x in rest.items()})
         for c in contribs:
-            if c.learner not in r.folded:
-                r.folded[c.learner] = fold_push(cfg, s, r, c)
+            if c.learner in rest:
+                peers = peers_of(r.norms, c.learner)
+                r.folded[c.learner] = fold_push(cfg, s, r, c, rest[c.learner], peers)
         folds, r.folds = r.folds, None
         factors = [r.folded[c.learner][1] for c in contribs]
         if k > 0:
             norms = [r.folded[c.learner][0] for c in contribs]
-    elif k > 0:  # the merge guard: clip an outer gradient far above the recent ones
+    elif k > 0:  # the merge guard: clip an outer gradient far above the recent ones and
+        # far above the other pushes of its round
         norms = [push_norm(cfg, s, c) for c in contribs]
-        factors = [guard_factor(cfg, s, n) for n in norms]
+        factors = [guard_factor(cfg, s, n, norms[:i] + norms[i + 1 :]) for i, n in enumerate(norms)]
     return folds, norms, factors
 
 

@@ -73,6 +73,9 @@ class Round:
     folded: dict[int, tuple[float, float]] = field(default_factory=dict)
     """learner -> (norm of its outer gradient, the merge guard's factor) of a folded push
     (``FOLDING`` while it is being folded)."""
+    norms: dict[int, float] = field(default_factory=dict)
+    """learner -> the outer-gradient norm of its push, measured before it is folded: the
+    merge guard compares each push with the others of its round (``merge.clip_factor``)."""
     folding: int = 0
     """Callers folding pushes into the round (outside the caller's lock): it does not
     merge meanwhile."""
