@@ -144,12 +144,12 @@ class ControlHandlers:
                     "incarnation": inc,
                     "learner": m,
                     "shards": self.shard_map,
-                    "versions": [v for v, _ in self._pub],
+                    "versions": self.publication.versions(),
                     "spec": self.spec,
                     "fingerprint": self._fp,
                     "downlink_codec": self.config.downlink_codec,
                     "history": self.config.syncer.history,
-                    "merged_seq": self._merged_seq_pub.get(m, {}),
+                    "merged_seq": self.publication.merged_seq_pub.get(m, {}),
                     "step_budget": self.config.step_budget,
                     "stop": self.budget_spent,
                     "bulk_port": self.bulk_port,
@@ -220,7 +220,7 @@ class ControlHandlers:
             self._setup(spec, params, copy=copy)
             del params  # a shard drops the tensors of the fragments it does not own
             for p in range(frag.P):
-                self._publish(p, 0, self.state.frags[p].theta)
+                self.publication.publish(p, 0, self.state.frags[p].theta)
             log.info(
                 "initialised by learner %s: %d tensors, P=%d, %d bytes",
                 h.learner,
@@ -322,18 +322,18 @@ class ControlHandlers:
             self._require_ready()
             while (
                 not self._closed
-                and [v for v, _ in self._pub] == cursor
-                and self._merged_seq_pub.get(m, {}) == seen
+                and self.publication.versions() == cursor
+                and self.publication.merged_seq_pub.get(m, {}) == seen
             ):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
-                self._published_cv.wait(left)
+                self.publication.cv.wait(left)
             return wire.pack(
                 {
-                    "versions": [v for v, _ in self._pub],
+                    "versions": self.publication.versions(),
                     "boot_id": self.boot_id,
-                    "merged_seq": self._merged_seq_pub.get(m, {}),
+                    "merged_seq": self.publication.merged_seq_pub.get(m, {}),
                 }
             )
 
@@ -366,7 +366,7 @@ class ControlHandlers:
                 {
                     "rejoin": False,
                     "boot_id": self.boot_id,
-                    "versions": [v for v, _ in self._pub],
+                    "versions": self.publication.versions(),
                     "live": len(st.live),
                     "stop": self.budget_spent,
                     "clock": self.clock.to_dict() if self.clock else None,
@@ -497,7 +497,7 @@ class ControlHandlers:
                 "boot_id": self.boot_id,
                 "uptime_s": round(now - self.started_s, 3),
                 "initialised": st is not None,
-                "versions": [v for v, _ in self._pub],
+                "versions": self.publication.versions(),
                 "merges": st.merges if st else 0,
                 "live": sorted(st.live) if st else [],
                 "learners": learners,

@@ -348,7 +348,7 @@ class DataHandlers:
                 items = [
                     (
                         p,
-                        *self._pub[p],
+                        *self.publication.pub[p],
                         {"codec": self.config.downlink_codec, "numels": list(frags[p].numels)},
                     )
                     for p in self._wanted(req.fragments)
@@ -395,7 +395,8 @@ class DataHandlers:
     def _published_f32(self, want: list[int] | None) -> dict[int, tuple[int, list]]:
         """fragment -> (version, the published fp32 tensors) of the fragments asked for."""
         with self._lock:
-            return {p: (self._pub[p][0], self._pub_theta[p]) for p in self._wanted(want)}
+            pub = self.publication
+            return {p: (pub.pub[p][0], pub.theta[p]) for p in self._wanted(want)}
 
     def _wanted(self, want: list[int] | None) -> list[int]:
         """The fragments a fetch asks for, checked (the caller holds the lock)."""
@@ -416,19 +417,8 @@ class DataHandlers:
         """Learner m left or was declared dead: its copies no longer hold steps of the
         delta-coded downlink (a returning learner gets whole fragments again), and the
         pieces of its incomplete sharded pushes go. Caller holds the lock."""
-        for k in [k for k in self._held if k[0] == m]:
-            del self._held[k]
+        self.publication.forget_copies(m)
         self._slices.forget(m)
-        for p in list(self._chains):
-            self._trim_chain(p)
-
-    def _trim_chain(self, p: int) -> None:
-        """Keep the steps of fragment p's chain that a live learner's copy still needs, at
-        most ``max_staleness`` of them (an older copy is replaced whole). Lock held."""
-        chain = self._chains[p]
-        held = [v for (_, q), v in self._held.items() if q == p]
-        oldest = min(held, default=chain.version)
-        chain.trim(max(oldest, chain.version - self.config.syncer.max_staleness))
 
     def _fetch_delta(
         self, want: list[int] | None, m: int, held: dict[int, int]
@@ -443,7 +433,7 @@ class DataHandlers:
         with self._lock:
             ps = self._wanted(want)
             for p in ps:
-                chain = self._chains[p]
+                chain = self.publication.chains[p]
                 v = chain.version_of(held.get(p))
                 steps = None if v is None else chain.steps_since(v)
                 whole = 4 * sum(math.prod(s) for s in chain.shapes)
@@ -456,9 +446,10 @@ class DataHandlers:
                 head["token"] = chain.token
                 head["numels"] = [math.prod(s) for s in chain.shapes]
                 items.append((p, chain.version, pieces, head))
-                self._held[(m, p)] = chain.version  # the copy it holds once the reply lands
+                # the copy it holds once the reply lands
+                self.publication.held[(m, p)] = chain.version
             for p in ps:
-                self._trim_chain(p)
+                self.publication.trim_chain(p)
             n_delta = sum(1 for *_, head in items if head["delta"])
             self.counters["fetch_delta"] += n_delta
             self.counters["fetch_whole"] += len(items) - n_delta
