@@ -12,14 +12,15 @@ only after a checkpoint containing it is on disk, so a SIGKILLed syncer restarte
 ``--resume`` never goes back on a version any learner has seen. Writes are coalesced: merges
 that happen during a write are covered by the next one.
 
-The server is assembled from ``control`` (Join, Init, Watch, Heartbeat, Leave, Status) and
-``data`` (pushes and fetches on gRPC and on the data port), mixins over the server's state,
-and owns three parts, each with its own state: ``publication`` (``Publication``: what
-learners see, the delta-coded downlink's chains, merge sequence numbers), ``durability``
-(``Durability``: the checkpoint thread, publication once durable, resume) and ``liveness``
-(``Liveness``: the timer thread, with its grace deadlines and heartbeat timeouts). The
-server takes every merge the state machine returns to ``Durability`` (``_on_merged``), and
-a checkpoint is ``durability.snapshot`` of its parts.
+The server is assembled from ``control`` (Join, Init, Watch, Heartbeat, Leave, Status), a
+mixin over the server's state, and owns four parts, each with its own state: ``data``
+(``Data``: pushes and fetches on gRPC and on the data port), ``publication``
+(``Publication``: what learners see, the delta-coded downlink's chains, merge sequence
+numbers), ``durability`` (``Durability``: the checkpoint thread, publication once durable,
+resume) and ``liveness`` (``Liveness``: the timer thread, with its grace deadlines and
+heartbeat timeouts). Parts act on the rest of the server through the callbacks it gives
+them. The server takes every merge the state machine returns to ``Durability``
+(``_on_merged``), and a checkpoint is ``durability.snapshot`` of its parts.
 
 Slot clock: the syncer starts the run's clock (its epoch, Unix time) when it receives the
 initial model, and once the learners report step times it announces the slot length (their
@@ -47,24 +48,22 @@ from pydantic import BaseModel
 
 from ddiloco.algorithm.codecs import downlink_codec_names
 from ddiloco.algorithm.schedule import SlotClock
-from ddiloco.algorithm.slices import InitUpload, SliceAssembler
+from ddiloco.algorithm.slices import InitUpload
 from ddiloco.algorithm.syncer_state import Merged, SyncerConfig, SyncerState
 from ddiloco.config.sections import RUNTIME_DEFAULTS, SYNC_DEFAULTS
 from ddiloco.metrics.sinks import open_sinks, parse_sinks
 from ddiloco.runtime.syncer.allocator import tune_malloc
 from ddiloco.runtime.syncer.checkpoint import CHECKPOINT_NAME, DEFAULT_KEEP, remove_stale_temps
-from ddiloco.runtime.syncer.common import LearnerInfo, Reject
+from ddiloco.runtime.syncer.common import LearnerInfo, Reject, unpack_frame, validate
 from ddiloco.runtime.syncer.control import ControlHandlers
-from ddiloco.runtime.syncer.data import DataHandlers
+from ddiloco.runtime.syncer.data import Data
 from ddiloco.runtime.syncer.durability import Durability, snapshot
 from ddiloco.runtime.syncer.liveness import Liveness
 from ddiloco.runtime.syncer.membership import MembershipLog
 from ddiloco.runtime.syncer.publication import Publication
-from ddiloco.runtime.syncer.push_room import PushRoom
 from ddiloco.runtime.transport import session, wire
 from ddiloco.runtime.transport.auth import check_token, server_credentials, server_ssl_context
 from ddiloco.runtime.transport.bulk import BulkLimits, BulkServer
-from ddiloco.runtime.transport.schema import SchemaError, parse
 from ddiloco.runtime.transport.spec import check_spec, fragmentation_from_spec, spec_fingerprint
 from ddiloco.runtime.transport.wire import ErrorCode as E
 
@@ -217,7 +216,7 @@ class SyncerServerConfig:
             )
 
 
-class SyncerServer(ControlHandlers, DataHandlers):
+class SyncerServer(ControlHandlers):
     """The gRPC syncer. ``start()`` binds and serves; ``close()`` checkpoints and stops."""
 
     def __init__(self, config: SyncerServerConfig) -> None:
@@ -232,12 +231,8 @@ class SyncerServer(ControlHandlers, DataHandlers):
         self.state: SyncerState | None = None
         self.spec: dict | None = None
         self._fp = ""
-        self._shapes: list[list[tuple[int, ...]]] = []  # per fragment: its tensors' shapes
-        self._slices = SliceAssembler()  # the incomplete pushes of sharded islands
         self._uploads: dict[str, InitUpload] = {}  # sharded islands' initial models, by id
         self._bulk_slots = threading.BoundedSemaphore(config.max_workers - config.control_reserve)
-        self._pushing: Counter = Counter()  # learner -> gRPC pushes in progress
-        self._push_room = PushRoom()  # sized once the model is known (DataHandlers)
         self._learners: dict[int, LearnerInfo] = {}
         self._incarnations: dict[int, int] = {}
         self.members = MembershipLog(self.started_s)
@@ -300,6 +295,26 @@ class SyncerServer(ControlHandlers, DataHandlers):
             declare_dead=self._declare_dead,
         )
         """The timer thread: grace deadlines and heartbeat timeouts."""
+        self.data = Data(
+            self._lock,
+            config,
+            self.counters,
+            self.publication,
+            require_ready=self._require_ready,
+            require_live=self._require_live,
+            require_session=self._require_session,
+            require_owned=self._require_owned,
+            owns=self._owns,
+            on_merged=self._on_merged,
+            followups=self._followups,
+            add_timer=self.liveness.add_timer,
+            event=self._event,
+            note_reject=self._note_reject,
+            auth=self._auth,
+            fail=self._fail,
+            bulk_slots=self._bulk_slots,
+        )
+        """Pushes and fetches, on gRPC and on the data port."""
         if config.checkpoint_dir:
             remove_stale_temps(config.checkpoint_dir)
         if config.resume:
@@ -310,8 +325,8 @@ class SyncerServer(ControlHandlers, DataHandlers):
         handlers = {
             "Join": grpc.unary_unary_rpc_method_handler(self._join),
             "Init": grpc.stream_unary_rpc_method_handler(self._init),
-            "Push": grpc.stream_unary_rpc_method_handler(self._push),
-            "Fetch": grpc.unary_stream_rpc_method_handler(self._fetch),
+            "Push": grpc.stream_unary_rpc_method_handler(self.data.push),
+            "Fetch": grpc.unary_stream_rpc_method_handler(self.data.fetch),
             "Watch": grpc.unary_unary_rpc_method_handler(self._watch),
             "Heartbeat": grpc.unary_unary_rpc_method_handler(self._heartbeat),
             "Leave": grpc.unary_unary_rpc_method_handler(self._leave),
@@ -403,7 +418,7 @@ class SyncerServer(ControlHandlers, DataHandlers):
                     cfg.host,
                     port,
                     cfg.token,
-                    self._bulk,
+                    self.data.bulk,
                     max_payload=cfg.max_push_bytes,
                     ssl_context=ctx,
                     on_auth_failure=self._bulk_auth_failed,
@@ -496,7 +511,7 @@ class SyncerServer(ControlHandlers, DataHandlers):
         self.epoch_s = time.time()
         self.publication.reset(frag.P)
         shape = dict(zip(spec["names"], (tuple(s) for s in spec["shapes"])))
-        self._shapes = [[shape[n] for n in f.names] for f in frag.fragments]  # per fragment
+        self.data.shapes = [[shape[n] for n in f.names] for f in frag.fragments]
         return self.state
 
     def _snapshot(self) -> dict:
@@ -652,20 +667,8 @@ class SyncerServer(ControlHandlers, DataHandlers):
         self._note_reject(r, who)
         ctx.abort(r.status, f"{r.code}: {r.message}")
 
-    @staticmethod
-    def _parse(req: bytes) -> tuple[dict, memoryview]:
-        try:
-            return wire.unpack(req)
-        except ValueError as e:
-            raise Reject(grpc.StatusCode.INVALID_ARGUMENT, E.BAD_FRAME, str(e)) from None
-
-    @staticmethod
-    def _validate(model: type[M], header: object, what: str) -> M:
-        """``header`` checked against its message schema (``transport.schema``)."""
-        try:
-            return parse(model, header, what)
-        except SchemaError as e:
-            raise Reject(grpc.StatusCode.INVALID_ARGUMENT, E.BAD_FRAME, str(e)) from None
+    _parse = staticmethod(unpack_frame)
+    _validate = staticmethod(validate)
 
     def _parse_as(self, model: type[M], req: bytes, what: str) -> M:
         return self._validate(model, self._parse(req)[0], what)
