@@ -6,10 +6,11 @@ What runs, each phase in a fresh Python process (so that its peak RSS is its own
 - ``write``: a ``SyncerServer`` with a checkpoint directory gets the state of a model of N
   parameters (``_setup`` with the initial model handed over, as ``Init`` does) and a
   momentum of the same size, both filled with values; then one checkpoint is written as the
-  checkpoint thread writes it (``_snapshot`` under the server's lock, ``_write`` outside).
-- ``resume``: a ``SyncerServer`` with ``resume=True`` loads it (``_load``: the newest valid
-  checkpoint, every fragment file's SHA-256 and finite check), and the resumed theta and
-  momentum are compared with the written ones (a sum per fragment).
+  checkpoint thread writes it (``_snapshot`` under the server's lock, ``durability.write``
+  outside).
+- ``resume``: a ``SyncerServer`` with ``resume=True`` loads it (``durability.load``: the
+  newest valid checkpoint, every fragment file's SHA-256 and finite check), and the resumed
+  theta and momentum are compared with the written ones (a sum per fragment).
 
 Between the two the page cache of the checkpoint's files is dropped (``posix_fadvise
 DONTNEED`` on each file, after its data was synced), so the resume reads from the disk.
@@ -115,7 +116,7 @@ def phase_write(directory: str, params: int, P: int, per_fragment: int) -> dict:
     t0 = time.perf_counter()
     with srv._lock:
         snap = srv._snapshot()
-    srv._write(snap)
+    srv.durability.write(snap)
     del snap
     wall_s = time.perf_counter() - t0
     peak = _status()["VmHWM"]

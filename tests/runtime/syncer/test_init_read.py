@@ -7,11 +7,13 @@ import numpy as np
 import pytest
 
 from ddiloco.runtime.syncer.control import ControlHandlers
+from ddiloco.runtime.syncer.data import Data
 
 
-class _Reader:
-    _read_tensors = ControlHandlers._read_tensors
-    _chunks = ControlHandlers._chunks
+class _Streams:
+    """Stands for the server's ``Data`` part: the stream's frames and their count."""
+
+    chunks = Data.chunks
 
     def __init__(self) -> None:
         self.counters: Counter = Counter()
@@ -19,6 +21,13 @@ class _Reader:
     @staticmethod
     def _parse(frame):  # continuation frames are the raw payload here
         return {}, frame
+
+
+class _Reader:
+    _read_tensors = ControlHandlers._read_tensors
+
+    def __init__(self) -> None:
+        self.data = _Streams()
 
 
 @pytest.mark.parametrize("cut", [1, 7, 1000])

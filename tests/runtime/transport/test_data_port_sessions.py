@@ -64,7 +64,7 @@ def _refused(c: socket.socket) -> bool:
 def test_learners_on_one_host_are_each_a_session_and_hosts_stay_capped_before_it():
     limits = BulkLimits(handshake_timeout_s=30.0)  # the flood below waits for no deadline
     with live_syncer(heartbeat_timeout_s=600.0, data_limits=limits) as live:
-        bulk, room = live.server._bulk_server, live.server._push_room
+        bulk, room = live.server._bulk_server, live.server.data.push_room
         assert bulk is not None and live.client.data is not None
         port, fp = live.client.data.port, spec_fingerprint(live.spec)
         clients, incs = [live.client], [live.inc]

@@ -125,7 +125,7 @@ def test_data_port_hello_of_any_shape_gets_a_typed_refusal(syncer_factory):
 def test_a_failed_publication_is_counted_and_retried_never_lost():
     with live_syncer() as live:
         server, client, inc, frag = live.server, live.client, live.inc, live.frag
-        real, failures = server._encode_down, [1]
+        real, failures = server.publication.encode_down, [1]
 
         def flaky(params):  # the first publication after the merge runs out of memory
             if failures:
@@ -133,7 +133,7 @@ def test_a_failed_publication_is_counted_and_retried_never_lost():
                 raise MemoryError("injected")
             return real(params)
 
-        server._encode_down = flaky
+        server.publication.encode_down = flaky  # type: ignore[method-assign]
         base = client.fetch([0])[0][1]
         data = b"".join(get_codec("fp32").encode(t.view(-1) - 0.01) for t in base)
         r = client.push(push_header(frag, 0, data, inc, (inc << 32) + 1), data)

@@ -1,5 +1,6 @@
-"""What the syncer's parts share: a typed rejection, what is known of a learner, and the
-wrapper that turns every handler's failure into a typed, counted error."""
+"""What the syncer's parts share: a typed rejection, what is known of a learner, the
+checks of a request frame, and the wrapper that turns every handler's failure into a
+typed, counted error."""
 
 from __future__ import annotations
 
@@ -8,13 +9,18 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
+from pydantic import BaseModel
 
+from ddiloco.runtime.transport import wire
+from ddiloco.runtime.transport.schema import SchemaError, parse
 from ddiloco.runtime.transport.wire import ErrorCode as E
 
-__all__ = ["Reject", "LearnerInfo", "handler"]
+__all__ = ["Reject", "LearnerInfo", "handler", "unpack_frame", "validate"]
+
+M = TypeVar("M", bound=BaseModel)
 
 log = logging.getLogger("ddiloco.syncer")
 
@@ -46,6 +52,23 @@ class LearnerInfo:
     """The last heartbeat counter accepted in this session."""
     host: str | None = None
     pid: int | None = None
+
+
+def unpack_frame(req: bytes) -> tuple[dict, memoryview]:
+    """A request frame's header and payload (``wire.unpack``), or ``E_BAD_FRAME``."""
+    try:
+        return wire.unpack(req)
+    except ValueError as e:
+        raise Reject(grpc.StatusCode.INVALID_ARGUMENT, E.BAD_FRAME, str(e)) from None
+
+
+def validate(model: type[M], header: object, what: str) -> M:
+    """``header`` checked against its message schema (``transport.schema``), or
+    ``E_BAD_FRAME``."""
+    try:
+        return parse(model, header, what)
+    except SchemaError as e:
+        raise Reject(grpc.StatusCode.INVALID_ARGUMENT, E.BAD_FRAME, str(e)) from None
 
 
 def handler(what: str, bulk: bool = False) -> Callable[[Callable[..., Any]], Callable[..., Any]]:

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import time
-from collections.abc import Iterator
 
 import grpc
 import numpy as np
@@ -144,12 +142,12 @@ class ControlHandlers:
                     "incarnation": inc,
                     "learner": m,
                     "shards": self.shard_map,
-                    "versions": [v for v, _ in self._pub],
+                    "versions": self.publication.versions(),
                     "spec": self.spec,
                     "fingerprint": self._fp,
                     "downlink_codec": self.config.downlink_codec,
                     "history": self.config.syncer.history,
-                    "merged_seq": self._merged_seq_pub.get(m, {}),
+                    "merged_seq": self.publication.merged_seq_pub.get(m, {}),
                     "step_budget": self.config.step_budget,
                     "stop": self.budget_spent,
                     "bulk_port": self.bulk_port,
@@ -184,7 +182,7 @@ class ControlHandlers:
             )
         if h.pieces is not None:  # one rank of a sharded island: its runs of the tensors
             pieces = [Piece(*r) for r in h.pieces]
-            part = self._read_stream(payload, it, 4 * sum(pc.numel for pc in pieces))
+            part = self.data.read_stream(payload, it, 4 * sum(pc.numel for pc in pieces))
             got = self._add_upload(h.upload or "", spec, numels, pieces, part)
             if got is None:
                 return wire.pack({"accepted": False, "partial": True, "fingerprint": self._fp})
@@ -220,7 +218,7 @@ class ControlHandlers:
             self._setup(spec, params, copy=copy)
             del params  # a shard drops the tensors of the fragments it does not own
             for p in range(frag.P):
-                self._publish(p, 0, self.state.frags[p].theta)
+                self.publication.publish(p, 0, self.state.frags[p].theta)
             log.info(
                 "initialised by learner %s: %d tensors, P=%d, %d bytes",
                 h.learner,
@@ -262,12 +260,12 @@ class ControlHandlers:
         """The stream's fp32 tensors of ``numels`` elements, each filled in its own memory
         as the frames arrive; with ``keep``, only those it marks (the others are read into
         memory that is let go as each one ends: None in their place). The errors are
-        ``_chunks``'."""
+        ``Data.chunks``'."""
         keep = keep or [True] * len(numels)
         out: list[torch.Tensor | None] = [None] * len(numels)
         i, pos = -1, 0
         dst = np.empty(0, dtype=np.uint8)  # the tensor being filled, as bytes
-        for chunk in self._chunks(payload, it, 4 * sum(numels)):
+        for chunk in self.data.chunks(payload, it, 4 * sum(numels)):
             src = np.frombuffer(chunk, dtype=np.uint8)
             a = 0
             while a < len(src):
@@ -283,35 +281,6 @@ class ControlHandlers:
             out[j] = torch.empty(0, dtype=torch.float32) if keep[j] else None
         return out
 
-    def _read_stream(self, payload: memoryview, it, nbytes: int) -> bytearray:
-        """The stream's payload in one buffer (the errors are ``_chunks``')."""
-        buf = bytearray()
-        for chunk in self._chunks(payload, it, nbytes):
-            buf += chunk
-        return buf
-
-    def _chunks(self, payload: memoryview, it, nbytes: int) -> Iterator[memoryview]:
-        """The payload of the first frame, then of each continuation frame of ``it``: at most
-        ``nbytes`` in all (E_OVERSIZE as soon as they exceed it), exactly ``nbytes`` once the
-        stream ends (E_SIZE), then counted in ``bytes_in``."""
-        got = 0
-        for chunk in itertools.chain([payload], (self._parse(f)[1] for f in it)):
-            got += len(chunk)
-            if got > nbytes:
-                raise Reject(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    E.OVERSIZE,
-                    f"payload exceeds its declared {nbytes} bytes",
-                )
-            yield chunk
-        if got != nbytes:
-            raise Reject(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                E.SIZE,
-                f"payload has {got} bytes, header declared {nbytes}",
-            )
-        self.counters["bytes_in"] += got
-
     @handler("watch", bulk=True)
     def _watch(self, req: bytes, ctx: grpc.ServicerContext) -> bytes:
         h = self._parse_as(WatchRequest, req, "watch")
@@ -322,18 +291,18 @@ class ControlHandlers:
             self._require_ready()
             while (
                 not self._closed
-                and [v for v, _ in self._pub] == cursor
-                and self._merged_seq_pub.get(m, {}) == seen
+                and self.publication.versions() == cursor
+                and self.publication.merged_seq_pub.get(m, {}) == seen
             ):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
-                self._published_cv.wait(left)
+                self.publication.cv.wait(left)
             return wire.pack(
                 {
-                    "versions": [v for v, _ in self._pub],
+                    "versions": self.publication.versions(),
                     "boot_id": self.boot_id,
-                    "merged_seq": self._merged_seq_pub.get(m, {}),
+                    "merged_seq": self.publication.merged_seq_pub.get(m, {}),
                 }
             )
 
@@ -366,7 +335,7 @@ class ControlHandlers:
                 {
                     "rejoin": False,
                     "boot_id": self.boot_id,
-                    "versions": [v for v, _ in self._pub],
+                    "versions": self.publication.versions(),
                     "live": len(st.live),
                     "stop": self.budget_spent,
                     "clock": self.clock.to_dict() if self.clock else None,
@@ -391,7 +360,7 @@ class ControlHandlers:
                     self.run_ended_wall = time.time()
                 t0 = time.monotonic()
                 self._handle_merges(st.leave(m, t0), t0)
-                self._forget_copies(m)
+                self.data.forget_copies(m)
                 self.members.note("leave", m, inc, len(st.live))
                 self._event("leave", learner=m, live=len(st.live))
                 log.info("[learner %d] left, %d live", m, len(st.live))
@@ -409,7 +378,7 @@ class ControlHandlers:
         log.warning("[learner %d] no heartbeat for %.1f s: declared dead", m, now - info.last_hb_s)
         t0 = time.monotonic()
         self._handle_merges(self.state.leave(m, now), t0)
-        self._forget_copies(m)
+        self.data.forget_copies(m)
         self.members.note("dead", m, info.incarnation, len(self.state.live))
         self._event("dead", learner=m, live=len(self.state.live))
 
@@ -497,7 +466,7 @@ class ControlHandlers:
                 "boot_id": self.boot_id,
                 "uptime_s": round(now - self.started_s, 3),
                 "initialised": st is not None,
-                "versions": [v for v, _ in self._pub],
+                "versions": self.publication.versions(),
                 "merges": st.merges if st else 0,
                 "live": sorted(st.live) if st else [],
                 "learners": learners,
@@ -508,7 +477,7 @@ class ControlHandlers:
                     "clipped_pushes": st.clipped_pushes if st else 0,
                     "carried_pushes": st.carried_pushes if st else 0,
                     "pending_bytes": st.pending_bytes() if st else 0,
-                    "push_room_waits": self._push_room.waits,
+                    "push_room_waits": self.data.push_room.waits,
                 },
                 "rejections": dict(self.rejections),
                 "mean_quorum": (

@@ -1,14 +1,24 @@
 """Fragment traffic on both transports: pushes and fetches over gRPC streams and over the
-data port (``ddiloco.runtime.transport.bulk``), one validation and one apply path for both."""
+data port (``ddiloco.runtime.transport.bulk``), one validation and one apply path for both.
+
+``Data`` owns the fragments' tensor shapes, the pushes in progress per learner, the room
+for pushes' payloads (``PushRoom``) and the pieces of sharded islands' incomplete pushes
+(``SliceAssembler``), and reads the payload of every gRPC stream. It reads the published
+fragments from the ``Publication`` it is given and acts on the rest of the server
+through the callbacks the server gives it."""
 
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import math
+import threading
 import time
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -16,16 +26,17 @@ from ddiloco.algorithm.codecs import Codec, get_codec
 from ddiloco.algorithm.downlink import ChainCopy
 from ddiloco.algorithm.merge import all_finite
 from ddiloco.algorithm.payload import EncodedParams
-from ddiloco.algorithm.slices import Piece, PieceError, SlicedParams, check_pieces
-from ddiloco.algorithm.syncer_state import Contribution, Status
-from ddiloco.runtime.syncer.common import Reject, handler
-from ddiloco.runtime.syncer.push_room import Taken
+from ddiloco.algorithm.slices import Piece, PieceError, SliceAssembler, SlicedParams, check_pieces
+from ddiloco.algorithm.syncer_state import Contribution, Merged, Status, SyncerState
+from ddiloco.runtime.syncer.common import Reject, handler, unpack_frame, validate
+from ddiloco.runtime.syncer.publication import Publication
+from ddiloco.runtime.syncer.push_room import PushRoom, Taken
 from ddiloco.runtime.transport import wire
 from ddiloco.runtime.transport.bulk import BulkAborted, BulkReject
 from ddiloco.runtime.transport.schema import FetchRequest, PushHeader
 from ddiloco.runtime.transport.wire import ErrorCode as E
 
-__all__ = ["DataHandlers"]
+__all__ = ["Data"]
 
 log = logging.getLogger("ddiloco.syncer")
 
@@ -69,8 +80,62 @@ def _whole_copy(copy: ChainCopy, shapes: list[tuple[int, ...]]) -> list[wire.Def
     ]
 
 
-class DataHandlers:
-    """Push and fetch handlers of ``SyncerServer`` (a mixin)."""
+class Data:
+    """Push and fetch handlers of ``SyncerServer``, on gRPC and on the data port."""
+
+    _parse = staticmethod(unpack_frame)
+    _validate = staticmethod(validate)
+
+    def __init__(
+        self,
+        lock: threading.Lock,
+        config: Any,
+        counters: MutableMapping[str, Any],
+        publication: Publication,
+        *,
+        require_ready: Callable[[], SyncerState],
+        require_live: Callable[[int, int], SyncerState],
+        require_session: Callable[[int, dict, str], object],
+        require_owned: Callable[[int], None],
+        owns: Callable[[int], bool],
+        on_merged: Callable[[Merged, float], None],
+        followups: Callable[[float], None],
+        add_timer: Callable[[float, int], None],
+        event: Callable[..., None],
+        note_reject: Callable[[Reject, str], None],
+        auth: Callable[[Any], None],
+        fail: Callable[[Any, Reject, str], None],
+        bulk_slots: threading.BoundedSemaphore,
+    ) -> None:
+        """``lock``: the server's, taken where a method says so. ``config``: the server's
+        ``SyncerServerConfig``. ``counters``: the server's. ``publication``: what fetches
+        read. ``require_ready()``/``require_live(m, incarnation)``: the state, or a
+        ``Reject`` (no model yet / m not live in that incarnation);
+        ``require_session(m, raw, what)``: rejects a call without m's session MAC;
+        ``require_owned(p)``/``owns(p)``: this shard's fragments (lock held for all of
+        these). ``on_merged(mg, merge_s)``, ``followups(t0)``, ``add_timer(at_s, p)``:
+        what the server does with a merge, the rounds that filled meanwhile, a grace
+        deadline. ``event``/``note_reject``: metrics and counted rejections.
+        ``auth``/``fail``/``bulk_slots``: the gRPC handlers' token check, their abort and
+        the bulk call slots (``common.handler``)."""
+        self._lock = lock
+        self.config = config
+        self.counters = counters
+        self.publication = publication
+        self._require_ready, self._require_live = require_ready, require_live
+        self._require_session, self._require_owned = require_session, require_owned
+        self._owns = owns
+        self._on_merged, self._followups, self._add_timer = on_merged, followups, add_timer
+        self._event, self._note_reject = event, note_reject
+        self._auth, self._fail, self._bulk_slots = auth, fail, bulk_slots
+        self.shapes: list[list[tuple[int, ...]]] = []
+        """Per fragment: its tensors' shapes (set with the model)."""
+        self.slices = SliceAssembler()
+        """The incomplete pushes of sharded islands."""
+        self.pushing: Counter = Counter()
+        """learner -> its pushes in progress, on either transport."""
+        self.push_room = PushRoom()
+        """Room for pushes' payloads (sized once the model is known)."""
 
     @staticmethod
     def _push_who(h: object) -> str:
@@ -103,7 +168,7 @@ class DataHandlers:
                 )
             self._require_owned(p)
             fr = st.fragmentation.fragments[p]
-            shapes = self._shapes[p]
+            shapes = self.shapes[p]
         if h.numels != list(fr.numels):
             shown = h.numels if len(h.numels) <= 16 else f"{len(h.numels)} tensors"
             raise Reject(
@@ -152,7 +217,7 @@ class DataHandlers:
         """Room for the payload of push ``pc`` (``push_room``): one fp32 fragment of pushes
         held at once, half of it by one learner (two bf16 pushes of different learners),
         waiting at most as long as the payload may take to arrive."""
-        room = self._push_room
+        room = self.push_room
         with self._lock:
             if not room.capacity:
                 room.capacity = self._require_ready().largest_fragment_bytes()
@@ -234,7 +299,7 @@ class DataHandlers:
                 if res.merged is not None:
                     self._on_merged(res.merged, time.monotonic() - t0)
                 elif res.wake_at_s is not None:
-                    self.liveness.add_timer(res.wake_at_s, p)
+                    self._add_timer(res.wake_at_s, p)
                 self._followups(t0)
             elif res.status is not Status.DUPLICATE:
                 self._event("push-" + res.status.value, learner=m, fragment=p, message=res.message)
@@ -272,7 +337,7 @@ class DataHandlers:
         if st.received(pc.m, pc.p, pc.seq):
             self.counters["push_duplicate"] += 1
             return {"status": "duplicate", "message": "", "target_version": -1}
-        if self._slices.newer(pc.m, pc.p, pc.seq):
+        if self.slices.newer(pc.m, pc.p, pc.seq):
             self.counters["push_rejected-stale"] += 1
             return {
                 "status": "rejected-stale",
@@ -281,7 +346,7 @@ class DataHandlers:
             }
         counters = (pc.c_steps, pc.c_tokens, pc.base, pc.final, pc.final_fragments)
         try:
-            got = self._slices.add(pc.m, pc.p, pc.seq, pc.shapes, counters, parts)
+            got = self.slices.add(pc.m, pc.p, pc.seq, pc.shapes, counters, parts)
         except PieceError as e:
             raise Reject(grpc.StatusCode.INVALID_ARGUMENT, E.SHAPE, str(e)) from None
         if got is None:
@@ -295,7 +360,7 @@ class DataHandlers:
         return got
 
     @handler("push", bulk=True)
-    def _push(self, it, ctx: grpc.ServicerContext) -> bytes:
+    def push(self, it, ctx: grpc.ServicerContext) -> bytes:
         first = next(it, None)
         if first is None:
             raise Reject(grpc.StatusCode.INVALID_ARGUMENT, E.BAD_FRAME, "empty Push stream")
@@ -305,13 +370,13 @@ class DataHandlers:
         try:
             taken = self._push_room_take(pc)
             try:
-                buf = self._read_stream(payload, it, pc.nbytes)
+                buf = self.read_stream(payload, it, pc.nbytes)
                 return wire.pack(self._push_apply(pc, buf))
             finally:
                 taken.give_back()
         finally:
             with self._lock:
-                self._pushing[pc.m] -= 1
+                self.pushing[pc.m] -= 1
 
     def _push_start(self, m: int) -> None:
         """One more push of learner m (its session) in progress, on either transport; over
@@ -319,13 +384,42 @@ class DataHandlers:
         session's stalled pushes hold a bounded number of threads."""
         limit = self.config.max_streams_per_learner
         with self._lock:
-            if self._pushing[m] >= limit:
+            if self.pushing[m] >= limit:
                 raise Reject(
                     grpc.StatusCode.UNAVAILABLE,
                     E.BUSY,
                     f"learner {m} already has {limit} pushes in progress; retry",
                 )
-            self._pushing[m] += 1
+            self.pushing[m] += 1
+
+    def read_stream(self, payload: memoryview, it, nbytes: int) -> bytearray:
+        """The stream's payload in one buffer (the errors are ``chunks``')."""
+        buf = bytearray()
+        for chunk in self.chunks(payload, it, nbytes):
+            buf += chunk
+        return buf
+
+    def chunks(self, payload: memoryview, it, nbytes: int) -> Iterator[memoryview]:
+        """The payload of the first frame, then of each continuation frame of ``it``: at most
+        ``nbytes`` in all (E_OVERSIZE as soon as they exceed it), exactly ``nbytes`` once the
+        stream ends (E_SIZE), then counted in ``bytes_in``."""
+        got = 0
+        for chunk in itertools.chain([payload], (self._parse(f)[1] for f in it)):
+            got += len(chunk)
+            if got > nbytes:
+                raise Reject(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    E.OVERSIZE,
+                    f"payload exceeds its declared {nbytes} bytes",
+                )
+            yield chunk
+        if got != nbytes:
+            raise Reject(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                E.SIZE,
+                f"payload has {got} bytes, header declared {nbytes}",
+            )
+        self.counters["bytes_in"] += got
 
     def _fetch_items(self, raw: dict) -> list[tuple[int, int, list, dict]]:
         """(fragment, version, downlink byte pieces, the rest of its header) of the published
@@ -341,14 +435,16 @@ class DataHandlers:
                 for p, (v, ts) in self._published_f32(req.fragments).items()
             ]
         elif self.config.downlink_delta and req.learner is not None:
-            items = self._fetch_delta(req.fragments, req.learner, dict(req.mirrors or []))
+            items = self._fetch_delta(
+                req.fragments, req.learner, dict((k, v) for k, v in req.mirrors or [])
+            )
         else:
             with self._lock:
                 frags = self._require_ready().fragmentation.fragments
                 items = [
                     (
                         p,
-                        *self._pub[p],
+                        *self.publication.pub[p],
                         {"codec": self.config.downlink_codec, "numels": list(frags[p].numels)},
                     )
                     for p in self._wanted(req.fragments)
@@ -395,7 +491,8 @@ class DataHandlers:
     def _published_f32(self, want: list[int] | None) -> dict[int, tuple[int, list]]:
         """fragment -> (version, the published fp32 tensors) of the fragments asked for."""
         with self._lock:
-            return {p: (self._pub[p][0], self._pub_theta[p]) for p in self._wanted(want)}
+            pub = self.publication
+            return {p: (pub.pub[p][0], pub.theta[p]) for p in self._wanted(want)}
 
     def _wanted(self, want: list[int] | None) -> list[int]:
         """The fragments a fetch asks for, checked (the caller holds the lock)."""
@@ -412,23 +509,12 @@ class DataHandlers:
             self._require_owned(p)
         return want
 
-    def _forget_copies(self, m: int) -> None:
+    def forget_copies(self, m: int) -> None:
         """Learner m left or was declared dead: its copies no longer hold steps of the
         delta-coded downlink (a returning learner gets whole fragments again), and the
         pieces of its incomplete sharded pushes go. Caller holds the lock."""
-        for k in [k for k in self._held if k[0] == m]:
-            del self._held[k]
-        self._slices.forget(m)
-        for p in list(self._chains):
-            self._trim_chain(p)
-
-    def _trim_chain(self, p: int) -> None:
-        """Keep the steps of fragment p's chain that a live learner's copy still needs, at
-        most ``max_staleness`` of them (an older copy is replaced whole). Lock held."""
-        chain = self._chains[p]
-        held = [v for (_, q), v in self._held.items() if q == p]
-        oldest = min(held, default=chain.version)
-        chain.trim(max(oldest, chain.version - self.config.syncer.max_staleness))
+        self.publication.forget_copies(m)
+        self.slices.forget(m)
 
     def _fetch_delta(
         self, want: list[int] | None, m: int, held: dict[int, int]
@@ -443,11 +529,12 @@ class DataHandlers:
         with self._lock:
             ps = self._wanted(want)
             for p in ps:
-                chain = self._chains[p]
+                chain = self.publication.chains[p]
                 v = chain.version_of(held.get(p))
                 steps = None if v is None else chain.steps_since(v)
                 whole = 4 * sum(math.prod(s) for s in chain.shapes)
                 if steps is not None and sum(len(b) for st in steps for b in st) < whole:
+                    pieces: list
                     pieces = [memoryview(b) for st in steps for b in st]
                     head = {"codec": chain.codec.name, "delta": True, "steps": len(steps)}
                 else:  # R whole, each tensor built from the chain's copy as it is sent
@@ -456,16 +543,17 @@ class DataHandlers:
                 head["token"] = chain.token
                 head["numels"] = [math.prod(s) for s in chain.shapes]
                 items.append((p, chain.version, pieces, head))
-                self._held[(m, p)] = chain.version  # the copy it holds once the reply lands
+                # the copy it holds once the reply lands
+                self.publication.held[(m, p)] = chain.version
             for p in ps:
-                self._trim_chain(p)
+                self.publication.trim_chain(p)
             n_delta = sum(1 for *_, head in items if head["delta"])
             self.counters["fetch_delta"] += n_delta
             self.counters["fetch_whole"] += len(items) - n_delta
         return items
 
     @handler("fetch", bulk=True)
-    def _fetch(self, req: bytes, ctx: grpc.ServicerContext) -> Iterator[bytes]:
+    def fetch(self, req: bytes, ctx: grpc.ServicerContext) -> Iterator[bytes]:
         items = self._fetch_items(self._parse(req)[0])
         return self._fetch_frames(items)
 
@@ -476,7 +564,7 @@ class DataHandlers:
                 {"fragment": p, "version": version, "nbytes": len(data), **head}, data
             )
 
-    def _bulk(self, op: str, h: dict, plen: int, read_payload) -> tuple[dict, list[bytes]]:
+    def bulk(self, op: str, h: dict, plen: int, read_payload) -> tuple[dict, list[bytes]]:
         """Requests on the data port (``ddiloco.runtime.transport.bulk``): push and fetch."""
         who = f"bulk {op!r}"
         try:
@@ -500,7 +588,7 @@ class DataHandlers:
                         taken.give_back()
                 finally:
                     with self._lock:
-                        self._pushing[pc.m] -= 1
+                        self.pushing[pc.m] -= 1
             if op == "fetch":
                 if plen:
                     raise Reject(

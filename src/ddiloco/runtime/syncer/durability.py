@@ -1,21 +1,25 @@
-"""Durable publication: merged fragments are published (visible to ``Fetch``/``Watch``)
-once a checkpoint holding them is on disk; checkpoints written by a background thread,
-coalescing the merges made during a write; resume from a checkpoint."""
+"""Durability: merged fragments are published (``publication``) once a checkpoint holding
+them is on disk; checkpoints written by a background thread, coalescing the merges made
+during a write; resume from a checkpoint.
+
+``Durability`` owns the checkpoint thread, its condition, the merges waiting for a
+checkpoint and the count of merges since the last one. What a checkpoint holds is
+``snapshot`` of the server's parts; ``Durability.load`` restores the state (through the
+server's ``setup``) and the publication, and returns the rest (``Resumed``)."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
+import threading
 import time
-from dataclasses import asdict
+from collections import Counter
+from collections.abc import Callable, MutableMapping
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
-import torch
-
-from ddiloco.algorithm.codecs import get_codec
-from ddiloco.algorithm.downlink import DeltaChain
 from ddiloco.algorithm.schedule import SlotClock
-from ddiloco.algorithm.syncer_state import Merged, SyncerState
+from ddiloco.algorithm.syncer_state import Merged, SyncerConfig, SyncerState
 from ddiloco.runtime.syncer.checkpoint import (
     CHECKPOINT_NAME,
     CheckpointError,
@@ -24,185 +28,143 @@ from ddiloco.runtime.syncer.checkpoint import (
     save_atomic,
 )
 from ddiloco.runtime.syncer.common import LearnerInfo
-from ddiloco.runtime.transport.spec import check_spec, fragmentation_from_spec, spec_fingerprint
+from ddiloco.runtime.syncer.publication import Publication
 
-__all__ = ["Durability"]
+__all__ = ["Durability", "Resumed", "snapshot"]
 
 log = logging.getLogger("ddiloco.syncer")
 
 
-class Durability:
-    """Publication, merge bookkeeping and checkpoints of ``SyncerServer`` (a mixin: the
-    server's lock is held where a method says so)."""
+@dataclass(slots=True)
+class Resumed:
+    """What a resumed checkpoint gives back besides the state and the publication (which
+    ``Durability.load`` restores itself): the learners' side of the server."""
 
-    def _encode_down(self, params: list[torch.Tensor]) -> list[memoryview]:
-        """The downlink bytes of a fragment, as pieces to send one after the other (fp32:
-        views of the published tensors themselves, which are never written again)."""
-        return get_codec(self.config.downlink_codec).encode_many(params)
+    path: Path
+    """The checkpoint resumed from (the newest valid one)."""
+    incarnations: dict[int, int]
+    steps_done: dict[int, int]
+    epoch_s: float | None
+    clock: SlotClock | None
+    run_started_wall: float | None
+    learners: dict[int, LearnerInfo]
+    """Known learners, not live until they join again."""
 
-    def _publish(self, p: int, version: int, params: list[torch.Tensor]) -> None:
-        if not self._owns(p):
-            return  # another shard's fragment
-        self._pub[p] = (version, self._encode_down(params))
-        self._pub_theta[p] = params  # the published tensors: never written again
-        if self.config.downlink_delta:
-            chain = self._chains.get(p)
-            if chain is None:  # the first version published here (an init or a resume)
-                codec = get_codec(self.config.downlink_codec)
-                self._chains[p] = DeltaChain(codec, params, version)
-            else:
-                chain.advance(version, params)
-                self._trim_chain(p)
 
-    def _on_merged(self, mg: Merged, merge_s: float) -> None:
-        """Called under the lock for every Merged the state machine returns."""
-        for m, seq in zip(mg.learners, mg.seqs):
-            self._merged_seq.setdefault(m, {})[mg.fragment] = seq
-        self.counters["merges"] += 1
-        try:  # timing and metrics: never in the way of publishing what was merged
-            fetch_s = [
-                i.report.get("fetch_s", 0.0)
-                for i in self._learners.values()
-                if i.state == "live" and i.report.get("fetch_s") is not None
-            ]
-            self.state.observe_sync_s(merge_s + (sum(fetch_s) / len(fetch_s) if fetch_s else 0.0))
-            if self._metrics:
-                self._event(
-                    "merge",
-                    fragment=mg.fragment,
-                    version=mg.version,
-                    learners=list(mg.learners),
-                    n_learners=len(mg.learners),
-                    weights=[round(w, 3) for w in mg.weights],
-                    reason=mg.reason,
-                    merge_s=round(merge_s, 6),
-                )
-        except Exception:  # noqa: BLE001 - counted and logged
-            self.counters["merge_bookkeeping_errors"] += 1
-            log.exception(
-                "merge of fragment %d: bookkeeping failed (the merge stands)", mg.fragment
-            )
-        self._dirty_merges += 1
-        if self._durable:
-            self._unpublished[mg.fragment] = mg
-            self._ckpt_requested = True
-            self._ckpt_cv.notify_all()
-        else:
-            self._publish_merged(mg)
-            if self.config.checkpoint_dir and self._dirty_merges >= self.config.checkpoint_every:
-                self._ckpt_requested = True
-                self._ckpt_cv.notify_all()
-
-    def _publish_merged(self, mg: Merged, merged_seq: dict | None = None) -> bool:
-        """Publish a merged version (caller holds the lock). A failure (out of memory while
-        encoding) is counted and the version kept for a retry by the timer thread: the
-        state machine has committed the merge, so it is published late, never lost."""
-        try:
-            if mg.version > self._pub[mg.fragment][0]:
-                self._publish(mg.fragment, mg.version, mg.params)
-        except Exception as e:  # noqa: BLE001 - counted, logged and retried
-            self.counters["publish_errors"] += 1
-            self._publish_retry[mg.fragment] = mg
-            log.error(
-                "publishing version %d of fragment %d failed (%s: %s): retrying",
-                mg.version,
-                mg.fragment,
-                type(e).__name__,
-                e,
-            )
-            return False
-        self._publish_retry.pop(mg.fragment, None)
-        # copy on write: watchers hold the old mapping; only these learners' entries moved
-        self._merged_seq_pub = (
-            {m: dict(d) for m, d in merged_seq.items()}
-            if merged_seq is not None
-            else {**self._merged_seq_pub, **{m: dict(self._merged_seq[m]) for m in mg.learners}}
-        )
-        self._published_cv.notify_all()
-        return True
-
-    def _retry_publish(self) -> None:
-        """Publish versions whose publication failed (timer thread, lock held)."""
-        for mg in list(self._publish_retry.values()):
-            self._publish_merged(mg)
-
-    def _handle_merges(self, merged: list[Merged], t0: float) -> None:
-        for mg in merged:
-            self._on_merged(mg, time.monotonic() - t0)
-        self._followups(t0)
-
-    def _followups(self, t0: float) -> None:
-        """Decisions on rounds that filled while their fragment's merge ran unlocked."""
-        for p, out in self.state.take_followups():
-            if isinstance(out, Merged):
-                self._on_merged(out, time.monotonic() - t0)
-            else:
-                self.liveness.add_timer(out.at_s, p)
-
-    def _retry_due(self) -> None:
-        """Each tick of the timer thread (``Liveness``; lock held)."""
-        if self._publish_retry:
-            self._retry_publish()
-
-    def _fire_timer(self, p: int, now: float) -> None:
-        """Fragment p's grace deadline is due (the timer thread; lock held)."""
-        t0 = time.monotonic()
-        out = self.state.on_timer(p, now)
-        if isinstance(out, Merged):
-            self._on_merged(out, time.monotonic() - t0)
-        elif out is not None:
-            self.liveness.add_timer(out.at_s, p)
-        self._followups(t0)
-
-    @contextlib.contextmanager
-    def _unlocked(self):
-        """The state machine's merge arithmetic runs with the lock released, so merges of
-        different fragments (and every other call) proceed meanwhile. Its wall and CPU time
-        (of the merging thread) are counted here."""
-        self._lock.release()
-        t_wall, t_cpu = time.perf_counter(), time.thread_time()
-        try:
-            yield
-        finally:
-            wall, cpu = time.perf_counter() - t_wall, time.thread_time() - t_cpu
-            self._lock.acquire()
-            self.merge_s += wall
-            self.merge_cpu_s += cpu
-
-    def _snapshot(self) -> dict:
-        """What a checkpoint holds (caller holds the lock; the write happens outside it).
-        Theta and momentum are the state's current tensors, not copies: the state never
-        writes them in place (every merge builds new tensors and swaps them in, see
-        ``SyncerState.state_dict``), so merges that commit during the write leave the
-        snapshot's tensors as they were, and a write costs no model-sized copy."""
-        return {
-            "format": 1,
-            "spec": self.spec,
-            "state": self.state.state_dict(),
-            "pub_versions": [v for v, _ in self._pub],
-            "merged_seq": {m: dict(d) for m, d in self._merged_seq.items()},
-            "incarnations": dict(self._incarnations),
-            "steps_done": dict(self._steps_done),
-            "counters": dict(self.counters),
-            "syncer_config": asdict(self.config.syncer),
-            "saved_wall": time.time(),
-            "epoch_s": self.epoch_s,
-            "clock": self.clock.to_dict() if self.clock else None,
-            "accounting": {  # goodput's ledger survives a restart of the syncer
-                "run_started_wall": self.run_started_wall,
-                "learners": {
-                    m: {"process": i.process, "carried": i.carried, "report": dict(i.report)}
-                    for m, i in self._learners.items()
-                },
+def snapshot(
+    state: SyncerState,
+    spec: dict | None,
+    publication: Publication,
+    *,
+    syncer_config: SyncerConfig,
+    counters: Counter,
+    learners: dict[int, LearnerInfo],
+    incarnations: dict[int, int],
+    steps_done: dict[int, int],
+    epoch_s: float | None,
+    clock: SlotClock | None,
+    run_started_wall: float | None,
+) -> dict:
+    """What a checkpoint holds (the caller holds the server's lock; the write happens
+    outside it). Theta and momentum are the state's current tensors, not copies: the state
+    never writes them in place (every merge builds new tensors and swaps them in, see
+    ``SyncerState.state_dict``), so merges that commit during the write leave the
+    snapshot's tensors as they were, and a write costs no model-sized copy."""
+    return {
+        "format": 1,
+        "spec": spec,
+        "state": state.state_dict(),
+        "pub_versions": publication.versions(),
+        "merged_seq": publication.merged_seq_copy(),
+        "incarnations": dict(incarnations),
+        "steps_done": dict(steps_done),
+        "counters": dict(counters),
+        "syncer_config": asdict(syncer_config),
+        "saved_wall": time.time(),
+        "epoch_s": epoch_s,
+        "clock": clock.to_dict() if clock else None,
+        "accounting": {  # goodput's ledger survives a restart of the syncer
+            "run_started_wall": run_started_wall,
+            "learners": {
+                m: {"process": i.process, "carried": i.carried, "report": dict(i.report)}
+                for m, i in learners.items()
             },
-        }
+        },
+    }
 
-    def _write(self, snap: dict) -> None:
+
+class Durability:
+    """The checkpoint thread of ``SyncerServer``: with ``checkpoint_every == 1`` merged
+    versions wait here until a checkpoint holding them is on disk, then go to the
+    publication; otherwise they are published at once and a checkpoint is written every
+    ``checkpoint_every`` merges. Every call holds the server's lock (``write`` and
+    ``load`` excepted: they run without it)."""
+
+    def __init__(
+        self,
+        lock: threading.Lock,
+        counters: MutableMapping[str, Any],
+        publication: Publication,
+        *,
+        checkpoint_dir: str | None,
+        checkpoint_every: int,
+        checkpoint_keep: int,
+        closed: Callable[[], bool],
+        snapshot: Callable[[], dict],
+    ) -> None:
+        """``counters``: the server's (checkpoints, their bytes and time, write errors,
+        resumes). ``publication``: where merged versions go once durable. ``closed()``:
+        whether the server is shutting down. ``snapshot()``: the server's checkpoint
+        (``snapshot``), taken with the lock held."""
+        self.counters = counters
+        self.publication = publication
+        self.checkpoint_dir = checkpoint_dir
+        self.checkpoint_every = checkpoint_every
+        self.checkpoint_keep = checkpoint_keep
+        self._closed, self._snapshot = closed, snapshot
+        self.cv = threading.Condition(lock)
+        """Wakes the checkpoint thread (a checkpoint is due, or the server closes)."""
+        self.requested = False
+        """A checkpoint is due."""
+        self.dirty_merges = 0
+        """Merges since the last checkpoint was taken."""
+        self.unpublished: dict[int, Merged] = {}
+        """p -> merged version waiting for a checkpoint holding it (``durable``)."""
+        self.thread: threading.Thread | None = None
+
+    @property
+    def durable(self) -> bool:
+        """Every merge is on disk before it is published."""
+        return bool(self.checkpoint_dir) and self.checkpoint_every == 1
+
+    def merged(self, mg: Merged) -> None:
+        """A merge the state machine committed: published once durable, or at once."""
+        self.dirty_merges += 1
+        if self.durable:
+            self.unpublished[mg.fragment] = mg
+            self.requested = True
+            self.cv.notify_all()
+        else:
+            self.publication.publish_merged(mg)
+            if self.checkpoint_dir and self.dirty_merges >= self.checkpoint_every:
+                self.requested = True
+                self.cv.notify_all()
+
+    def start(self) -> threading.Thread:
+        self.thread = threading.Thread(target=self._loop, name="syncer-ckpt", daemon=True)
+        self.thread.start()
+        return self.thread
+
+    def wake(self) -> None:
+        """Wake the thread (the server is closing)."""
+        self.cv.notify_all()
+
+    def write(self, snap: dict) -> None:
         t0 = time.monotonic()
         n = save_atomic(  # releases each fragment's tensors once they are on disk
             snap,
-            Path(self.config.checkpoint_dir) / CHECKPOINT_NAME,
-            keep=self.config.checkpoint_keep,
+            Path(self.checkpoint_dir or ".") / CHECKPOINT_NAME,
+            keep=self.checkpoint_keep,
             release=True,
         )
         self.counters["checkpoints"] += 1
@@ -211,112 +173,90 @@ class Durability:
             time.monotonic() - t0
         )
 
-    def _ckpt_loop(self) -> None:
-        if not self.config.checkpoint_dir:
+    def _loop(self) -> None:
+        if not self.checkpoint_dir:
             return
         while True:
-            with self._lock:
-                while not self._ckpt_requested and not self._closed:
-                    self._ckpt_cv.wait(1.0)
-                if self._closed:
+            with self.cv:
+                while not self.requested and not self._closed():
+                    self.cv.wait(1.0)
+                if self._closed():
                     return
-                self._ckpt_requested = False
-                self._dirty_merges = 0
+                self.requested = False
+                self.dirty_merges = 0
                 snap = self._snapshot()
-                to_publish = dict(self._unpublished)
-                self._unpublished.clear()
-                merged_seq = {m: dict(d) for m, d in self._merged_seq.items()}
+                to_publish = dict(self.unpublished)
+                self.unpublished.clear()
+                merged_seq = self.publication.merged_seq_copy()
             try:
-                self._write(snap)
+                self.write(snap)
             except OSError as e:  # disk trouble is an event, not a crash; retry next merge
                 log.error("checkpoint write failed: %s", e)
-                with self._lock:
-                    self._unpublished = {**to_publish, **self._unpublished}
+                with self.cv:
+                    self.unpublished = {**to_publish, **self.unpublished}
                     self.counters["checkpoint_errors"] += 1
                 continue
-            with self._lock:
+            with self.cv:
                 for _p, mg in to_publish.items():
-                    self._publish_merged(mg, merged_seq)
+                    self.publication.publish_merged(mg, merged_seq)
 
-    def _load(self, path: Path) -> None:
+    def load(self, path: Path, setup: Callable[[dict], SyncerState]) -> Resumed:
+        """Resume from ``path`` (or, if it is damaged or holds NaN, the newest valid one of
+        those kept). ``setup(spec)``: the server's state for ``spec``, zeros that the
+        checkpoint's tensors replace fragment by fragment as they are read and verified,
+        so a resume peaks at the live state plus about one fragment (a damaged fragment
+        raises ``CheckpointError`` and ``load_newest_valid`` tries an older checkpoint).
+        The publication is restored here; the rest is returned."""
+        got: list[SyncerState] = []
+
+        def use(ck: dict) -> dict:
+            got.clear()  # let an earlier attempt's state go before the next is built
+            state = setup(ck["spec"])
+            state.load_state_dict(ck["state"])
+            got.append(state)
+            return ck
+
         try:
-            ck, path = load_newest_valid(path, self.config.checkpoint_keep, use=self._load_state)
+            ck, path = load_newest_valid(path, self.checkpoint_keep, use=use)
         except CheckpointError as e:
             raise CheckpointError(f"{e}. {_where_the_data_is(path)}") from None
         except FileNotFoundError as e:
             if not fragment_dirs(path.parent, path.name):
                 raise
             raise FileNotFoundError(f"{e}. {_where_the_data_is(path)}") from None
-        for p in range(len(self._pub)):
-            self._publish(p, self.state.version(p), self.state.frags[p].theta)
-        self._merged_seq = {
-            int(m): {int(p): int(s) for p, s in d.items()} for m, d in ck["merged_seq"].items()
-        }
-        self._merged_seq_pub = {m: dict(d) for m, d in self._merged_seq.items()}
-        self._incarnations = {int(m): int(v) for m, v in ck["incarnations"].items()}
-        self._steps_done = {int(m): int(v) for m, v in ck.get("steps_done", {}).items()}
+        state = got[0]
+        pub = self.publication
+        for p in range(len(pub.pub)):
+            pub.publish(p, state.version(p), state.frags[p].theta)
+        pub.restore(
+            {int(m): {int(p): int(s) for p, s in d.items()} for m, d in ck["merged_seq"].items()}
+        )
+        incarnations = {int(m): int(v) for m, v in ck["incarnations"].items()}
         self.counters.update(ck.get("counters", {}))
-        self.epoch_s = ck.get("epoch_s") or self.epoch_s
-        if ck.get("clock"):  # the learners' slots continue where they were
-            self.clock = SlotClock.from_dict(ck["clock"])
         acc = ck.get("accounting") or {}
-        self.run_started_wall = acc.get("run_started_wall")
-        for m, d in (acc.get("learners") or {}).items():
+        learners = {
             # known learners, not live until they join again (the same process continues
             # its ledger; a restarted one is folded into the carried totals)
-            self._learners[int(m)] = LearnerInfo(
-                incarnation=self._incarnations.get(int(m), 0),
+            int(m): LearnerInfo(
+                incarnation=incarnations.get(int(m), 0),
                 state="dead",
                 report=d.get("report") or {},
                 process=d.get("process") or "",
                 carried=d.get("carried"),
             )
+            for m, d in (acc.get("learners") or {}).items()
+        }
         self.counters["resumes"] += 1
-        self._event("resume", versions=self.state.versions(), merges=self.state.merges)
-        log.info(
-            "resumed from %s: versions %s, %d merges",
-            path,
-            self.state.versions(),
-            self.state.merges,
+        log.info("resumed from %s: versions %s, %d merges", path, state.versions(), state.merges)
+        return Resumed(
+            path=path,
+            incarnations=incarnations,
+            steps_done={int(m): int(v) for m, v in ck.get("steps_done", {}).items()},
+            epoch_s=ck.get("epoch_s"),
+            clock=SlotClock.from_dict(ck["clock"]) if ck.get("clock") else None,
+            run_started_wall=acc.get("run_started_wall"),
+            learners=learners,
         )
-
-    def _load_state(self, ck: dict) -> dict:
-        """The state of checkpoint ``ck`` (read lazily), built fragment by fragment: zeros
-        for its spec, then each fragment's tensors, read and verified as they are taken, in
-        place of the zeros, so a resume peaks at the live state plus about one fragment. A
-        damaged fragment raises ``CheckpointError`` and ``load_newest_valid`` calls this
-        again with an older checkpoint."""
-        self.state = None  # let an earlier attempt's state go before the next is built
-        self._setup(ck["spec"])
-        self.state.load_state_dict(ck["state"])
-        return ck
-
-    def _setup(
-        self, spec: dict, initial: dict[str, torch.Tensor] | None = None, copy: bool = True
-    ) -> None:
-        """The state for ``spec``: from ``initial``, or zeros that a resume replaces. With
-        ``copy`` (views of one received buffer) each tensor is copied into its own memory,
-        one at a time, so that a merge frees the one it replaces; the buffer goes when the
-        caller returns. Without, the state takes the tensors themselves (each already in its
-        own memory). A shard holds only the fragments it owns."""
-        check_spec(spec)
-        frag = fragmentation_from_spec(spec)
-        owned = {p for p in range(frag.P) if self._owns(p)}
-        if initial is None:
-            shapes = dict(zip(spec["names"], spec["shapes"]))
-            initial = {n: torch.zeros(shapes[n]) for p in owned for n in frag.fragments[p].names}
-            copy = False
-        else:
-            initial = {n: initial[n] for p in owned for n in frag.fragments[p].names}
-        self.state = SyncerState(frag, initial, self.config.syncer, owned=owned, copy=copy)
-        self.state.unlocked = self._unlocked
-        self.spec = spec
-        self._fp = spec_fingerprint(spec)
-        self.epoch_s = time.time()
-        self._pub = [(0, []) for _ in range(frag.P)]
-        self._pub_theta, self._chains, self._held = {}, {}, {}
-        shape = dict(zip(spec["names"], (tuple(s) for s in spec["shapes"])))
-        self._shapes = [[shape[n] for n in f.names] for f in frag.fragments]  # per fragment
 
 
 def _where_the_data_is(manifest: Path) -> str:

@@ -12,11 +12,15 @@ only after a checkpoint containing it is on disk, so a SIGKILLed syncer restarte
 ``--resume`` never goes back on a version any learner has seen. Writes are coalesced: merges
 that happen during a write are covered by the next one.
 
-The server is assembled from ``control`` (Join, Init, Watch, Heartbeat, Leave, Status),
-``data`` (pushes and fetches on gRPC and on the data port) and ``durability``
-(publication, checkpoints, resume), mixins over the server's state, and owns ``liveness``
-(``Liveness``: the timer thread, with its grace deadlines and heartbeat timeouts), a part
-with its own state that acts through the callbacks the server gives it.
+The server is assembled from ``control`` (Join, Init, Watch, Heartbeat, Leave, Status), a
+mixin over the server's state, and owns four parts, each with its own state: ``data``
+(``Data``: pushes and fetches on gRPC and on the data port), ``publication``
+(``Publication``: what learners see, the delta-coded downlink's chains, merge sequence
+numbers), ``durability`` (``Durability``: the checkpoint thread, publication once durable,
+resume) and ``liveness`` (``Liveness``: the timer thread, with its grace deadlines and
+heartbeat timeouts). Parts act on the rest of the server through the callbacks it gives
+them. The server takes every merge the state machine returns to ``Durability``
+(``_on_merged``), and a checkpoint is ``durability.snapshot`` of its parts.
 
 Slot clock: the syncer starts the run's clock (its epoch, Unix time) when it receives the
 initial model, and once the learners report step times it announces the slot length (their
@@ -43,25 +47,24 @@ import torch
 from pydantic import BaseModel
 
 from ddiloco.algorithm.codecs import downlink_codec_names
-from ddiloco.algorithm.downlink import DeltaChain
 from ddiloco.algorithm.schedule import SlotClock
-from ddiloco.algorithm.slices import InitUpload, SliceAssembler
+from ddiloco.algorithm.slices import InitUpload
 from ddiloco.algorithm.syncer_state import Merged, SyncerConfig, SyncerState
 from ddiloco.config.sections import RUNTIME_DEFAULTS, SYNC_DEFAULTS
 from ddiloco.metrics.sinks import open_sinks, parse_sinks
 from ddiloco.runtime.syncer.allocator import tune_malloc
 from ddiloco.runtime.syncer.checkpoint import CHECKPOINT_NAME, DEFAULT_KEEP, remove_stale_temps
-from ddiloco.runtime.syncer.common import LearnerInfo, Reject
+from ddiloco.runtime.syncer.common import LearnerInfo, Reject, unpack_frame, validate
 from ddiloco.runtime.syncer.control import ControlHandlers
-from ddiloco.runtime.syncer.data import DataHandlers
-from ddiloco.runtime.syncer.durability import Durability
+from ddiloco.runtime.syncer.data import Data
+from ddiloco.runtime.syncer.durability import Durability, snapshot
 from ddiloco.runtime.syncer.liveness import Liveness
 from ddiloco.runtime.syncer.membership import MembershipLog
-from ddiloco.runtime.syncer.push_room import PushRoom
+from ddiloco.runtime.syncer.publication import Publication
 from ddiloco.runtime.transport import session, wire
 from ddiloco.runtime.transport.auth import check_token, server_credentials, server_ssl_context
 from ddiloco.runtime.transport.bulk import BulkLimits, BulkServer
-from ddiloco.runtime.transport.schema import SchemaError, parse
+from ddiloco.runtime.transport.spec import check_spec, fragmentation_from_spec, spec_fingerprint
 from ddiloco.runtime.transport.wire import ErrorCode as E
 
 __all__ = ["SyncerServerConfig", "SyncerServer"]
@@ -213,7 +216,7 @@ class SyncerServerConfig:
             )
 
 
-class SyncerServer(ControlHandlers, DataHandlers, Durability):
+class SyncerServer(ControlHandlers):
     """The gRPC syncer. ``start()`` binds and serves; ``close()`` checkpoints and stops."""
 
     def __init__(self, config: SyncerServerConfig) -> None:
@@ -225,33 +228,14 @@ class SyncerServer(ControlHandlers, DataHandlers, Durability):
         """Time in merge arithmetic (wall, and CPU of the merging thread), seconds."""
         self.merge_cpu_s = 0.0
         self._lock = threading.Lock()
-        self._published_cv = threading.Condition(self._lock)
-        self._ckpt_cv = threading.Condition(self._lock)
         self.state: SyncerState | None = None
         self.spec: dict | None = None
         self._fp = ""
-        self._pub: list[
-            tuple[int, list[memoryview]]
-        ] = []  # per fragment: (version, downlink bytes)
-        self._shapes: list[list[tuple[int, ...]]] = []  # per fragment: its tensors' shapes
-        self._pub_theta: dict[int, list[torch.Tensor]] = {}  # p -> theta of version _pub[p][0]
-        # delta-coded downlinks: p -> its reference chain; (learner, p) -> the version of the
-        # chain's copy of p that learner holds (ddiloco.algorithm.downlink)
-        self._chains: dict[int, DeltaChain] = {}
-        self._held: dict[tuple[int, int], int] = {}
-        self._slices = SliceAssembler()  # the incomplete pushes of sharded islands
         self._uploads: dict[str, InitUpload] = {}  # sharded islands' initial models, by id
         self._bulk_slots = threading.BoundedSemaphore(config.max_workers - config.control_reserve)
-        self._pushing: Counter = Counter()  # learner -> gRPC pushes in progress
-        self._push_room = PushRoom()  # sized once the model is known (DataHandlers)
-        self._unpublished: dict[int, Merged] = {}  # merged, waiting for durability
-        self._publish_retry: dict[int, Merged] = {}  # merged, publication failed: retried
-        self._merged_seq: dict[int, dict[int, int]] = {}  # m -> p -> seq (all merges)
-        self._merged_seq_pub: dict[int, dict[int, int]] = {}  # the published part
         self._learners: dict[int, LearnerInfo] = {}
         self._incarnations: dict[int, int] = {}
         self.members = MembershipLog(self.started_s)
-        self._dirty_merges = 0
         self._steps_done: dict[int, int] = {}  # learner -> its latest reported total steps
         self.run_started_wall: float | None = None
         """Unix time of the first Join: the run's chip-time counts from there."""
@@ -262,10 +246,29 @@ class SyncerServer(ControlHandlers, DataHandlers, Durability):
         self.epoch_s: float | None = None
         """Unix time the run's clock started (the model's initialisation)."""
         self.budget_spent = False
-        self._ckpt_requested = False
         self._closed = False
         self.counters: Counter = Counter()
         self.rejections: Counter = Counter()
+        self.publication = Publication(
+            self._lock,
+            self.counters,
+            downlink_codec=config.downlink_codec,
+            downlink_delta=config.downlink_delta,
+            max_staleness=config.syncer.max_staleness,
+            owns=self._owns,
+        )
+        """The published fragments, the delta-coded downlink's chains, merge sequence numbers."""
+        self.durability = Durability(
+            self._lock,
+            self.counters,
+            self.publication,
+            checkpoint_dir=config.checkpoint_dir,
+            checkpoint_every=config.checkpoint_every,
+            checkpoint_keep=config.checkpoint_keep,
+            closed=lambda: self._closed,
+            snapshot=self._snapshot,
+        )
+        """The checkpoint thread: checkpoints, publication once durable, resume."""
         self._metrics = open_sinks(
             (("jsonl",) if config.metrics_path else ()) + config.metrics_sinks,
             config.metrics_dir or Path(config.metrics_path or ".").parent,
@@ -285,25 +288,45 @@ class SyncerServer(ControlHandlers, DataHandlers, Durability):
             config.heartbeat_timeout_s,
             closed=lambda: self._closed,
             ready=lambda: self.state is not None,
-            tick=self._retry_due,
+            tick=self.publication.retry_failed,
             fire=self._fire_timer,
             live=lambda: self.state.live if self.state is not None else (),
             last_heartbeat_s=self._last_heartbeat_s,
             declare_dead=self._declare_dead,
         )
         """The timer thread: grace deadlines and heartbeat timeouts."""
+        self.data = Data(
+            self._lock,
+            config,
+            self.counters,
+            self.publication,
+            require_ready=self._require_ready,
+            require_live=self._require_live,
+            require_session=self._require_session,
+            require_owned=self._require_owned,
+            owns=self._owns,
+            on_merged=self._on_merged,
+            followups=self._followups,
+            add_timer=self.liveness.add_timer,
+            event=self._event,
+            note_reject=self._note_reject,
+            auth=self._auth,
+            fail=self._fail,
+            bulk_slots=self._bulk_slots,
+        )
+        """Pushes and fetches, on gRPC and on the data port."""
         if config.checkpoint_dir:
             remove_stale_temps(config.checkpoint_dir)
         if config.resume:
-            self._load(Path(config.checkpoint_dir) / CHECKPOINT_NAME)
+            self._resume(Path(config.checkpoint_dir) / CHECKPOINT_NAME)
 
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> int:
         handlers = {
             "Join": grpc.unary_unary_rpc_method_handler(self._join),
             "Init": grpc.stream_unary_rpc_method_handler(self._init),
-            "Push": grpc.stream_unary_rpc_method_handler(self._push),
-            "Fetch": grpc.unary_stream_rpc_method_handler(self._fetch),
+            "Push": grpc.stream_unary_rpc_method_handler(self.data.push),
+            "Fetch": grpc.unary_stream_rpc_method_handler(self.data.fetch),
             "Watch": grpc.unary_unary_rpc_method_handler(self._watch),
             "Heartbeat": grpc.unary_unary_rpc_method_handler(self._heartbeat),
             "Leave": grpc.unary_unary_rpc_method_handler(self._leave),
@@ -335,9 +358,7 @@ class SyncerServer(ControlHandlers, DataHandlers, Durability):
         if self.config.bulk_port is not None:
             self._start_data_port()
         self._threads.append(self.liveness.start())
-        t = threading.Thread(target=self._ckpt_loop, name="syncer-ckpt", daemon=True)
-        t.start()
-        self._threads.append(t)
+        self._threads.append(self.durability.start())
         self._server.start()
         if self.config.http_port is not None:
             from ddiloco.runtime.observe import serve_syncer
@@ -397,7 +418,7 @@ class SyncerServer(ControlHandlers, DataHandlers, Durability):
                     cfg.host,
                     port,
                     cfg.token,
-                    self._bulk,
+                    self.data.bulk,
                     max_payload=cfg.max_push_bytes,
                     ssl_context=ctx,
                     on_auth_failure=self._bulk_auth_failed,
@@ -430,8 +451,8 @@ class SyncerServer(ControlHandlers, DataHandlers, Durability):
                 return
             self._closed = True
             self.liveness.wake()
-            self._ckpt_cv.notify_all()
-            self._published_cv.notify_all()
+            self.durability.wake()
+            self.publication.cv.notify_all()
         if self._observer is not None:
             self._observer.close()
         if self._bulk_server is not None:
@@ -444,7 +465,7 @@ class SyncerServer(ControlHandlers, DataHandlers, Durability):
             with self._lock:
                 snap = self._snapshot()
             try:
-                self._write(snap)
+                self.durability.write(snap)
             except OSError as e:  # disk full at shutdown: the last durable checkpoint stays
                 log.error(
                     "final checkpoint not written: %s (the last durable checkpoint "
@@ -464,9 +485,135 @@ class SyncerServer(ControlHandlers, DataHandlers, Durability):
         if self._server is not None:
             self._server.wait_for_termination()
 
-    @property
-    def _durable(self) -> bool:
-        return bool(self.config.checkpoint_dir) and self.config.checkpoint_every == 1
+    # -- the model, merges, checkpoints ----------------------------------------------------
+    def _setup(
+        self, spec: dict, initial: dict[str, torch.Tensor] | None = None, copy: bool = True
+    ) -> SyncerState:
+        """The state for ``spec``: from ``initial``, or zeros that a resume replaces. With
+        ``copy`` (views of one received buffer) each tensor is copied into its own memory,
+        one at a time, so that a merge frees the one it replaces; the buffer goes when the
+        caller returns. Without, the state takes the tensors themselves (each already in its
+        own memory). A shard holds only the fragments it owns."""
+        self.state = None  # let an earlier state go before the next is built
+        check_spec(spec)
+        frag = fragmentation_from_spec(spec)
+        owned = {p for p in range(frag.P) if self._owns(p)}
+        if initial is None:
+            shapes = dict(zip(spec["names"], spec["shapes"]))
+            initial = {n: torch.zeros(shapes[n]) for p in owned for n in frag.fragments[p].names}
+            copy = False
+        else:
+            initial = {n: initial[n] for p in owned for n in frag.fragments[p].names}
+        self.state = SyncerState(frag, initial, self.config.syncer, owned=owned, copy=copy)
+        self.state.unlocked = self._unlocked
+        self.spec = spec
+        self._fp = spec_fingerprint(spec)
+        self.epoch_s = time.time()
+        self.publication.reset(frag.P)
+        shape = dict(zip(spec["names"], (tuple(s) for s in spec["shapes"])))
+        self.data.shapes = [[shape[n] for n in f.names] for f in frag.fragments]
+        return self.state
+
+    def _snapshot(self) -> dict:
+        """What a checkpoint holds (``durability.snapshot``; caller holds the lock)."""
+        assert self.state is not None
+        return snapshot(
+            self.state,
+            self.spec,
+            self.publication,
+            syncer_config=self.config.syncer,
+            counters=self.counters,
+            learners=self._learners,
+            incarnations=self._incarnations,
+            steps_done=self._steps_done,
+            epoch_s=self.epoch_s,
+            clock=self.clock,
+            run_started_wall=self.run_started_wall,
+        )
+
+    def _resume(self, path: Path) -> None:
+        """Load checkpoint ``path`` (or the newest valid one kept): the state and the
+        publication, then the learners, their steps, the clock and the ledger."""
+        r = self.durability.load(path, self._setup)
+        assert self.state is not None
+        self._incarnations = r.incarnations
+        self._steps_done = r.steps_done
+        self.epoch_s = r.epoch_s or self.epoch_s
+        if r.clock is not None:  # the learners' slots continue where they were
+            self.clock = r.clock
+        self.run_started_wall = r.run_started_wall
+        self._learners.update(r.learners)
+        self._event("resume", versions=self.state.versions(), merges=self.state.merges)
+
+    def _on_merged(self, mg: Merged, merge_s: float) -> None:
+        """Called under the lock for every Merged the state machine returns."""
+        self.publication.note_merged(mg)
+        self.counters["merges"] += 1
+        try:  # timing and metrics: never in the way of publishing what was merged
+            fetch_s = [
+                i.report.get("fetch_s", 0.0)
+                for i in self._learners.values()
+                if i.state == "live" and i.report.get("fetch_s") is not None
+            ]
+            assert self.state is not None
+            self.state.observe_sync_s(merge_s + (sum(fetch_s) / len(fetch_s) if fetch_s else 0.0))
+            if self._metrics:
+                self._event(
+                    "merge",
+                    fragment=mg.fragment,
+                    version=mg.version,
+                    learners=list(mg.learners),
+                    n_learners=len(mg.learners),
+                    weights=[round(w, 3) for w in mg.weights],
+                    reason=mg.reason,
+                    merge_s=round(merge_s, 6),
+                )
+        except Exception:  # noqa: BLE001 - counted and logged
+            self.counters["merge_bookkeeping_errors"] += 1
+            log.exception(
+                "merge of fragment %d: bookkeeping failed (the merge stands)", mg.fragment
+            )
+        self.durability.merged(mg)
+
+    def _handle_merges(self, merged: list[Merged], t0: float) -> None:
+        for mg in merged:
+            self._on_merged(mg, time.monotonic() - t0)
+        self._followups(t0)
+
+    def _followups(self, t0: float) -> None:
+        """Decisions on rounds that filled while their fragment's merge ran unlocked."""
+        assert self.state is not None
+        for p, out in self.state.take_followups():
+            if isinstance(out, Merged):
+                self._on_merged(out, time.monotonic() - t0)
+            else:
+                self.liveness.add_timer(out.at_s, p)
+
+    def _fire_timer(self, p: int, now: float) -> None:
+        """Fragment p's grace deadline is due (the timer thread; lock held)."""
+        assert self.state is not None
+        t0 = time.monotonic()
+        out = self.state.on_timer(p, now)
+        if isinstance(out, Merged):
+            self._on_merged(out, time.monotonic() - t0)
+        elif out is not None:
+            self.liveness.add_timer(out.at_s, p)
+        self._followups(t0)
+
+    @contextlib.contextmanager
+    def _unlocked(self):
+        """The state machine's merge arithmetic runs with the lock released, so merges of
+        different fragments (and every other call) proceed meanwhile. Its wall and CPU time
+        (of the merging thread) are counted here."""
+        self._lock.release()
+        t_wall, t_cpu = time.perf_counter(), time.thread_time()
+        try:
+            yield
+        finally:
+            wall, cpu = time.perf_counter() - t_wall, time.thread_time() - t_cpu
+            self._lock.acquire()
+            self.merge_s += wall
+            self.merge_cpu_s += cpu
 
     # -- helpers --------------------------------------------------------------------------
     def _event(self, kind: str, **kw) -> None:
@@ -520,20 +667,8 @@ class SyncerServer(ControlHandlers, DataHandlers, Durability):
         self._note_reject(r, who)
         ctx.abort(r.status, f"{r.code}: {r.message}")
 
-    @staticmethod
-    def _parse(req: bytes) -> tuple[dict, memoryview]:
-        try:
-            return wire.unpack(req)
-        except ValueError as e:
-            raise Reject(grpc.StatusCode.INVALID_ARGUMENT, E.BAD_FRAME, str(e)) from None
-
-    @staticmethod
-    def _validate(model: type[M], header: object, what: str) -> M:
-        """``header`` checked against its message schema (``transport.schema``)."""
-        try:
-            return parse(model, header, what)
-        except SchemaError as e:
-            raise Reject(grpc.StatusCode.INVALID_ARGUMENT, E.BAD_FRAME, str(e)) from None
+    _parse = staticmethod(unpack_frame)
+    _validate = staticmethod(validate)
 
     def _parse_as(self, model: type[M], req: bytes, what: str) -> M:
         return self._validate(model, self._parse(req)[0], what)
