@@ -335,6 +335,25 @@ def test_the_loss_plot_of_a_process_run_marks_evals_and_ends_every_curve_at_the_
 
 
 @pytest.mark.timeout(60)
+def test_the_loss_plot_names_an_entropy_floor_only_for_runs_that_have_one(tmp_path):
+    from ddiloco.report import plot_loss
+
+    run = load_run(_shared_budget_run(tmp_path / "real", [(0, 3.5), (6.0, 2.0)]))
+    _label_one(run)
+
+    def legend(fig) -> list[str]:
+        return [t.get_text() for t in fig.legends[0].get_texts()]
+
+    fig = plot_loss([run], tmp_path / "loss.png", "step")  # real text: no known floor
+    assert "entropy floor (per run)" not in legend(fig) and "final eval loss" in legend(fig)
+    assert not [ln for ln in fig.axes[0].lines if ln.get_linestyle() == "--"]
+    run.summary["entropy_floor"] = 1.2  # the synthetic language: its floor is known
+    fig = plot_loss([run], tmp_path / "loss.png", "step")
+    assert "entropy floor (per run)" in legend(fig)
+    assert [ln.get_ydata()[0] for ln in fig.axes[0].lines if ln.get_linestyle() == "--"] == [1.2]
+
+
+@pytest.mark.timeout(60)
 def test_the_ledger_bars_end_inside_their_axes_with_their_totals(tmp_path):
     from ddiloco.report import plot_learners
 

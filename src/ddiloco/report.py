@@ -345,8 +345,9 @@ def train_loss_curve(run: RunData, x_axis: str, points: int = 300) -> list[tuple
 def plot_loss(runs: list[RunData], path: Path, x_axis: str):
     """Write ``loss.png``; returns its figure. Per run: the eval rows as markers, joined
     by a line where there are at least three (a curve, not a chord between two far
-    points), the final eval loss as a star, the entropy floor dashed and, for runs with
-    fewer than three eval rows, the learners' training loss dotted."""
+    points), the final eval loss as a star, the entropy floor dashed (where the run knows
+    one; the legend names it only then) and, for runs with fewer than three eval rows, the
+    learners' training loss dotted."""
     from matplotlib.lines import Line2D
 
     use_tokens = x_axis == "tokens" and all(_num(r.summary.get("tokens")) for r in runs)
@@ -354,6 +355,7 @@ def plot_loss(runs: list[RunData], path: Path, x_axis: str):
     axis = "time" if use_time else "tokens" if use_tokens else "step"
     fig = _figure(8, 5.0 + 0.2 * len(runs))
     ax = fig.add_subplot()
+    floors = False
     for i, run in enumerate(runs):
         c = _colour(i)
         pts, final = loss_curve(run, axis)
@@ -390,12 +392,13 @@ def plot_loss(runs: list[RunData], path: Path, x_axis: str):
         floor = _num(run.summary.get("entropy_floor"))
         if floor is not None:
             ax.axhline(floor, color=c, ls="--", lw=1.1, alpha=0.8)
+            floors = True
     handles, labels = ax.get_legend_handles_labels()
-    handles += [
-        Line2D([], [], color="grey", ls="--"),
-        Line2D([], [], color="grey", marker="*", ls="", ms=10, mec="black", mew=0.5),
-    ]
-    labels += ["entropy floor (per run)", "final eval loss"]
+    if floors:  # only runs on a language with a known floor (the synthetic one) draw it
+        handles.append(Line2D([], [], color="grey", ls="--"))
+        labels.append("entropy floor (per run)")
+    handles.append(Line2D([], [], color="grey", marker="*", ls="", ms=10, mec="black", mew=0.5))
+    labels.append("final eval loss")
     fig.legend(handles, labels, fontsize=8, loc="outside lower center", ncol=3)
     ax.set_xlabel(
         "time (s: virtual for inproc runs, wall for process runs)"
