@@ -54,6 +54,7 @@ __all__ = [
     "guard_round",
     "outer_step",
     "fold_push",
+    "fold_pushes",
     "measure",
     "Measured",
     "peers_of",
@@ -240,17 +241,15 @@ def fold_push(
     s: FragmentState,
     r: Round,
     c: Contribution,
-    measured: Measured | None = None,
-    peers: Sequence[float] = (),
+    measured: Measured,
+    peers: Sequence[float],
 ) -> tuple[float, float]:
     """Add push c's outer gradient, after the merge guard, to round r's folds; returns
     its norm and the guard's factor. The anchor, the guard's bound and the staleness
     discount are the ones its merge would use: the fragment does not change until its
-    round merges (which waits for a fold in progress). ``measured`` is c's ``measure``
-    when it was taken already, ``peers`` the norms of the other pushes of its round."""
+    round merges (which waits for a fold in progress). ``measured`` is c's ``measure``,
+    ``peers`` the norms of the other pushes of its round (``fold_pushes`` gives both)."""
     assert r.folds is not None
-    if measured is None:
-        measured = measure(cfg, s, c)
     if measured.tensor_norms is not None:
         return _fold_pieces(cfg, s, r, c, measured, peers)
     norm = measured.norm
@@ -295,6 +294,19 @@ def _fold_pieces(
     return (norm if cfg.norm_clip > 0 else 0.0), factor
 
 
+def fold_pushes(
+    cfg: SyncerConfig, s: FragmentState, r: Round, todo: Sequence[Contribution]
+) -> list[tuple[float, float]]:
+    """``fold_push`` of each push of ``todo``, in order: every norm is measured first, so
+    that the merge guard compares each push with all the pushes of its round known so far
+    (``Round.norms``)."""
+    measured = [measure(cfg, s, c) for c in todo]
+    r.norms.update({c.learner: x.norm for c, x in zip(todo, measured)})
+    return [
+        fold_push(cfg, s, r, c, x, peers_of(r.norms, c.learner)) for c, x in zip(todo, measured)
+    ]
+
+
 def peers_of(norms: dict[int, float], learner: int) -> list[float]:
     """The norms of the other pushes of a round (the merge guard's ``peers``)."""
     return [n for m, n in norms.items() if m != learner]
@@ -332,12 +344,9 @@ def guard_round(
     norms: list[float] = []
     folds = None
     if r.folds is not None:  # a folded round: fold the rest, step from the folds
-        rest = {c.learner: measure(cfg, s, c) for c in contribs if c.learner not in r.folded}
-        r.norms.update({m: x.norm for m, x in rest.items()})
-        for c in contribs:
-            if c.learner in rest:
-                peers = peers_of(r.norms, c.learner)
-                r.folded[c.learner] = fold_push(cfg, s, r, c, rest[c.learner], peers)
+        rest = [c for c in contribs if c.learner not in r.folded]
+        for c, guard in zip(rest, fold_pushes(cfg, s, r, rest)):
+            r.folded[c.learner] = guard
         folds, r.folds = r.folds, None
         factors = [r.folded[c.learner][1] for c in contribs]
         if k > 0:

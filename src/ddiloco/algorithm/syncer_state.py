@@ -45,12 +45,10 @@ from ddiloco.algorithm.round_merge import (
     FragmentState,
     Step,
     as_f32,
-    fold_push,
-    measure,
+    fold_pushes,
     nbytes,
     open_folds,
     outer_step,
-    peers_of,
     round_weights,
     validate,
 )
@@ -427,14 +425,7 @@ class SyncerState:
         r.folding += 1
         try:
             with self.unlocked():
-                # every push's norm first, so that the merge guard compares each one with
-                # all the others of its round known so far
-                measured = [measure(self.config, s, c) for c in todo]
-                r.norms.update({c.learner: x.norm for c, x in zip(todo, measured)})
-                done = [
-                    (c, fold_push(self.config, s, r, c, x, peers_of(r.norms, c.learner)))
-                    for c, x in zip(todo, measured)
-                ]
+                done = list(zip(todo, fold_pushes(self.config, s, r, todo)))
         finally:
             r.folding -= 1
         for c, guard in done:
