@@ -38,7 +38,8 @@ def finish(procs: list[subprocess.Popen], timeout_s: float) -> list[list[dict]]:
     """Each learner's reports (the JSON lines it printed, by rank), once all have exited."""
     outs = [p.communicate(timeout=timeout_s) for p in procs]
     for p, (_, err) in zip(procs, outs, strict=True):
-        assert p.returncode == 0, err[-4000:]
+        # the first lines name the failure (a rank's traceback); the last, torchrun's summary
+        assert p.returncode == 0, err if len(err) < 8000 else f"{err[:4000]}\n...\n{err[-4000:]}"
     reports = [[json.loads(x) for x in out.splitlines() if x.startswith("{")] for out, _ in outs]
     return [sorted(r, key=lambda x: x["rank"]) for r in reports]
 
