@@ -14,6 +14,7 @@ import statistics
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ddiloco.algorithm import kernels
@@ -289,14 +290,9 @@ class Fold:
         """``add(factor * (anchor - x), w)`` for an ``x`` given as (offset, flat values)
         pieces, whose ``norm = |anchor - x|`` the caller measured: the outer gradient is
         never built whole, only a piece at a time."""
-        self.weight += w
-        if self.radial:
-            self.radius += w * factor * norm
-            if not factor * norm > _EPS:
-                return
-            c = w / norm  # the clip factor scales the radius, not the direction
-        else:
-            c = w * factor
+        c = self._count(w, norm, factor)
+        if c is None:
+            return
         if self.sum is None:
             self.sum = torch.zeros(self.shape, dtype=torch.float32)
         out = self.sum.view(-1)
@@ -304,6 +300,45 @@ class Fold:
         for o, x in pieces:
             n = x.numel()
             out[o : o + n].add_(torch.sub(flat[o : o + n], x), alpha=c)
+
+    def add_elements(
+        self,
+        anchor: torch.Tensor,
+        x: np.ndarray,
+        bf16: bool,
+        w: float,
+        norm: float,
+        factor: float = 1.0,
+    ) -> bool:
+        """``add_pieces`` of a push's elements as they arrived (``kernels.elements``), in one
+        pass that widens them in registers and rounds as ``add_pieces`` does; False (nothing
+        added) where the kernels cannot run."""
+        flat = anchor.reshape(-1)
+        if not kernels.readable(flat, x):
+            return False
+        c = self._count(w, norm, factor)
+        if c is not None:
+            fresh = self.sum is None
+            kernels.diff_fold(self._buffer(), flat, x, bf16, c, fresh=fresh)
+        return True
+
+    def _count(self, w: float, norm: float, factor: float) -> float | None:
+        """Count one push of weight ``w``, outer-gradient norm ``norm`` and guard factor
+        ``factor``: the coefficient of its outer gradient in the sum, None when it adds
+        nothing to it (a radial fold's zero gradient)."""
+        self.weight += w
+        if not self.radial:
+            return w * factor
+        self.radius += w * factor * norm
+        if not factor * norm > _EPS:
+            return None
+        return w / norm  # the clip factor scales the radius, not the direction
+
+    def _buffer(self) -> torch.Tensor:
+        """The sum, flat; a new one is allocated but not zeroed (its first add writes it)."""
+        if self.sum is None:
+            self.sum = kernels.empty_f32(self.shape)
+        return self.sum.view(-1)
 
     def take(self) -> torch.Tensor:
         """The merged outer gradient, in the fold's own buffer (the fold gives it up)."""

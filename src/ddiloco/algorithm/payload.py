@@ -14,9 +14,12 @@ import math
 from collections.abc import Iterator, Sequence
 from typing import overload
 
+import numpy as np
 import torch
 
+from ddiloco.algorithm import kernels
 from ddiloco.algorithm.codecs import Codec
+from ddiloco.algorithm.merge import all_finite
 
 __all__ = ["CHUNK", "EncodedParams", "encode_push"]
 
@@ -95,6 +98,23 @@ class EncodedParams(Sequence[torch.Tensor]):
         for a in range(0, k, size):
             b = min(k, a + size)
             yield a, self.codec.decode(view[a * eb : b * eb], b - a)
+
+    def elements(self, j: int) -> tuple[np.ndarray, bool] | None:
+        """Tensor j's elements as they arrived, flat, and whether they are bf16, for the
+        kernels to read (``kernels.elements``: fp32 and bf16 parameters); None otherwise."""
+        if self.delta:
+            return None
+        off, nb, k = self._spans[j]
+        return kernels.elements(self.codec.name, memoryview(self.buf)[off : off + nb], k)
+
+    def finite(self, j: int) -> bool:
+        """Tensor j holds no NaN or inf: read where it arrived by the kernels where they read
+        its codec (bf16: its exponent bits), else decoded a piece at a time (``chunks``)."""
+        off, nb, k = self._spans[j]
+        raw = kernels.elements(self.codec.name, memoryview(self.buf)[off : off + nb], k)
+        if raw is not None:
+            return kernels.finite_elements(*raw)
+        return all(all_finite(x) for _, x in self.chunks(j))
 
     @property
     def nbytes(self) -> int:

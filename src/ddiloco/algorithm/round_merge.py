@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ddiloco.algorithm import kernels
 from ddiloco.algorithm.fragments import Fragmentation
 from ddiloco.algorithm.history import FragmentHistory
 from ddiloco.algorithm.merge import (
@@ -42,7 +43,7 @@ from ddiloco.algorithm.merge import (
     merge_tensor,
     token_weight,
 )
-from ddiloco.algorithm.payload import EncodedParams
+from ddiloco.algorithm.payload import CHUNK, EncodedParams
 from ddiloco.algorithm.rounds import Contribution, Round
 from ddiloco.algorithm.slices import SlicedParams
 from ddiloco.algorithm.syncer_config import SyncerConfig
@@ -170,14 +171,30 @@ def measure(cfg: SyncerConfig, s: FragmentState, c: Contribution) -> Measured:
     norm, which its fold needs; the norm is 0.0 with the guard off, as it is recorded."""
     if _by_pieces(c):
         assert isinstance(c.params, EncodedParams)
+        scratch = np.empty(_CHUNK, dtype=np.float32)
         norms = [
-            math.sqrt(
-                sum(distance([a[o : o + x.numel()]], [x]) ** 2 for o, x in c.params.chunks(j))
-            )
+            _tensor_norm(a, c.params, j, c.params.elements(j), scratch)
             for j, a in enumerate(_flat_anchors(cfg, s, c))
         ]
         return Measured(math.sqrt(sum(n * n for n in norms)), norms)
     return Measured(push_norm(cfg, s, c) if cfg.norm_clip > 0 else 0.0, None)
+
+
+def _tensor_norm(
+    a: torch.Tensor,
+    params: EncodedParams,
+    j: int,
+    raw: tuple[np.ndarray, bool] | None,
+    scratch: np.ndarray,
+) -> float:
+    """``|a - x|`` of tensor j of ``params`` (x), as ``distance`` takes it of each of its
+    pieces (``EncodedParams.chunks``): one pass of the kernels over its elements where they
+    read them (``raw``), else decoded a piece at a time."""
+    if raw is not None:
+        got = kernels.diff_norm(a, raw[0], raw[1], CHUNK, scratch)
+        if got is not None:
+            return got[0]
+    return math.sqrt(sum(distance([a[o : o + x.numel()]], [x]) ** 2 for o, x in params.chunks(j)))
 
 
 def _flat_anchors(cfg: SyncerConfig, s: FragmentState, c: Contribution) -> list[torch.Tensor]:
@@ -281,16 +298,23 @@ def _fold_pieces(
     peers: Sequence[float],
 ) -> tuple[float, float]:
     """``fold_push`` of a push whose tensors decode a piece at a time (fp32, bf16
-    parameters): two passes over each tensor's pieces, its norm (``measure``), then the
-    sum, so that folding holds one piece of the push decoded, not a tensor."""
+    parameters), so that folding holds at most one piece of the push decoded, not a tensor.
+    Each tensor is read twice, its norm (``measure``) and then the sum, since a radial
+    fold's coefficient and the merge guard's factor need the norm before the first element
+    is added. Where the kernels read the push (fp32, bf16: ``kernels.elements``), each
+    pass is one pass over its elements as they arrived; else it is decoded a piece at a
+    time."""
     assert r.folds is not None and isinstance(c.params, EncodedParams)
     assert measured.tensor_norms is not None
     norm = measured.norm
     factor = guard_factor(cfg, s, norm, peers)
     w = weight(cfg, s, c)
     for j, (fold, a) in enumerate(zip(r.folds, _flat_anchors(cfg, s, c))):
+        raw = c.params.elements(j)
+        n_j = measured.tensor_norms[j]
         with r.lock:
-            fold.add_pieces(a, c.params.chunks(j), w, measured.tensor_norms[j], factor)
+            if raw is None or not fold.add_elements(a, raw[0], raw[1], w, n_j, factor):
+                fold.add_pieces(a, c.params.chunks(j), w, n_j, factor)
     return (norm if cfg.norm_clip > 0 else 0.0), factor
 
 
@@ -462,7 +486,7 @@ def as_f32(t: torch.Tensor, copy: bool) -> torch.Tensor:
     return t.float().contiguous().clone()
 
 
-_CHUNK = 1 << 15
+_CHUNK = kernels.NORM_CHUNK
 
 
 def distance(anchors: Sequence[torch.Tensor], pushes: Sequence[torch.Tensor]) -> float:

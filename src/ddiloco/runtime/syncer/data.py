@@ -260,7 +260,7 @@ class Data:
         ):
             assert isinstance(params, EncodedParams)
             for name, j in zip(pc.names, range(len(params))):
-                if not all(all_finite(x) for _, x in params.chunks(j)):
+                if not params.finite(j):
                     raise Reject(
                         grpc.StatusCode.INVALID_ARGUMENT,
                         E.NONFINITE,
