@@ -162,6 +162,19 @@ def test_a_fold_read_in_one_pass_equals_the_reference_fold(codec, radial, factor
     assert (w1, r1) == (w0, r0) and _same(got, want)
 
 
+def test_a_plain_fold_takes_its_norm_in_the_same_pass():
+    n = 2 * NC + 3
+    a, params, (x, bf16) = _push("bf16", n, 5)
+    one, ref = Fold((n,), False), Fold((n,), False)
+    scratch = np.empty(NC, dtype=np.float32)
+    norm = one.add_elements_measuring(a, x, bf16, 2.0, CHUNK, scratch)
+    assert norm == _ref_norm(a, params)
+    ref.add_pieces(a, params.chunks(0), 2.0, norm, 1.0)
+    assert one.weight == ref.weight and _same(one.take(), ref.take())
+    with pytest.raises(ValueError, match="radial"):
+        Fold((n,), True).add_elements_measuring(a, x, bf16, 2.0, CHUNK, scratch)
+
+
 @pytest.mark.parametrize("radial", [True, False])
 def test_empty_tensors_fold_to_an_empty_gradient(radial):
     a, params, (x, bf16) = _push("bf16", 0, 0)
@@ -225,7 +238,8 @@ def _rounds(codec: str, rule: str, clip: float, chunk: int | None = None) -> Syn
 @pytest.mark.parametrize(("rule", "clip"), [("rda", 2.5), ("rda", 0.0), ("average", 2.5)])
 def test_rounds_folded_by_the_kernels_equal_the_reference_rounds(codec, rule, clip, reference):
     """The whole merge: norms, the guard's clips, the new fragment and its momentum, the
-    norms it keeps."""
+    norms it keeps; with the guard off (and in the first eight rounds) a plain tensor's
+    norm is taken in its fold's pass."""
     got = _rounds(codec, rule, clip)
     want = reference(lambda: _rounds(codec, rule, clip))
     assert got.merges == want.merges == 9
@@ -233,5 +247,28 @@ def test_rounds_folded_by_the_kernels_equal_the_reference_rounds(codec, rule, cl
         assert got.clipped_pushes == want.clipped_pushes == 1
     s1, s0 = got.frags[0], want.frags[0]
     assert list(s1.norms) == list(s0.norms)
+    for a, b in zip(s1.theta + s1.momentum, s0.theta + s0.momentum):
+        assert _same(a, b)
+
+
+def test_a_norm_left_to_the_fold_is_taken_if_the_kernels_go_off_before_it(monkeypatch, reference):
+    """``measure`` leaves a plain tensor's norm to the fold where the kernels read the push;
+    switched off in between, the fold takes the norm itself, and the merge is the same."""
+    measure = rm.measure
+
+    def then_off(*args, **kwargs):
+        out = measure(*args, **kwargs)
+        kernels.set_enabled(False)
+        return out
+
+    monkeypatch.setattr(rm, "measure", then_off)
+    prev = kernels.set_enabled(True)
+    try:
+        got = _rounds("bf16", "average", 0.0)
+    finally:
+        kernels.set_enabled(prev)
+    monkeypatch.setattr(rm, "measure", measure)
+    want = reference(lambda: _rounds("bf16", "average", 0.0))
+    s1, s0 = got.frags[0], want.frags[0]
     for a, b in zip(s1.theta + s1.momentum, s0.theta + s0.momentum):
         assert _same(a, b)

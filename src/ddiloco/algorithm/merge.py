@@ -322,6 +322,30 @@ class Fold:
             kernels.diff_fold(self._buffer(), flat, x, bf16, c, fresh=fresh)
         return True
 
+    def add_elements_measuring(
+        self,
+        anchor: torch.Tensor,
+        x: np.ndarray,
+        bf16: bool,
+        w: float,
+        piece: int,
+        scratch: np.ndarray,
+    ) -> float | None:
+        """``add_elements`` with the guard's factor 1 of a plain (not radial) sum, whose
+        coefficient needs no norm: the norm ``|anchor - x|`` is taken in the same pass, as
+        ``kernels.diff_norm`` takes it, and returned. None (nothing added) where the
+        kernels cannot run."""
+        if self.radial:
+            raise ValueError("a radial fold needs the norm before the pass")
+        flat = anchor.reshape(-1)
+        if not kernels.readable(flat, x):
+            return None
+        fresh = self.sum is None
+        got = kernels.diff_fold_norm(self._buffer(), flat, x, bf16, w, piece, scratch, fresh=fresh)
+        assert got is not None
+        self._count(w, got[0], 1.0)
+        return got[0]
+
     def _count(self, w: float, norm: float, factor: float) -> float | None:
         """Count one push of weight ``w``, outer-gradient norm ``norm`` and guard factor
         ``factor``: the coefficient of its outer gradient in the sum, None when it adds

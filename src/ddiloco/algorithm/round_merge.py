@@ -38,6 +38,7 @@ from ddiloco.algorithm.merge import (
     Fold,
     OuterNesterov,
     all_finite,
+    clip_bound,
     clip_factor,
     fold_for,
     merge_tensor,
@@ -128,8 +129,11 @@ class Measured:
     """A push's outer-gradient norm, measured before it is folded (``measure``)."""
 
     norm: float
-    tensor_norms: list[float] | None
-    """Each tensor's norm, for a push folded a piece at a time (None otherwise)."""
+    """NaN while a tensor's norm is left to its fold (below)."""
+    tensor_norms: list[float | None] | None
+    """Each tensor's norm, for a push folded a piece at a time (None otherwise); an entry is
+    None where the fold takes that tensor's norm in its own pass (``measure``'s
+    ``deferred``)."""
 
 
 def clipped(cfg: SyncerConfig, s: FragmentState, c: Contribution, j: int, f: float) -> torch.Tensor:
@@ -165,18 +169,30 @@ def _by_pieces(c: Contribution) -> bool:
     )
 
 
-def measure(cfg: SyncerConfig, s: FragmentState, c: Contribution) -> Measured:
+def measure(
+    cfg: SyncerConfig, s: FragmentState, c: Contribution, deferred: Sequence[bool] = ()
+) -> Measured:
     """Push c's outer-gradient norm, before it is folded (the merge guard compares it with
     the other pushes of its round). A push read a piece at a time also keeps each tensor's
-    norm, which its fold needs; the norm is 0.0 with the guard off, as it is recorded."""
+    norm, which its fold needs; the norm is 0.0 with the guard off, as it is recorded.
+
+    ``deferred[j]``: tensor j's norm is left to its fold, which takes it in the same pass
+    as the sum (``Fold.add_elements_measuring``), where the kernels read the push; the
+    caller says where that is allowed (``fold_pushes``)."""
     if _by_pieces(c):
         assert isinstance(c.params, EncodedParams)
         scratch = np.empty(_CHUNK, dtype=np.float32)
-        norms = [
-            _tensor_norm(a, c.params, j, c.params.elements(j), scratch)
-            for j, a in enumerate(_flat_anchors(cfg, s, c))
-        ]
-        return Measured(math.sqrt(sum(n * n for n in norms)), norms)
+        norms: list[float | None] = []
+        for j, a in enumerate(_flat_anchors(cfg, s, c)):
+            raw = c.params.elements(j)
+            left = j < len(deferred) and deferred[j]
+            if left and raw is not None and kernels.readable(a, raw[0]):
+                norms.append(None)
+            else:
+                norms.append(_tensor_norm(a, c.params, j, raw, scratch))
+        if None in norms:
+            return Measured(math.nan, norms)  # completed by the fold
+        return Measured(math.sqrt(sum(n * n for n in norms if n is not None)), norms)
     return Measured(push_norm(cfg, s, c) if cfg.norm_clip > 0 else 0.0, None)
 
 
@@ -301,20 +317,38 @@ def _fold_pieces(
     parameters), so that folding holds at most one piece of the push decoded, not a tensor.
     Each tensor is read twice, its norm (``measure``) and then the sum, since a radial
     fold's coefficient and the merge guard's factor need the norm before the first element
-    is added. Where the kernels read the push (fp32, bf16: ``kernels.elements``), each
+    is added; once where ``measure`` left its norm to the fold (a plain sum the guard
+    cannot clip). Where the kernels read the push (fp32, bf16: ``kernels.elements``), each
     pass is one pass over its elements as they arrived; else it is decoded a piece at a
     time."""
     assert r.folds is not None and isinstance(c.params, EncodedParams)
-    assert measured.tensor_norms is not None
+    tensor_norms = measured.tensor_norms
+    assert tensor_norms is not None
+    left = None in tensor_norms
     norm = measured.norm
-    factor = guard_factor(cfg, s, norm, peers)
+    factor = guard_factor(cfg, s, norm, peers)  # 1.0 where norms are left to the fold
     w = weight(cfg, s, c)
+    scratch = np.empty(_CHUNK, dtype=np.float32) if left else None
+    norms: list[float] = []
     for j, (fold, a) in enumerate(zip(r.folds, _flat_anchors(cfg, s, c))):
         raw = c.params.elements(j)
-        n_j = measured.tensor_norms[j]
+        n_j = tensor_norms[j]
         with r.lock:
-            if raw is None or not fold.add_elements(a, raw[0], raw[1], w, n_j, factor):
+            if n_j is None:  # a plain sum with the factor 1: its norm in the same pass
+                assert scratch is not None
+                got = None
+                if raw is not None:
+                    got = fold.add_elements_measuring(a, raw[0], raw[1], w, CHUNK, scratch)
+                if got is None:  # the kernels were switched off since ``measure``
+                    got = _tensor_norm(a, c.params, j, None, scratch)
+                    fold.add_pieces(a, c.params.chunks(j), w, got, factor)
+                n_j = got
+            elif raw is None or not fold.add_elements(a, raw[0], raw[1], w, n_j, factor):
                 fold.add_pieces(a, c.params.chunks(j), w, n_j, factor)
+        norms.append(n_j)
+    if left:  # the norms left to the fold are known now
+        norm = measured.norm = math.sqrt(sum(n * n for n in norms))
+        measured.tensor_norms = list(norms)
     return (norm if cfg.norm_clip > 0 else 0.0), factor
 
 
@@ -323,12 +357,27 @@ def fold_pushes(
 ) -> list[tuple[float, float]]:
     """``fold_push`` of each push of ``todo``, in order: every norm is measured first, so
     that the merge guard compares each push with all the pushes of its round known so far
-    (``Round.norms``)."""
-    measured = [measure(cfg, s, c) for c in todo]
+    (``Round.norms``).
+
+    While the guard cannot clip (off, or its fragment has too few recent norms:
+    ``clip_bound`` is None; they do not change while the round is open) a tensor whose
+    fold is a plain sum (not radial) needs no norm before its sum: its norm is taken in
+    the same pass as its sum, and the push's norm enters ``Round.norms`` once it is folded
+    (NaN until then, which ``clip_factor`` leaves out of the peers; no factor reads them
+    meanwhile, since none can clip)."""
+    assert r.folds is not None
+    deferred: list[bool] = []
+    if clip_bound(s.norms, cfg.norm_clip) is None:
+        deferred = [not fold.radial for fold in r.folds]
+    measured = [measure(cfg, s, c, deferred) for c in todo]
     r.norms.update({c.learner: x.norm for c, x in zip(todo, measured)})
-    return [
-        fold_push(cfg, s, r, c, x, peers_of(r.norms, c.learner)) for c, x in zip(todo, measured)
-    ]
+    out = []
+    for c, x in zip(todo, measured):
+        left = x.tensor_norms is not None and None in x.tensor_norms
+        out.append(fold_push(cfg, s, r, c, x, peers_of(r.norms, c.learner)))
+        if left:  # its fold took the norms left to it
+            r.norms[c.learner] = x.norm
+    return out
 
 
 def peers_of(norms: dict[int, float], learner: int) -> list[float]:
