@@ -12,13 +12,15 @@ a new fp32 tensor a piece at a time and then reads it back. The kernels read its
 where they arrived, widening bf16 in registers: ``diff_norm`` is the norm's pass (the
 difference from the anchor into a scratch of ``NORM_CHUNK`` elements, which stays in the
 cache, and numpy's dot of it, as ``round_merge.distance`` takes it), ``diff_fold`` the
-fold's (``out += c * (anchor - x)`` in one pass, with the norm in the same pass on request)
-and ``finite_elements`` the check for NaN and inf (bf16: its exponent bits, nothing decoded).
+fold's (``out += c * (anchor - x)``), ``diff_fold_norm`` both in one pass, and
+``finite_elements`` the check for NaN and inf (bf16: its exponent bits, nothing decoded).
+They give the torch path's bits (``tests/algorithm/test_fused_fold.py``).
 
-Every function returns ``None`` when it cannot run: the extension is missing, the kernels are
-switched off (``DDILOCO_KERNELS=0`` in the environment, or ``set_enabled(False)``), or a
-tensor is not a contiguous fp32 CPU tensor of the expected size. Callers then use the torch
-operations, which give the same values up to fp32 rounding.
+Every function returns ``None`` (``diff_fold``: False) when it cannot run: the extension is
+missing, the kernels are switched off (``DDILOCO_KERNELS=0`` in the environment, or
+``set_enabled(False)``), or a tensor is not a contiguous fp32 CPU tensor of the expected
+size (``elements`` is None then, and ``finite_elements`` takes what it gives). Callers then
+use the torch operations, which give the same values up to fp32 rounding.
 """
 
 from __future__ import annotations
