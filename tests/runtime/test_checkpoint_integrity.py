@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import resource
 import shutil
 import signal
@@ -261,7 +262,27 @@ def _files(d) -> dict:
     }
 
 
-@pytest.mark.timeout(180)
+def _resume_command(ck_dir, timeout_s: float = 120) -> subprocess.CompletedProcess:
+    """``ddiloco syncer --resume`` started for real on ``ck_dir``, as an operator starts it."""
+    return subprocess.run(
+        [sys.executable, "-m", "ddiloco.runtime.cli", "syncer", "--port", "0", "--resume",
+         "--checkpoint-dir", str(ck_dir)],
+        env={**os.environ, "DDILOCO_TOKEN": "tok"},
+        capture_output=True, text=True, timeout=timeout_s, check=False,
+    )  # fmt: skip
+
+
+def _killed_writer(ck_dir) -> list:
+    """What a writer SIGKILLed mid-write leaves: its temp-named fragment directory (with a
+    fragment file) and its temp manifest."""
+    temp = ck_dir / ".syncer-000007.tmp.99999"
+    temp.mkdir()
+    (temp / "fragment-0000.safetensors").write_bytes(b"half a fragment")
+    (ck_dir / ".syncer.json.tmp.99999").write_bytes(b'{"format": "ddiloco-syncer-')
+    return [temp, ck_dir / ".syncer.json.tmp.99999"]
+
+
+@pytest.mark.timeout(300)
 def test_a_refused_checkpoint_keeps_its_fragment_files_and_resumes_once_repaired(tmp_path):
     from ddiloco.runtime.syncer.server import SyncerServer, SyncerServerConfig
 
@@ -278,36 +299,29 @@ def test_a_refused_checkpoint_keeps_its_fragment_files_and_resumes_once_repaired
     data = ck_dir / json.loads(good)["data"]
     assert sorted(p.name for p in ck_dir.glob("syncer*")) == [data.name, "syncer.json"]
     original = _files(data)
-    assert original, "the checkpoint has fragment files"
-
-    def config(**kw):
-        return SyncerServerConfig(
-            token="tok", checkpoint_dir=str(ck_dir), resume=True, checkpoint_keep=1, **kw
-        )
+    assert [f for f in original if f.startswith("fragment-")], "the checkpoint has fragment files"
+    assert original["syncer.json"] == good, "its fragment directory holds a copy of its manifest"
 
     for how in ("truncated", "empty", "garbage", "flipped"):
         _damage(manifest, how)
-        with pytest.raises(CheckpointError) as ei:
-            SyncerServer(config())  # a real start: its clean-up, then the resume
+        leftovers = _killed_writer(ck_dir)
+        r = _resume_command(ck_dir)  # a real start: its clean-up, then the resume
+        assert r.returncode == 2, f"{how}: {r.stdout}{r.stderr}"
         assert _files(data) == original, f"{how}: the fragment files are as they were"
-        msg = str(ei.value)
-        assert "no valid checkpoint" in msg and str(data) in msg and "--resume" in msg, msg
+        assert not any(p.exists() for p in leftovers), f"{how}: a killed writer's are removed"
+        err = r.stderr
+        assert "CHECKPOINT REJECTED" in err and "no valid checkpoint" in err, err
+        assert "Traceback" not in err, err
+        # where the data is, and how to get it back
+        assert str(data) in err and str(data / "syncer.json") in err and "--resume" in err, err
         manifest.write_bytes(good)  # the repair
 
-    _damage(manifest, "flipped")  # the command says it too, and exits 2
-    r = subprocess.run(
-        [sys.executable, "-m", "ddiloco.runtime.cli", "syncer", "--port", "0", "--resume",
-         "--checkpoint-dir", str(ck_dir)],
-        env={**__import__("os").environ, "DDILOCO_TOKEN": "tok"},
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
-    assert r.returncode == 2, r.stdout + r.stderr
-    assert "CHECKPOINT REJECTED" in r.stderr and str(data) in r.stderr, r.stderr
-    assert "Traceback" not in r.stderr, r.stderr
-    assert _files(data) == original
-
-    manifest.write_bytes(good)
-    with SyncerServer(config(port=0)) as s2:  # repaired: it resumes where it was
+    _damage(manifest, "flipped")  # the recovery the message gives: its copy put back
+    shutil.copy(data / "syncer.json", manifest)
+    config = SyncerServerConfig(
+        token="tok", checkpoint_dir=str(ck_dir), resume=True, checkpoint_keep=1, port=0
+    )
+    with SyncerServer(config) as s2:  # it resumes where it was
         c2 = SyncerClient(f"127.0.0.1:{s2.port}", "tok")
         assert c2.status()["versions"][0] == 2
         assert all(torch.isfinite(t).all() for t in c2.fetch([0])[0][1])
@@ -320,15 +334,27 @@ def test_a_damaged_newest_manifest_keeps_its_fragment_files_beside_the_fallback(
         save_atomic(_snap(i), path)
     newest = tmp_path / json.loads(path.read_text())["data"]
     before = _files(newest)
-    shutil.copy(path, tmp_path / "good.json.bak")
     _damage(path, "truncated")
+    damaged = path.read_bytes()
     assert remove_stale_temps(tmp_path) == 0  # what a syncer does at start
     assert _files(newest) == before
     assert load_newest_valid(path)[0]["i"] == 1  # the older one, as before
-    save_atomic(_snap(3), path)  # the next write keeps it too while its manifest is damaged
-    assert _files(newest) == before
-    (tmp_path / "good.json.bak").replace(tmp_path / "syncer.json.1")  # the repair
-    assert load_checkpoint(tmp_path / "syncer.json.1")["i"] == 2
+    for i in range(3, 9):  # the run goes on: the damaged manifest leaves the last three
+        save_atomic(_snap(i), path)
+        assert _files(newest) == before, f"write {i}: the refused checkpoint's files are kept"
+    pins = list(tmp_path.glob("refused-syncer.json-*"))
+    assert len(pins) == 1 and (pins[0] / "syncer.json").read_bytes() == damaged
+    # the clean-up goes on around them: the last three checkpoints, and what the set-aside
+    # manifest may name (the fragment files written before the next intact one)
+    assert _names(tmp_path) == [
+        pins[0].name, "syncer-000001", newest.name, "syncer-000006", "syncer-000007",
+        "syncer-000008", "syncer.json", "syncer.json.1", "syncer.json.2",
+    ]  # fmt: skip
+    shutil.copy(newest / "syncer.json", tmp_path / "syncer.json.2")  # the repair
+    assert load_checkpoint(tmp_path / "syncer.json.2")["i"] == 2
+    shutil.rmtree(pins[0])  # the operator lets the set-aside files go
+    save_atomic(_snap(9), path)
+    assert _names(tmp_path)[:3] == ["syncer-000007", "syncer-000008", "syncer-000009"]
 
 
 def _disk_full(limit: int):
@@ -356,7 +382,7 @@ def test_sigterm_while_the_disk_is_full_exits_cleanly(tmp_path):
             "--checkpoint-dir",
             str(ck_dir),
         ],
-        env={**__import__("os").environ, "DDILOCO_TOKEN": "tok"},
+        env={**os.environ, "DDILOCO_TOKEN": "tok"},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         preexec_fn=_disk_full(16 << 10),  # below a fragment file of the tiny model

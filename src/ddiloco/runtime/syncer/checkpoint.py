@@ -9,6 +9,8 @@ Layout of a checkpoint directory (``--checkpoint-dir``)::
         fragment-0000.safetensors    theta.0 .. theta.k-1, momentum.0 .. momentum.k-1
         fragment-0001.safetensors    of fragment p (none for a fragment with no tensors,
         ...                          as another shard's)
+        syncer.json                  a copy of the manifest written with it
+    refused-syncer.json-<SHA>/  a damaged manifest set aside (below)
 
 A fragment file is a plain safetensors file (``safetensors.safe_open`` reads it). The
 manifest is JSON: ``format`` and ``version`` (2), ``data`` (the fragment directory), one
@@ -19,7 +21,8 @@ ledger, counters... everything but ``state.theta`` and ``state.momentum``) and
 
 **Write** (``save_atomic``): a new fragment directory under a temp name
 (``.syncer-000042.tmp.PID``), one file per fragment, each hashed as its bytes go out (the
-tensors' own memory, in 64 MiB pieces: nothing model-sized is built) and fsynced; the
+tensors' own memory, in 64 MiB pieces: nothing model-sized is built) and fsynced, with a
+copy of the manifest (what repairs a damaged one: ``recovery_copies``); the
 directory fsynced and renamed to ``syncer-000042``; then the manifest to a temp file,
 fsynced, the older manifests moved down one place (``syncer.json`` -> ``.1`` ...), the temp
 file renamed to ``syncer.json`` and the directory fsynced; last, the manifests past the
@@ -37,7 +40,12 @@ manifest is intact when its own SHA-256 checks. While any manifest in the direct
 intact (truncated, empty, garbage, one byte flipped), no fragment directory that is not
 temp-named is removed: it may hold that manifest's model, recoverable by repairing the
 manifest. A directory newer than every intact manifest is kept too (its manifest may have
-been lost); the next write, whose manifest is newer, removes it.
+been lost); the next write, whose manifest is newer, removes it. A damaged manifest that a
+write would push out of the last ``keep`` (a run that resumed from an older checkpoint
+goes on) is first set aside (``_pin``): ``refused-syncer.json-<SHA>/`` holds it byte for
+byte and the list of the fragment files it may name (every one older than the intact
+manifests written after it), which clean-up keeps until that directory is removed. So no
+refusal ever deletes a checkpoint's data.
 
 **Read** (``load_checkpoint``): the manifest's checksum, format and every fragment file's
 size are checked at once; a fragment's file is verified (SHA-256) the first time one of its
@@ -48,7 +56,8 @@ state plus about one fragment. ``load_newest_valid`` falls back from a damaged n
 checkpoint to the newest valid older one and says so loudly. Temp files, and the fragment
 directories above that are a writer's leftovers, are removed by ``remove_stale_temps`` when
 a syncer starts; ``fragment_dirs`` lists the fragment directories a checkpoint directory
-holds (where a refused checkpoint's data is).
+holds (where a refused checkpoint's data is), ``recovery_copies`` the intact copies of
+manifests among them that a refused resume can be repaired with.
 
 **Memory.** A write holds references to the live tensors, no copies: the syncer's state
 never writes theta or momentum in place (``SyncerState.state_dict``). It allocates no more
@@ -61,6 +70,7 @@ manifest of this format is valid; it is never written.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -84,6 +94,7 @@ __all__ = [
     "load_newest_valid",
     "remove_stale_temps",
     "fragment_dirs",
+    "recovery_copies",
     "has_checkpoint",
     "CheckpointError",
     "CHECKPOINT_NAME",
@@ -107,6 +118,10 @@ DEFAULT_KEEP = 3
 TENSOR_FIELDS = ("theta", "momentum")
 """The per-fragment tensor lists of ``snapshot["state"]`` that go to the fragment files."""
 
+PIN_PREFIX = "refused-"
+"""Damaged manifests set aside, with the fragment files they may name: ``refused-NAME-<SHA>``."""
+PINNED = "pinned.json"
+_FRAGMENT_FILE = re.compile(r"^fragment-\d+\.safetensors$")
 _PIECE = 64 << 20  # bytes hashed and written at a time
 _DTYPES = {
     torch.float32: "F32",
@@ -180,6 +195,13 @@ def _not_json(obj: Any) -> Any:
 
 
 # -- write --------------------------------------------------------------------------------
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def _write_fragment(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[int, str]:
     """Write ``tensors`` as a safetensors file, hashing the bytes as they go out; returns
     (bytes, SHA-256 hex). The data is written from the tensors' own memory (safetensors'
@@ -275,24 +297,23 @@ def save_atomic(
                     c[p] = []
             total += nbytes
             entries.append({"file": name, "bytes": nbytes, "sha256": digest, **counts})
-        _fsync_dir(writing)
-        os.rename(writing, data)
-        _fsync_dir(directory)
         clean["data"] = data.name
         clean["fragments"] = entries
         digest = hashlib.sha256(_canonical(clean)).hexdigest()
         manifest = json.dumps({**clean, "manifest_sha256": digest}, indent=1).encode()
-        with open(tmp, "wb") as f:
-            f.write(manifest)
-            f.flush()
-            os.fsync(f.fileno())
-        total += len(manifest)
+        _write_synced(writing / path.name, manifest)  # the copy that recovers a damaged one
+        _fsync_dir(writing)
+        os.rename(writing, data)
+        _fsync_dir(directory)
+        _write_synced(tmp, manifest)
+        total += 2 * len(manifest)
     except BaseException:
         # a failed write (disk full) leaves nothing behind
         tmp.unlink(missing_ok=True)
         shutil.rmtree(writing, ignore_errors=True)
         shutil.rmtree(data, ignore_errors=True)
         raise
+    _pin_leaving(directory, path.name, keep)
     for i in range(keep - 1, 0, -1):
         src = path if i == 1 else _older(path, i - 1)
         if src.exists():
@@ -315,9 +336,9 @@ def _manifests(directory: Path, name: str) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
-def _intact_data(manifest: Path) -> str | None:
-    """The fragment directory that ``manifest`` names if the manifest is intact (JSON whose
-    own SHA-256 checks); None when it cannot be read, is damaged or names none."""
+def _intact(manifest: Path) -> dict | None:
+    """The body of ``manifest`` (or of a pin record) if it is intact: JSON whose own SHA-256
+    checks; None when it cannot be read or is damaged."""
     try:
         doc = json.loads(manifest.read_bytes())
     except (OSError, ValueError):
@@ -327,8 +348,99 @@ def _intact_data(manifest: Path) -> str | None:
     digest = doc.pop("manifest_sha256", None)
     if not isinstance(digest, str) or hashlib.sha256(_canonical(doc)).hexdigest() != digest:
         return None
-    data = doc.get("data")
-    return data if isinstance(data, str) else None
+    return doc
+
+
+def _entries(doc: dict) -> list[tuple[str, int]]:
+    """The fragment files an intact manifest names: (path relative to the checkpoint
+    directory, bytes)."""
+    data, out = doc.get("data"), []
+    for e in doc.get("fragments") or []:
+        if isinstance(e, dict) and isinstance(e.get("file"), str) and isinstance(data, str):
+            out.append((f"{data}/{e['file']}", int(e.get("bytes", -1))))
+    return out
+
+
+def _fragment_files(directory: Path, name: str, below: int | None = None) -> list[str]:
+    """Every fragment file in the fragment directories of ``directory`` (relative paths);
+    with ``below``, in those numbered below it only."""
+    return sorted(
+        f"{d.name}/{f.name}"
+        for i, d in _data_dirs(directory, name)
+        if below is None or i < below
+        for f in d.iterdir()
+        if _FRAGMENT_FILE.match(f.name)
+    )
+
+
+def _pins(directory: Path, name: str) -> tuple[set[str], list[Path]]:
+    """The fragment files that set-aside damaged manifests may name (``refused-NAME-*/``),
+    and the records among them that cannot be read."""
+    files: set[str] = set()
+    bad = []
+    for d in sorted(directory.glob(f"{PIN_PREFIX}{name}-*")):
+        if not d.is_dir():
+            continue
+        doc = _intact(d / PINNED)
+        if doc is None or not isinstance(doc.get("files"), list):
+            bad.append(d)
+            continue
+        files |= {f for f in doc["files"] if isinstance(f, str)}
+    return files, bad
+
+
+def _pin(directory: Path, name: str, manifest: Path) -> Path:
+    """Set ``manifest`` (damaged) aside before it leaves the last ``keep``: a directory
+    ``refused-NAME-<its SHA-256>`` with the manifest byte for byte and the list of the
+    fragment files it may name (``pinned.json``, checksummed), which clean-up keeps while
+    that directory is there: every fragment file older than the newer intact manifests
+    (it was written before them). Written to a temp name, fsynced and renamed."""
+    raw = manifest.read_bytes()
+    pin = directory / f"{PIN_PREFIX}{name}-{hashlib.sha256(raw).hexdigest()[:12]}"
+    if pin.is_dir():
+        return pin
+    number = {d.name: i for i, d in _data_dirs(directory, name)}
+    where = {m: i for i, m in _manifests(directory, name)}.get(manifest)
+    newer = [
+        number[doc["data"]]
+        for i, m in _manifests(directory, name)
+        if where is not None and i < where
+        for doc in [_intact(m)]
+        if doc is not None and doc.get("data") in number
+    ]
+    files = _fragment_files(directory, name, min(newer) if newer else None)
+    body = {"format": f"{FORMAT}-pin", "manifest": manifest.name, "files": files}
+    record = json.dumps(
+        {**body, "manifest_sha256": hashlib.sha256(_canonical(body)).hexdigest()}, indent=1
+    ).encode()
+    tmp = directory / f".{pin.name}.tmp.{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    _write_synced(tmp / name, raw)
+    _write_synced(tmp / PINNED, record)
+    _fsync_dir(tmp)
+    os.rename(tmp, pin)
+    _fsync_dir(directory)
+    log.error(
+        "%s cannot be read or fails its checksum and leaves the last checkpoints kept: it is "
+        "set aside, byte for byte, as %s, and the %d fragment files it may name are kept "
+        "while that directory is there (repair it and put it back as %s to resume from it; "
+        "remove the directory to let them go)",
+        manifest,
+        pin / name,
+        len(files),
+        directory / name,
+    )
+    return pin
+
+
+def _pin_leaving(directory: Path, name: str, keep: int) -> None:
+    """Before the manifests move down one place: every damaged one that the move pushes
+    out of the last ``keep`` (or that the new one replaces, with ``keep`` 1) is set aside
+    (``_pin``), so that no refused checkpoint's fragment files are ever removed."""
+    for i, m in _manifests(directory, name):
+        if i >= keep - 1 and _intact(m) is None:
+            _pin(directory, name, m)
 
 
 def _remove_unreferenced(
@@ -339,53 +451,98 @@ def _remove_unreferenced(
     intact temp manifest names: writes that never finished, as a syncer finds them at
     start); returns how many things were removed.
 
-    A fragment directory no manifest names is removed only if it is older than the newest
-    intact manifest's, and only while every manifest left is intact: a manifest that cannot
-    be read may be the one naming it, and its model is recoverable by repairing it. One
-    newer than every intact manifest is kept (its manifest may have been lost)."""
+    A fragment file no manifest names is removed only if its directory is older than the
+    newest intact manifest's, and only while every manifest left is intact: a manifest
+    that cannot be read may be the one naming it, and its model is recoverable by repairing
+    it. Files that a set-aside damaged manifest may name (``_pin``) are kept. A directory
+    newer than every intact manifest's is kept (its manifest may have been lost)."""
     n = 0
     manifests = _manifests(directory, name)
     if keep is not None:
         for i, m in manifests:
             if i >= keep:
+                if _intact(m) is None:
+                    _pin(directory, name, m)
                 m.unlink(missing_ok=True)
                 n += 1
         manifests = [(i, m) for i, m in manifests if i < keep]
+    docs = [_intact(m) for _, m in manifests]
+    named = {f for d in docs if d is not None for f, _ in _entries(d)}
+    own = {d.get("data") for d in docs if d is not None}
     dirs = _data_dirs(directory, name)
     if temps:
         for _, d in _data_dirs(directory, name, temp=True):
             shutil.rmtree(d, ignore_errors=True)
             n += 1
-        named = {_intact_data(f) for f in directory.glob(f".{name}.tmp.*")}
-        kept = {_intact_data(m) for _, m in manifests}
-        for _, d in dirs:
-            if d.name in named and d.name not in kept:
-                shutil.rmtree(d, ignore_errors=True)
-                n += 1
+        for f in directory.glob(f".{name}.tmp.*"):
+            doc = _intact(f)
+            data = doc.get("data") if doc is not None else None
+            for _, d in dirs:  # a write killed between its directory's rename and its own
+                if d.name == data and data not in own:
+                    if not any(x.startswith(f"{data}/") for x in named):
+                        shutil.rmtree(d, ignore_errors=True)
+                        n += 1
+        for d in directory.glob(f".{PIN_PREFIX}{name}-*.tmp.*"):
+            shutil.rmtree(d, ignore_errors=True)
+            n += 1
         dirs = _data_dirs(directory, name)
-    data = [_intact_data(m) for _, m in manifests]
-    damaged = [m for (_, m), d in zip(manifests, data) if d is None]
-    if damaged:
+    damaged = [m for (_, m), d in zip(manifests, docs) if d is None]
+    pinned, bad = _pins(directory, name)
+    if damaged or bad:
         if dirs:
             log.warning(
-                "%s cannot be read or fails its checksum: no fragment directory is removed "
-                "from %s (kept: %s)",
-                ", ".join(m.name for m in damaged),
+                "%s cannot be read or fails its checksum: no fragment file is removed from "
+                "%s (kept: %s)",
+                ", ".join(m.name for m in [*damaged, *bad]),
                 directory,
                 ", ".join(d.name for _, d in dirs),
             )
         return n
     number = {d.name: i for i, d in dirs}
-    newest = max((number[d] for d in data if d in number), default=None)
+    newest = max(
+        (number[x] for x in {*own, *(f.split("/", 1)[0] for f in named)} if x in number),
+        default=None,
+    )
+    named |= pinned
     for i, d in dirs:
-        if d.name in data:
+        keep_here = {f.split("/", 1)[1] for f in named if f.split("/", 1)[0] == d.name}
+        if newest is None or i > newest:
+            if not keep_here:
+                log.info("%s: no manifest names it, and none is newer: kept", d)
             continue
-        if newest is not None and i < newest:
+        if not keep_here and d.name not in own:
             shutil.rmtree(d, ignore_errors=True)
             n += 1
-        else:
-            log.info("%s: no manifest names it, and none is newer: kept", d)
+            continue
+        for f in d.iterdir():
+            if _FRAGMENT_FILE.match(f.name) and f.name not in keep_here:
+                f.unlink(missing_ok=True)
+                n += 1
     return n
+
+
+def recovery_copies(directory: str | os.PathLike, name: str = CHECKPOINT_NAME) -> list[Path]:
+    """The copies of manifests that the fragment directories hold (each checkpoint writes
+    one into its own), newest first, that are intact and whose fragment files are all
+    there at the sizes they name, and that differ from every manifest a resume tries
+    (``name``, ``name.1``...): each can be put back as ``directory/name`` to resume from it
+    (its fragment files are verified then)."""
+    d = Path(directory)
+    tried = set()
+    for _, m in _manifests(d, name):
+        with contextlib.suppress(OSError):
+            tried.add(m.read_bytes())
+    out = []
+    for data in fragment_dirs(d, name):
+        doc = _intact(data / name)
+        if doc is None or doc.get("data") != data.name or (data / name).read_bytes() in tried:
+            continue
+        entries = _entries(doc)
+        if entries and all(
+            (d / f).is_file() and (d / f).stat().st_size == size for f, size in entries
+        ):
+            out.append(data / name)
+    return out
 
 
 # -- read ---------------------------------------------------------------------------------
@@ -604,9 +761,13 @@ def load_newest_valid(
         if errors:
             log.error(
                 "RESUMING FROM AN OLDER CHECKPOINT %s: the newer ones are damaged (%s); "
-                "merges after it are lost",
+                "merges after it are lost. Their fragment files are kept in %s: a damaged "
+                "manifest is set aside as %s when it leaves the last %d",
                 cand,
                 "; ".join(errors),
+                path.parent,
+                path.parent / f"{PIN_PREFIX}{path.name}-<SHA-256>",
+                keep,
             )
         return out, cand
     if errors:

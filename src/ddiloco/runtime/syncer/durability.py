@@ -25,6 +25,7 @@ from ddiloco.runtime.syncer.checkpoint import (
     CheckpointError,
     fragment_dirs,
     load_newest_valid,
+    recovery_copies,
     save_atomic,
 )
 from ddiloco.runtime.syncer.common import LearnerInfo
@@ -266,9 +267,17 @@ def _where_the_data_is(manifest: Path) -> str:
     if not dirs:
         return f"No fragment directory is left in {manifest.parent}"
     listed = ", ".join(str(d) for d in dirs)
+    copies = recovery_copies(manifest.parent, manifest.name)
+    how = (
+        f"{copies[0]} is the newest intact copy of a manifest (each checkpoint writes one "
+        f"into its fragment directory) and its fragment files are all there: to resume from "
+        f"it, copy it to {manifest} and start again with --resume"
+        if copies
+        else f"To resume from one, put its intact manifest back as {manifest} (repaired, or "
+        f"from a backup) and start again with --resume"
+    )
     return (
         f"The fragment directories are kept, newest first: {listed} (one safetensors file "
-        f"per fragment). To resume from one, put its intact manifest back as {manifest} "
-        f"(repaired, or from a backup) and start again with --resume; to start a new run "
-        f"instead, move {manifest.parent} aside and start without --resume"
+        f"per fragment). {how}; to start a new run instead, move {manifest.parent} aside and "
+        f"start without --resume"
     )
