@@ -41,8 +41,9 @@ e_down of the downlink codec, r = 1.0625 of the downlink chain's int8 residual):
     reads Theta, the reference Theta and its residual and writes the step and the new
     residual (8 + 2 r + e_down) n;
   - checkpoint (on): the merged fragment's Theta and momentum copied into files (read and
-    written once, hashed in the same pass): 16 n. (The syncer writes the whole state at each
-    checkpoint; the measured checkpoint bytes are reported beside.) The disk is a third
+    written once, hashed in the same pass): 16 n. (Each checkpoint writes the fragments
+    merged since the one before and names the others' files; the measured checkpoint bytes
+    per merge are reported beside.) The disk is a third
     resource: with checkpoints, ``roofline_disk_s`` adds the merged fragment's 8 n bytes at
     the measured disk rate (``fsync`` waits for them, and publication for the checkpoint).
 The socket bytes are the payloads measured: M pushes in and M fetch replies out.
@@ -337,6 +338,11 @@ def run_case(
             },
             "checkpoints": int(cnt1.get("checkpoints", 0)) - int(cnt0.get("checkpoints", 0)),
             "checkpoint_bytes_each": int(cnt1.get("checkpoint_bytes", 0)),
+            "checkpoint_bytes_per_merge": (
+                int(cnt1.get("checkpoint_bytes_total", 0))
+                - int(cnt0.get("checkpoint_bytes_total", 0))
+            )
+            / merges,
             "checkpoint_s": float(cnt1.get("checkpoint_s_total", 0))
             - float(cnt0.get("checkpoint_s_total", 0)),
             "learner_stats": {k: stats1[k] - stats0[k] for k in stats1},

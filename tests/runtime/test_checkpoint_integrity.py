@@ -49,8 +49,7 @@ def _snap(i: int, value: float | None = None) -> dict:
 
 
 def _fragment_file(manifest, p: int = 0):
-    m = json.loads(manifest.read_text())
-    return manifest.parent / m["data"] / m["fragments"][p]["file"]
+    return manifest.parent / json.loads(manifest.read_text())["fragments"][p]["file"]
 
 
 def _names(d):
@@ -297,23 +296,29 @@ def test_a_refused_checkpoint_keeps_its_fragment_files_and_resumes_once_repaired
     manifest = ck_dir / "syncer.json"
     good = manifest.read_bytes()
     data = ck_dir / json.loads(good)["data"]
-    assert sorted(p.name for p in ck_dir.glob("syncer*")) == [data.name, "syncer.json"]
-    original = _files(data)
-    assert [f for f in original if f.startswith("fragment-")], "the checkpoint has fragment files"
-    assert original["syncer.json"] == good, "its fragment directory holds a copy of its manifest"
+    # fragment 1 never merged: its file is the first checkpoint's, named again since
+    files = [f["file"] for f in json.loads(good)["fragments"]]
+    assert files[1].startswith("syncer-000001/") and not files[0].startswith("syncer-000001/")
+    dirs = sorted(p for p in ck_dir.glob("syncer-*"))
+    original = _files(ck_dir)
+    assert set(files) <= set(original), "the checkpoint has fragment files"
+    assert original[f"{data.name}/syncer.json"] == good, "a copy of the manifest is beside them"
 
     for how in ("truncated", "empty", "garbage", "flipped"):
         _damage(manifest, how)
         leftovers = _killed_writer(ck_dir)
         r = _resume_command(ck_dir)  # a real start: its clean-up, then the resume
         assert r.returncode == 2, f"{how}: {r.stdout}{r.stderr}"
-        assert _files(data) == original, f"{how}: the fragment files are as they were"
         assert not any(p.exists() for p in leftovers), f"{how}: a killed writer's are removed"
+        assert {k: v for k, v in _files(ck_dir).items() if k != "syncer.json"} == {
+            k: v for k, v in original.items() if k != "syncer.json"
+        }, f"{how}: every fragment file is as it was"
         err = r.stderr
         assert "CHECKPOINT REJECTED" in err and "no valid checkpoint" in err, err
         assert "Traceback" not in err, err
         # where the data is, and how to get it back
-        assert str(data) in err and str(data / "syncer.json") in err and "--resume" in err, err
+        assert all(str(d) in err for d in dirs), err
+        assert str(data / "syncer.json") in err and "--resume" in err, err
         manifest.write_bytes(good)  # the repair
 
     _damage(manifest, "flipped")  # the recovery the message gives: its copy put back

@@ -42,7 +42,7 @@ def test_export_of_a_run_evaluates_to_the_runs_final_loss(tmp_path, capsys):
         assert evaluate(loaded, evals) == pytest.approx(s["final_eval_loss"], abs=1e-5)
     # a damaged fragment file of the checkpoint is an error that says so, not a model
     manifest = json.loads((tmp_path / "run" / "checkpoint" / "syncer.json").read_text())
-    frag = tmp_path / "run" / "checkpoint" / manifest["data"] / manifest["fragments"][0]["file"]
+    frag = tmp_path / "run" / "checkpoint" / manifest["fragments"][0]["file"]
     data = bytearray(frag.read_bytes())
     data[-1] ^= 0x01
     frag.write_bytes(bytes(data))

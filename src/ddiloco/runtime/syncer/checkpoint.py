@@ -1,45 +1,54 @@
 """Syncer checkpoints: streamed fragment by fragment, atomic, checksummed, finite-checked,
-with the last few kept.
+incremental (a checkpoint writes only the fragments that changed), with the last few kept.
 
 Layout of a checkpoint directory (``--checkpoint-dir``)::
 
     syncer.json               manifest of the newest checkpoint (``CHECKPOINT_NAME``)
     syncer.json.1, .2         manifests of the ones before it (``keep`` in all)
-    syncer-000042/            the fragment files of one checkpoint
-        fragment-0000.safetensors    theta.0 .. theta.k-1, momentum.0 .. momentum.k-1
-        fragment-0001.safetensors    of fragment p (none for a fragment with no tensors,
-        ...                          as another shard's)
+    syncer-000042/            what one checkpoint wrote
+        fragment-0003.safetensors    theta.0 .. theta.k-1, momentum.0 .. momentum.k-1 of
+        ...                          each fragment p that changed since the checkpoint
+                                     before (all of them in a syncer's first one)
         syncer.json                  a copy of the manifest written with it
+    syncer-000017/fragment-0001.safetensors   a fragment that has not changed since
     refused-syncer.json-<SHA>/  a damaged manifest set aside (below)
 
-A fragment file is a plain safetensors file (``safetensors.safe_open`` reads it). The
-manifest is JSON: ``format`` and ``version`` (2), ``data`` (the fragment directory), one
-entry per fragment (``file``, ``bytes``, ``sha256``, the number of ``theta`` and
-``momentum`` tensors), the snapshot without its tensors (``snapshot``: spec, versions,
-ledger, counters... everything but ``state.theta`` and ``state.momentum``) and
-``manifest_sha256``, the SHA-256 of the canonical JSON of everything else.
+A fragment file is a plain safetensors file (``safetensors.safe_open`` reads it); a
+fragment with no tensors (another shard's) has none. The manifest is JSON: ``format`` and
+``version`` (3), ``data`` (the fragment directory this checkpoint wrote), one entry per
+fragment (``file``: the path of its fragment file relative to the checkpoint directory,
+in this checkpoint's fragment directory or an earlier one's; ``bytes``, ``sha256``, the
+number of ``theta`` and ``momentum`` tensors), the snapshot without its tensors
+(``snapshot``: spec, versions, ledger, counters... everything but ``state.theta`` and
+``state.momentum``) and ``manifest_sha256``, the SHA-256 of the canonical JSON of
+everything else. A fragment file is never rewritten: checkpoints share it by naming it.
 
 **Write** (``save_atomic``): a new fragment directory under a temp name
-(``.syncer-000042.tmp.PID``), one file per fragment, each hashed as its bytes go out (the
-tensors' own memory, in 64 MiB pieces: nothing model-sized is built) and fsynced, with a
+(``.syncer-000042.tmp.PID``) gets one file per fragment that is not reused (``reuse``: the
+caller's word that fragment p's tensors are those of an earlier checkpoint's file, which
+is then named again if it is still there at its size), each hashed as its bytes go out (the
+tensors' own memory, in 64 MiB pieces: nothing model-sized is built) and fsynced, and a
 copy of the manifest (what repairs a damaged one: ``recovery_copies``); the
 directory fsynced and renamed to ``syncer-000042``; then the manifest to a temp file,
 fsynced, the older manifests moved down one place (``syncer.json`` -> ``.1`` ...), the temp
 file renamed to ``syncer.json`` and the directory fsynced; last, the manifests past the
-last ``keep`` and the fragment directories they alone named are removed. A reader sees the
+last ``keep`` and the fragment files they alone named are removed. A reader sees the
 previous complete checkpoint or the new one, never a torn one, even if the writer is
-SIGKILLed at any point: fragment files are only reachable through a manifest, and the
-manifest appears by a rename after its files are on disk. A failed write (disk full)
-removes what it wrote.
+SIGKILLed at any point: fragment files are only reachable through a manifest, the
+manifest appears by a rename after its files are on disk, and a file is removed only
+after a durable manifest that no longer names it has replaced the ones that did. A failed
+write (disk full) removes what it wrote. The ``keep`` checkpoints are fallbacks against a
+refused or torn manifest and a damaged newer file; a fragment file they share is one copy.
 
 **What is removed.** Only what is provably a writer's leftover (``_remove_unreferenced``):
 a temp-named fragment directory (an incomplete write), one that an intact temp manifest
-names (a write killed before its rename), and one that no manifest names and that is older
-than the newest intact manifest's (a checkpoint rotated out, or a killed writer's). A
+names (a write killed before its rename), and a fragment file that no manifest names in a
+directory older than the newest intact manifest's (a checkpoint rotated out, or a killed
+writer's; the directory goes with its last named file). A
 manifest is intact when its own SHA-256 checks. While any manifest in the directory is not
-intact (truncated, empty, garbage, one byte flipped), no fragment directory that is not
-temp-named is removed: it may hold that manifest's model, recoverable by repairing the
-manifest. A directory newer than every intact manifest is kept too (its manifest may have
+intact (truncated, empty, garbage, one byte flipped), no fragment file outside a
+temp-named directory is removed: it may hold that manifest's model, recoverable by
+repairing the manifest. A directory newer than every intact manifest is kept too (its manifest may have
 been lost); the next write, whose manifest is newer, removes it. A damaged manifest that a
 write would push out of the last ``keep`` (a run that resumed from an older checkpoint
 goes on) is first set aside (``_pin``): ``refused-syncer.json-<SHA>/`` holds it byte for
@@ -63,9 +72,11 @@ manifests among them that a refused resume can be repaired with.
 never writes theta or momentum in place (``SyncerState.state_dict``). It allocates no more
 than one non-contiguous tensor's copy (the state's tensors are contiguous).
 
-**The earlier format.** A single-file checkpoint (``syncer.pt``: ``LEGACY_MAGIC``, the
+**Earlier formats.** A manifest of version 2 (every fragment's file in the checkpoint's
+own directory, named relative to it) is read as version 3 names it, and the next write
+names its files again. A single-file checkpoint (``syncer.pt``: ``LEGACY_MAGIC``, the
 SHA-256 of the payload, ``torch.save`` of the snapshot) is still read, whole, when no
-manifest of this format is valid; it is never written.
+manifest is valid. Neither is written.
 """
 
 from __future__ import annotations
@@ -80,7 +91,8 @@ import re
 import shutil
 import struct
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -101,6 +113,8 @@ __all__ = [
     "LEGACY_NAME",
     "LEGACY_MAGIC",
     "FORMAT_VERSION",
+    "Written",
+    "stored_fragments",
     "DEFAULT_KEEP",
 ]
 
@@ -112,7 +126,9 @@ LEGACY_NAME = "syncer.pt"
 """The single-file checkpoint of the earlier format (read, never written)."""
 LEGACY_MAGIC = b"DDCKPT1\n"
 FORMAT = "ddiloco-syncer-checkpoint"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+READ_VERSIONS = (2, 3)
+"""Manifest versions read: 2 (each checkpoint's files in its own directory) and 3."""
 DEFAULT_KEEP = 3
 """Checkpoints kept: the newest and the two before it."""
 TENSOR_FIELDS = ("theta", "momentum")
@@ -122,6 +138,8 @@ PIN_PREFIX = "refused-"
 """Damaged manifests set aside, with the fragment files they may name: ``refused-NAME-<SHA>``."""
 PINNED = "pinned.json"
 _FRAGMENT_FILE = re.compile(r"^fragment-\d+\.safetensors$")
+_FILE_PATH = re.compile(r"^(?!\.)[^/\\]+/fragment-\d+\.safetensors$")
+"""A fragment file as a manifest names it: ``syncer-000042/fragment-0003.safetensors``."""
 _PIECE = 64 << 20  # bytes hashed and written at a time
 _DTYPES = {
     torch.float32: "F32",
@@ -240,16 +258,39 @@ def _write_fragment(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[int, 
     return 8 + len(head) + off, h.hexdigest()
 
 
+@dataclass(frozen=True, slots=True)
+class Written:
+    """What ``save_atomic`` wrote."""
+
+    bytes: int
+    """Bytes written: the new fragment files and the manifest (twice: its copy)."""
+    fragments: list[dict | None]
+    """The manifest's entry of each fragment (None: no tensors), for ``reuse`` by the next
+    write: ``file`` (relative to the checkpoint directory), ``bytes``, ``sha256`` and the
+    number of ``theta`` and ``momentum`` tensors."""
+    written: list[int]
+    """The fragments whose files this write wrote (the others' entries were reused)."""
+
+
 def save_atomic(
-    snapshot: dict, path: str | os.PathLike, keep: int = DEFAULT_KEEP, *, release: bool = False
-) -> int:
+    snapshot: dict,
+    path: str | os.PathLike,
+    keep: int = DEFAULT_KEEP,
+    *,
+    release: bool = False,
+    reuse: Mapping[int, dict] | None = None,
+) -> Written:
     """Write ``snapshot`` as a checkpoint whose manifest is ``path`` (``dir/syncer.json``),
-    keeping the previous ``keep - 1`` as ``path.1``...; returns the bytes written.
+    keeping the previous ``keep - 1`` as ``path.1``...
 
     ``snapshot["state"]["theta"]`` and ``["momentum"]`` are lists (one per fragment) of
-    tensors; everything else in ``snapshot`` must be JSON (dict keys become strings). With
-    ``release`` the tensor lists are emptied fragment by fragment as each file is written,
-    so that a fragment merged meanwhile does not keep its old tensors alive until the end."""
+    tensors; everything else in ``snapshot`` must be JSON (dict keys become strings).
+    ``reuse`` maps a fragment p to the entry (``Written.fragments[p]``) of an earlier
+    checkpoint in this directory whose file holds exactly p's tensors of this snapshot (the
+    caller vouches for that): the new manifest names that file instead of writing p again,
+    if it is still there at its size (otherwise p is written). With ``release`` the tensor
+    lists are emptied fragment by fragment as each file is written (or reused), so that a
+    fragment merged meanwhile does not keep its old tensors alive until the end."""
     path = Path(path)
     directory = path.parent
     directory.mkdir(parents=True, exist_ok=True)
@@ -280,23 +321,34 @@ def save_atomic(
     writing = directory / f".{data.name}.tmp.{os.getpid()}"  # renamed to ``data`` once written
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
     total = 0
+    written = []
     try:
         writing.mkdir()
         entries: list[dict | None] = []
         for p in range(P):
             counts = {k: len(c[p]) for k, c in zip(TENSOR_FIELDS, columns)}
-            ts = {f"{k}.{j}": t for k, c in zip(TENSOR_FIELDS, columns) for j, t in enumerate(c[p])}
-            if not ts:
+            old = (reuse or {}).get(p)
+            if old is not None and _reusable(directory, old, counts):
+                entries.append(dict(old))
+            elif not any(counts.values()):
                 entries.append(None)
-                continue
-            name = f"fragment-{p:04d}.safetensors"
-            nbytes, digest = _write_fragment(writing / name, ts)
-            del ts
+            else:
+                ts = {
+                    f"{k}.{j}": t
+                    for k, c in zip(TENSOR_FIELDS, columns)
+                    for j, t in enumerate(c[p])
+                }
+                name = f"fragment-{p:04d}.safetensors"
+                nbytes, digest = _write_fragment(writing / name, ts)
+                del ts
+                total += nbytes
+                written.append(p)
+                entries.append(
+                    {"file": f"{data.name}/{name}", "bytes": nbytes, "sha256": digest, **counts}
+                )
             if release:
                 for c in columns:
                     c[p] = []
-            total += nbytes
-            entries.append({"file": name, "bytes": nbytes, "sha256": digest, **counts})
         clean["data"] = data.name
         clean["fragments"] = entries
         digest = hashlib.sha256(_canonical(clean)).hexdigest()
@@ -321,7 +373,19 @@ def save_atomic(
     os.replace(tmp, path)
     _fsync_dir(directory)
     _remove_unreferenced(directory, path.name, keep=keep)
-    return total
+    return Written(total, entries, written)
+
+
+def _reusable(directory: Path, entry: dict, counts: dict[str, int]) -> bool:
+    """Whether ``entry`` of an earlier checkpoint can be named again: a fragment file in a
+    fragment directory, there at its size, with the snapshot's tensor counts."""
+    file = entry.get("file")
+    if not isinstance(file, str) or not _FILE_PATH.match(file):
+        return False
+    if any(entry.get(k) != n for k, n in counts.items()):
+        return False
+    f = directory / file
+    return f.is_file() and f.stat().st_size == entry.get("bytes")
 
 
 def _manifests(directory: Path, name: str) -> list[tuple[int, Path]]:
@@ -356,8 +420,13 @@ def _entries(doc: dict) -> list[tuple[str, int]]:
     directory, bytes)."""
     data, out = doc.get("data"), []
     for e in doc.get("fragments") or []:
-        if isinstance(e, dict) and isinstance(e.get("file"), str) and isinstance(data, str):
-            out.append((f"{data}/{e['file']}", int(e.get("bytes", -1))))
+        if not isinstance(e, dict) or not isinstance(e.get("file"), str):
+            continue
+        if doc.get("version") == 2:  # the file in the checkpoint's own directory
+            if isinstance(data, str):
+                out.append((f"{data}/{e['file']}", int(e.get("bytes", -1))))
+        else:
+            out.append((e["file"], int(e.get("bytes", -1))))
     return out
 
 
@@ -550,8 +619,8 @@ class _Fragments:
     """The fragment files of one checkpoint: each verified (SHA-256) the first time one of
     its tensors is read; tensors read one at a time and checked finite."""
 
-    def __init__(self, manifest: Path, data: Path, entries: list[dict | None]) -> None:
-        self.manifest, self.data, self.entries = manifest, data, entries
+    def __init__(self, manifest: Path, entries: list[dict | None]) -> None:
+        self.manifest, self.entries = manifest, entries
         self._verified: set[int] = set()
 
     def tensors(self, p: int, kind: str) -> list[torch.Tensor]:
@@ -560,7 +629,7 @@ class _Fragments:
         e = self.entries[p]
         if e is None:
             return []
-        file = self.data / e["file"]
+        file = self.manifest.parent / e["file"]
         if p not in self._verified:
             try:
                 with open(file, "rb") as f:
@@ -593,17 +662,17 @@ class _Column(Sequence[list[torch.Tensor]]):
     fragment p's tensors of that kind from its file."""
 
     def __init__(self, fragments: _Fragments, kind: str) -> None:
-        self._fragments, self._kind = fragments, kind
+        self.fragments, self._kind = fragments, kind
 
     def __len__(self) -> int:
-        return len(self._fragments.entries)
+        return len(self.fragments.entries)
 
     def __getitem__(self, p):  # type: ignore[override]
         if isinstance(p, slice):
             return [self[i] for i in range(*p.indices(len(self)))]
         if not -len(self) <= p < len(self):
             raise IndexError(p)
-        return self._fragments.tensors(p % len(self), self._kind)
+        return self.fragments.tensors(p % len(self), self._kind)
 
     def __iter__(self) -> Iterator[list[torch.Tensor]]:
         return (self[p] for p in range(len(self)))
@@ -645,35 +714,50 @@ def load_checkpoint(path: str | os.PathLike, *, lazy: bool = False) -> dict:
         raise CheckpointError(
             f"{path} fails its SHA-256 checksum: the manifest was damaged after it was written"
         )
-    if doc.get("version") != FORMAT_VERSION:
+    if doc.get("version") not in READ_VERSIONS:
         raise CheckpointError(
             f"{path} is a checkpoint of format version {doc.get('version')}; this ddiloco "
-            f"reads version {FORMAT_VERSION} (and the single-file {LEGACY_NAME}): resume it "
-            f"with the ddiloco that wrote it"
+            f"reads versions {', '.join(map(str, READ_VERSIONS))} (and the single-file "
+            f"{LEGACY_NAME}): resume it with the ddiloco that wrote it"
         )
     try:
-        data, entries, snap = path.parent / doc["data"], doc["fragments"], doc["snapshot"]
+        entries, snap = doc["fragments"], doc["snapshot"]
         state = snap["state"]
         for e in entries:
-            if e is not None:
-                file = data / e["file"]
-                size = file.stat().st_size if file.is_file() else None
-                if size is None:
-                    raise CheckpointError(f"{path}: its fragment file {file} is missing")
-                if size != int(e["bytes"]):
-                    raise CheckpointError(
-                        f"{path}: its fragment file {file} has {size} bytes, the manifest "
-                        f"says {e['bytes']} (truncated or replaced)"
-                    )
+            if e is None:
+                continue
+            if doc["version"] == 2:  # its files in its own directory: named as version 3 does
+                e["file"] = f"{doc['data']}/{e['file']}"
+            if not isinstance(e["file"], str) or not _FILE_PATH.match(e["file"]):
+                raise CheckpointError(f"{path} names a fragment file {e['file']!r} out of place")
+            file = path.parent / e["file"]
+            size = file.stat().st_size if file.is_file() else None
+            if size is None:
+                raise CheckpointError(f"{path}: its fragment file {file} is missing")
+            if size != int(e["bytes"]):
+                raise CheckpointError(
+                    f"{path}: its fragment file {file} has {size} bytes, the manifest "
+                    f"says {e['bytes']} (truncated or replaced)"
+                )
     except (KeyError, TypeError) as e:
         raise CheckpointError(f"{path} lacks a field of the manifest format: {e}") from None
-    fragments = _Fragments(path, data, entries)
+    fragments = _Fragments(path, entries)
     for k in TENSOR_FIELDS:
         state[k] = _Column(fragments, k)
     if not lazy:
         for k in TENSOR_FIELDS:
             state[k] = list(state[k])
     return snap
+
+
+def stored_fragments(ck: dict) -> list[dict | None] | None:
+    """Where a checkpoint read by ``load_checkpoint`` holds each fragment: its manifest
+    entries (as ``Written.fragments``, for ``save_atomic(reuse=...)``), or None for a
+    checkpoint of the earlier single-file format."""
+    column = ck.get("state", {}).get("theta")
+    if isinstance(column, _Column):
+        return [None if e is None else dict(e) for e in column.fragments.entries]
+    return None
 
 
 def _nonfinite(obj: Any, where: str = "") -> str | None:

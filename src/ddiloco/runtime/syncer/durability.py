@@ -5,13 +5,21 @@ during a write; resume from a checkpoint.
 ``Durability`` owns the checkpoint thread, its condition, the merges waiting for a
 checkpoint and the count of merges since the last one. What a checkpoint holds is
 ``snapshot`` of the server's parts; ``Durability.load`` restores the state (through the
-server's ``setup``) and the publication, and returns the rest (``Resumed``)."""
+server's ``setup``) and the publication, and returns the rest (``Resumed``).
+
+A checkpoint writes only the fragments merged since the one before (the merged fragment's
+Theta and momentum, about 8N / P bytes, and the manifest with the small shared state) and
+names the others' files from earlier checkpoints. Which fragments those are needs no
+bookkeeping of merges: the state never writes a tensor in place (a merge swaps new ones
+in), so a fragment whose state still holds the very tensors the newest checkpoint wrote
+or resumed from (held by weak references) has not changed."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable, MutableMapping
 from dataclasses import asdict, dataclass
@@ -27,6 +35,7 @@ from ddiloco.runtime.syncer.checkpoint import (
     load_newest_valid,
     recovery_copies,
     save_atomic,
+    stored_fragments,
 )
 from ddiloco.runtime.syncer.common import LearnerInfo
 from ddiloco.runtime.syncer.publication import Publication
@@ -132,6 +141,11 @@ class Durability:
         self.unpublished: dict[int, Merged] = {}
         """p -> merged version waiting for a checkpoint holding it (``durable``)."""
         self.thread: threading.Thread | None = None
+        self._stored: dict[int, tuple[tuple[weakref.ref, ...], dict]] = {}
+        """p -> the tensors (weak references) that the newest checkpoint holds for fragment
+        p, and its manifest entry: while the state still holds those very tensors, p has
+        not merged since (the state never writes a tensor in place: a merge swaps new ones
+        in), and the next checkpoint names that file again instead of writing it."""
 
     @property
     def durable(self) -> bool:
@@ -161,18 +175,33 @@ class Durability:
         self.cv.notify_all()
 
     def write(self, snap: dict) -> None:
+        """Write ``snap`` (``snapshot``) as the newest checkpoint: the files of the fragments
+        whose tensors changed since the newest checkpoint, and a manifest that names the
+        others' files from earlier checkpoints (``save_atomic(reuse=...)``)."""
         t0 = time.monotonic()
-        n = save_atomic(  # releases each fragment's tensors once they are on disk
+        state = snap["state"]
+        tensors = [[*th, *mo] for th, mo in zip(state["theta"], state["momentum"])]
+        reuse = {
+            p: entry
+            for p, (refs, entry) in self._stored.items()
+            if p < len(tensors) and _same(refs, tensors[p])
+        }
+        refs = [tuple(weakref.ref(t) for t in ts) for ts in tensors]
+        del tensors
+        w = save_atomic(  # releases each fragment's tensors once they are on disk
             snap,
             Path(self.checkpoint_dir or ".") / CHECKPOINT_NAME,
             keep=self.checkpoint_keep,
             release=True,
+            reuse=reuse,
         )
-        self.counters["checkpoints"] += 1
-        self.counters["checkpoint_bytes"] = n
-        self.counters["checkpoint_s_total"] = self.counters.get("checkpoint_s_total", 0) + (
-            time.monotonic() - t0
-        )
+        self._stored = {p: (refs[p], e) for p, e in enumerate(w.fragments) if e is not None}
+        c = self.counters
+        c["checkpoints"] += 1
+        c["checkpoint_bytes"] = w.bytes
+        c["checkpoint_bytes_total"] = c.get("checkpoint_bytes_total", 0) + w.bytes
+        c["checkpoint_fragment_files"] = c.get("checkpoint_fragment_files", 0) + len(w.written)
+        c["checkpoint_s_total"] = c.get("checkpoint_s_total", 0) + (time.monotonic() - t0)
 
     def _loop(self) -> None:
         if not self.checkpoint_dir:
@@ -215,6 +244,12 @@ class Durability:
             state = setup(ck["spec"])
             state.load_state_dict(ck["state"])
             got.append(state)
+            stored = stored_fragments(ck) or []
+            self._stored = {  # the resumed tensors are on disk: the next write names them
+                p: (tuple(weakref.ref(t) for t in [*f.theta, *f.momentum]), e)
+                for p, (f, e) in enumerate(zip(state.frags, stored))
+                if e is not None
+            }
             return ck
 
         try:
@@ -258,6 +293,12 @@ class Durability:
             run_started_wall=acc.get("run_started_wall"),
             learners=learners,
         )
+
+
+def _same(refs: tuple[weakref.ref, ...], tensors: list[Any]) -> bool:
+    """Whether ``tensors`` are the very tensors ``refs`` refer to (a freed one's reference
+    is dead, so a tensor allocated in its place never matches)."""
+    return len(refs) == len(tensors) and all(r() is t for r, t in zip(refs, tensors))
 
 
 def _where_the_data_is(manifest: Path) -> str:
