@@ -1,20 +1,34 @@
 """The learner's connection to a syncer: ``SyncerClient`` (gRPC control plane, data-port
 pushes and fetches, retries), ``LinkLimits`` (emulated bandwidth and latency), ``LINK_CUT``
-(the process's emulated link cut) and ``SyncerError`` (a call the syncer rejected for good).
+(the process's emulated link cut), ``SyncerError`` (a failure talking to the syncer) and
+``TransportError`` (one in transport).
 
 Every failure of a call reaches the caller as a ``grpc.RpcError`` with a status code (the
-data port's ``BulkError`` is one), never as another exception: grpc raises ``ValueError``
-for a call started on a closed channel, which ``SyncerClient`` turns into a new channel
-and the call made again (a channel closed under a call, e.g. by another thread) or, once
-the client itself is closed, into ``ChannelClosedError`` (CANCELLED). The learner's threads
-retry the codes in ``RETRYABLE`` and report the others."""
+data port's ``BulkError`` is one, and so is every ``TransportError``), never as another
+exception:
+
+- grpc raises ``ValueError`` for a call started on a closed channel: ``SyncerClient``
+  opens a new channel and makes the call again on it (a channel closed under a call, e.g.
+  by another thread's reconnect) or, once the client itself is closed, raises
+  ``ChannelClosedError`` (CANCELLED); a call in flight when its channel closes fails as
+  CANCELLED (grpc's own error);
+- anything else that goes wrong in a call (a reply that cannot be read: a malformed frame,
+  a missing field, a payload of the wrong size; a socket error the data port did not
+  expect; grpc refusing a call for another reason) is a ``TransportError`` with code
+  INTERNAL and ``E_TRANSPORT`` in its details.
+
+``TransportError`` is a ``SyncerError`` too. The learner's threads retry the codes in
+``RETRYABLE`` (every transport failure among them) and report the others; no failure of a
+call ends a learner thread."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -34,6 +48,7 @@ __all__ = [
     "ChannelClosedError",
     "SyncerClient",
     "SyncerError",
+    "TransportError",
     "RETRYABLE",
     "rpc_code",
     "rpc_details",
@@ -69,7 +84,24 @@ def finite_only(obj: Any) -> Any:
 
 
 class SyncerError(RuntimeError):
-    """A call the syncer rejected for good (bad token, mismatched model...)."""
+    """A failure talking to the syncer, as a typed result: a call it rejected for good (bad
+    token, mismatched model...), which the learner reports, or a ``TransportError``."""
+
+
+class TransportError(SyncerError, grpc.RpcError):
+    """A call that failed in transport, with a gRPC status code (``code()``,
+    ``details()``) like the syncer's own errors: the learner's threads retry it when the
+    code is in ``RETRYABLE`` (every code this module gives is) and report it otherwise."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
 
 
 @dataclass(kw_only=True, slots=True)
@@ -86,18 +118,11 @@ class LinkLimits:
         return self.latency_s + bw
 
 
-class LinkCutError(grpc.RpcError):
+class LinkCutError(TransportError):
     """A call made while the link is cut: it fails as UNAVAILABLE without sending a byte."""
 
     def __init__(self, address: str) -> None:
-        super().__init__(f"link to {address} cut")
-        self._details = f"link to {address} cut (chaos)"
-
-    def code(self) -> grpc.StatusCode:
-        return grpc.StatusCode.UNAVAILABLE
-
-    def details(self) -> str:
-        return self._details
+        super().__init__(grpc.StatusCode.UNAVAILABLE, f"link to {address} cut (chaos)")
 
 
 class LinkCut:
@@ -129,28 +154,37 @@ LINK_CUT = LinkCut()
 T = TypeVar("T")
 
 
-class ChannelClosedError(grpc.RpcError):
+class ChannelClosedError(TransportError):
     """A call on a closed gRPC channel (grpc raises ``ValueError`` for it, before anything
     is sent), as a typed failure: CANCELLED once the ``SyncerClient`` itself is closed,
     UNAVAILABLE when the channel opened in place of a closed one was closed too."""
 
     def __init__(self, address: str, client_closed: bool) -> None:
         why = "the client is closed" if client_closed else "the channel was closed under the call"
-        super().__init__(f"channel to {address} closed")
-        self._code = grpc.StatusCode.CANCELLED if client_closed else grpc.StatusCode.UNAVAILABLE
-        self._details = f"E_CLOSED: call to {address} on a closed channel ({why})"
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
+        super().__init__(
+            grpc.StatusCode.CANCELLED if client_closed else grpc.StatusCode.UNAVAILABLE,
+            f"E_CLOSED: call to {address} on a closed channel ({why})",
+        )
 
 
 def _closed_channel(e: ValueError) -> bool:
     """Whether grpc raised ``e`` for a call started on a closed channel."""
     msg = str(e).lower()
-    return "invoke rpc" in msg and "closed" in msg
+    return "closed" in msg and ("rpc" in msg or "channel" in msg)
+
+
+_TRANSPORT_FAILURES = (
+    ValueError,  # a malformed frame or JSON; grpc refusing a call
+    KeyError,  # a reply without a field it must have
+    TypeError,
+    IndexError,
+    struct.error,
+    OSError,
+    EOFError,
+    RuntimeError,  # torch refusing a payload of the wrong size
+)
+"""What reading a call's reply or making the call can raise besides ``grpc.RpcError``
+(a bug in this code, e.g. ``AttributeError``, is not among them, and still raises)."""
 
 
 class SyncerClient:
@@ -214,6 +248,21 @@ class SyncerClient:
                             self.address,
                         )
         raise AssertionError("unreachable")
+
+    @contextlib.contextmanager
+    def _typed(self, name: str) -> Iterator[None]:
+        """Every failure of call ``name`` inside as a typed one: a ``grpc.RpcError`` or
+        ``SyncerError`` as it is, anything else that the transport or the reading of the
+        reply raises (``_TRANSPORT_FAILURES``) as a ``TransportError`` (INTERNAL)."""
+        try:
+            yield
+        except (grpc.RpcError, SyncerError):
+            raise
+        except _TRANSPORT_FAILURES as e:
+            raise TransportError(
+                grpc.StatusCode.INTERNAL,
+                f"E_TRANSPORT: {name} to {self.address} failed: {type(e).__name__}: {e}",
+            ) from e
 
     def close(self) -> None:
         with self._channel_lock:
@@ -288,6 +337,10 @@ class SyncerClient:
     def unary(
         self, name: str, header: dict, timeout_s: float = 10.0, control: bool = False
     ) -> dict:
+        with self._typed(name):
+            return self._unary(name, header, timeout_s, control)
+
+    def _unary(self, name: str, header: dict, timeout_s: float, control: bool) -> dict:
         LINK_CUT.check(self.address)
         if name in _SIGNED:
             if name == "Heartbeat":
@@ -313,14 +366,15 @@ class SyncerClient:
 
     def stream(self, name: str, frames, timeout_s: float = 60.0) -> dict:
         LINK_CUT.check(self.address)
-        # a call refused by a closed channel has not taken a frame from ``frames``
-        resp = self._invoke(
-            False,
-            lambda ch: ch.stream_unary(wire.method(name))(
-                frames, timeout=timeout_s, metadata=self._md
-            ),
-        )
-        return wire.unpack(resp)[0]
+        with self._typed(name):
+            # a call refused by a closed channel has not taken a frame from ``frames``
+            resp = self._invoke(
+                False,
+                lambda ch: ch.stream_unary(wire.method(name))(
+                    frames, timeout=timeout_s, metadata=self._md
+                ),
+            )
+            return wire.unpack(resp)[0]
 
     def _data_request(
         self, header: dict, payload: list, timeout_s: float, fetch: bool = False
@@ -349,11 +403,12 @@ class SyncerClient:
     def push(self, header: dict, data: bytes | memoryview, timeout_s: float = 60.0) -> dict:
         """Push one fragment (``header`` as the Push call's); returns the syncer's reply."""
         LINK_CUT.check(self.address)
-        header = self.sign(header)
-        r = self._data_request({"op": "push", **header}, [data], timeout_s)
-        if r is not None:
-            return r[0]
-        return self.stream("Push", wire.chunks(header, data), timeout_s)
+        with self._typed("Push"):
+            header = self.sign(header)
+            r = self._data_request({"op": "push", **header}, [data], timeout_s)
+            if r is not None:
+                return r[0]
+            return self.stream("Push", wire.chunks(header, data), timeout_s)
 
     def fetch(
         self,
@@ -370,7 +425,7 @@ class SyncerClient:
         evaluation of the global model, not a learner's install). ``slices``: only these
         ``[fragment, j, offset, numel]`` runs (a rank of a sharded island), one flat tensor
         per run, in the order given."""
-        with self._fetch_lock:
+        with self._fetch_lock, self._typed("Fetch"):
             return self._fetch(fragments, timeout_s, learner, exact, slices)
 
     def _fetch(

@@ -21,7 +21,7 @@ import torch
 from ddiloco.algorithm.codecs import Codec
 from ddiloco.algorithm.learner_state import Outgoing
 from ddiloco.algorithm.payload import encode_push
-from ddiloco.runtime.learner.client import RETRYABLE, rpc_code, rpc_details
+from ddiloco.runtime.learner.client import RETRYABLE, TransportError, rpc_code, rpc_details
 from ddiloco.runtime.learner.context import LearnerContext
 from ddiloco.runtime.learner.inbox import Inbox, PushResult, Received
 from ddiloco.runtime.learner.sharded import SendQueues, ShardedClient
@@ -29,6 +29,15 @@ from ddiloco.runtime.learner.sharded import SendQueues, ShardedClient
 __all__ = ["DeltaBases", "Links"]
 
 log = logging.getLogger("ddiloco.learner")
+
+_QUIET = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.FAILED_PRECONDITION,
+}
+"""Failures of the receiver's calls that are the syncer being away or restarted: retried
+without a word (the heartbeat thread says when the syncer is unreachable)."""
 
 Fetched = dict[int, tuple[int, list[torch.Tensor], int]]
 """p -> (version, the fragment's tensors, wire bytes)."""
@@ -233,6 +242,11 @@ class Links:
                     if d > 0:
                         time.sleep(d)
                     r = client.push(header, data, timeout_s=30.0 + len(data) / 1e6)
+                    if not isinstance(r.get("status"), str):
+                        raise TransportError(
+                            grpc.StatusCode.INTERNAL,
+                            f"E_TRANSPORT: a push reply without status: {r}",
+                        )
                     ok = r["status"] == "accepted"
                     stats.pushed(len(data), ok)
                     if ok:
@@ -306,7 +320,12 @@ class Links:
                     },
                     timeout_s=5.0 + ctx.watch_s,
                 )
-                versions = r["versions"]
+                versions = r.get("versions")
+                if not isinstance(versions, list) or len(versions) != len(got):
+                    raise TransportError(
+                        grpc.StatusCode.INTERNAL,
+                        f"E_TRANSPORT: a Watch reply without the {len(got)} fragments' versions",
+                    )
                 with ctx.lock:
                     self.inbox.merged_seq = {int(k): v for k, v in r.get("merged_seq", {}).items()}
                     need = [
@@ -342,6 +361,14 @@ class Links:
             except grpc.RpcError as e:
                 if ctx.closed.is_set():
                     return
+                if rpc_code(e) not in _QUIET:  # a reply that could not be read, say
+                    log.warning(
+                        "[learner %d step %d] watch or fetch failed (%s: %s); retrying",
+                        ctx.learner,
+                        ctx.sync.step,
+                        rpc_code(e).name,
+                        rpc_details(e),
+                    )
                 if rpc_code(e) == grpc.StatusCode.FAILED_PRECONDITION and ctx.is_root:
                     ctx.joined.clear()
                 time.sleep(backoff)

@@ -16,7 +16,13 @@ from collections.abc import Callable
 import grpc
 import torch
 
-from ddiloco.runtime.learner.client import RETRYABLE, SyncerError, rpc_code, rpc_details
+from ddiloco.runtime.learner.client import (
+    RETRYABLE,
+    SyncerError,
+    TransportError,
+    rpc_code,
+    rpc_details,
+)
 from ddiloco.runtime.learner.context import LearnerContext
 from ddiloco.runtime.learner.inbox import ClockHeard, Inbox, SyncerRestarted
 from ddiloco.runtime.learner.links import DeltaBases
@@ -84,6 +90,10 @@ class Session:
             "process": ctx.process_id,
         }
         r = self._client().unary("Join", h, timeout_s=10.0, control=True)
+        if not r.get("need_init") and not all(k in r for k in ("incarnation", "boot_id")):
+            raise TransportError(
+                grpc.StatusCode.INTERNAL, "E_TRANSPORT: a Join reply without incarnation or boot id"
+            )
         if not r.get("need_init") and isinstance(r.get("learner"), int):
             ctx.learner = r["learner"]  # assigned by the syncer when we asked for none
         return r

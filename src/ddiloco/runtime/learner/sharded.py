@@ -26,7 +26,7 @@ import queue
 
 import grpc
 
-from ddiloco.runtime.learner.client import SyncerClient, rpc_code
+from ddiloco.runtime.learner.client import ChannelClosedError, SyncerClient, SyncerError, rpc_code
 from ddiloco.runtime.transport.shards import ShardMap, aggregate_status
 
 __all__ = ["ShardedClient", "SendQueues"]
@@ -76,8 +76,11 @@ class ShardedClient:
 
     def _use_map(self, smap: ShardMap, primary_index: int | None) -> None:
         if self.map is not None:
-            if smap != self.map:
-                raise ValueError(f"shard map changed: {self.map.addresses} -> {smap.addresses}")
+            if smap != self.map:  # reported: the learner cannot follow its fragments
+                raise SyncerError(
+                    f"shard map changed: {self.map.addresses} -> {smap.addresses} (restart "
+                    f"the learners with the syncers' new addresses)"
+                )
             return
         self.map = smap
         token, tls_ca, tls = self._args
@@ -102,6 +105,15 @@ class ShardedClient:
             self.primary.close()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _submit(self, fn, *args) -> cf.Future:
+        """``fn(*args)`` on the shards' pool; a call after ``close`` (the pool shut down
+        under a learner thread) fails as the closed client it is (``ChannelClosedError``)."""
+        assert self._pool is not None
+        try:
+            return self._pool.submit(fn, *args)
+        except RuntimeError:
+            raise ChannelClosedError(self.address, client_closed=True) from None
 
     # -- calls ------------------------------------------------------------------------------
     def unary(
@@ -173,7 +185,7 @@ class ShardedClient:
                 self._partial = replies
                 return r  # the learner uploads its model to every shard, then joins again
             if r.get("redirect"):
-                raise ValueError(
+                raise SyncerError(
                     f"shard {k} of {self.map.addresses} redirected an id-less "
                     f"join: shard 0 must answer first"
                 )
@@ -205,7 +217,7 @@ class ShardedClient:
         """``name`` on every shard at once: shard 0's reply with the boot id, stop flag and
         rejoin request of all that answered. Raises only when none answered."""
         futs = {
-            k: self._pool.submit(c.unary, name, self._hdr(k, header), timeout_s, control)
+            k: self._submit(c.unary, name, self._hdr(k, header), timeout_s, control)
             for k, c in enumerate(self.clients)
         }
         replies, errors = {}, {}
@@ -238,7 +250,7 @@ class ShardedClient:
                 "cursor": None if fresh else self._versions[k],
                 "merged_seq": {} if fresh else self._merged[k],
             }
-            futs[self._pool.submit(c.unary, "Watch", h, timeout_s)] = k
+            futs[self._submit(c.unary, "Watch", h, timeout_s)] = k
         got, errors = 0, []
         pending = set(futs)
         while pending and not got:  # until one shard answers (a dead one answers at once)
@@ -301,7 +313,7 @@ class ShardedClient:
         for r in slices or ():
             runs.setdefault(self.shard_of(r[0]), []).append(r)
         futs = {
-            k: self._pool.submit(
+            k: self._submit(
                 self.clients[k].fetch,
                 want,
                 timeout_s,
