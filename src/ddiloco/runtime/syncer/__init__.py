@@ -1,3 +1,3 @@
-"""The syncer service: ``server`` (``SyncerServer``, assembled from ``control``, ``data``
-and ``durability`` around one ``SyncerState``, owning ``liveness``) and ``checkpoint`` (atomic,
-checkpoint files)."""
+"""The syncer service: ``server`` (``SyncerServer``, one ``SyncerState`` and the parts it
+owns: ``control``, ``initial``, ``data``, ``publication``, ``durability``, ``liveness``),
+its settings (``run_config``) and ``checkpoint`` (atomic checkpoint files)."""

@@ -1,40 +1,47 @@
-"""The syncer's gRPC control calls: Join, Init, Watch, Heartbeat, Leave and Status."""
+"""The control plane: who the learners are, the run's clock and step budget, its status.
+
+``Control`` owns the learner table (``LearnerInfo`` per id: incarnation, session key,
+heartbeats, last report), the incarnations handed out, each learner's latest total of
+steps and the global step budget, the membership log, the run's span on the wall clock
+(first Join to the last live learner's Leave) and the slot clock with its epoch. It
+answers the gRPC calls Join, Watch, Heartbeat, Leave and Status; it checks, for itself and
+for ``Data``, that a call comes from a live learner's current session; it declares a
+silent learner dead (for ``Liveness``). It reads the model (the state machine, its spec
+and fingerprint) and the publication, and acts on the rest of the server, through what
+the server gives it. Every call into it holds the server's lock, unless it says
+otherwise."""
 
 from __future__ import annotations
 
 import logging
-import math
+import threading
 import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
 
 import grpc
-import numpy as np
-import torch
 
-from ddiloco.algorithm.merge import all_finite
-from ddiloco.algorithm.schedule import measured_slot_s, next_clock
-from ddiloco.algorithm.slices import InitUpload, Piece, PieceError
-from ddiloco.algorithm.syncer_state import vars_of
+from ddiloco.algorithm.schedule import SlotClock, measured_slot_s, next_clock
+from ddiloco.algorithm.syncer_state import SyncerState, vars_of
 from ddiloco.runtime.observe.accounting import fold, goodput_of
-from ddiloco.runtime.syncer.common import LearnerInfo, Reject, handler
-from ddiloco.runtime.syncer.membership import assign_learner_id
+from ddiloco.runtime.syncer.common import LearnerInfo, Reject, handler, unpack_frame, validate
+from ddiloco.runtime.syncer.durability import Resumed
+from ddiloco.runtime.syncer.membership import MembershipLog, assign_learner_id
+from ddiloco.runtime.syncer.publication import Publication
+from ddiloco.runtime.syncer.run_config import SyncerServerConfig
 from ddiloco.runtime.transport import session, wire
 from ddiloco.runtime.transport.schema import (
     HeartbeatRequest,
-    InitHeader,
     JoinRequest,
     LeaveRequest,
     Report,
     WatchRequest,
 )
-from ddiloco.runtime.transport.spec import (
-    check_spec,
-    fragmentation_from_spec,
-    spec_diff,
-    spec_fingerprint,
-)
+from ddiloco.runtime.transport.spec import check_spec, spec_diff
 from ddiloco.runtime.transport.wire import ErrorCode as E
 
-__all__ = ["ControlHandlers"]
+__all__ = ["Control"]
 
 log = logging.getLogger("ddiloco.syncer")
 
@@ -42,21 +49,87 @@ CLOCK_LEAD_S = 1.0
 """A new slot length applies this long after the syncer announces it (several heartbeats)."""
 CLOCK_MIN_INTERVAL_S = 2.0
 """Re-timings of the slot clock are at least this far apart."""
-MAX_UPLOADS = 4
-"""Sharded islands' initial models being put together at once (each the model's size)."""
 
 
-class ControlHandlers:
-    """The control-plane handlers of ``SyncerServer`` (a mixin)."""
+class Control:
+    """The control plane of ``SyncerServer``: the learners, the run's clock and budget."""
 
+    _parse = staticmethod(unpack_frame)
+    _validate = staticmethod(validate)
+
+    def __init__(
+        self,
+        lock: threading.Lock,
+        config: SyncerServerConfig,
+        publication: Publication,
+        *,
+        boot_id: str,
+        started_s: float,
+        state: Callable[[], SyncerState | None],
+        require_ready: Callable[[], SyncerState],
+        spec: Callable[[], dict | None],
+        fingerprint: Callable[[], str],
+        bulk_port: Callable[[], int | None],
+        closed: Callable[[], bool],
+        depart: Callable[[int, float], None],
+        counters: Callable[[], dict],
+        rejections: Counter,
+        event: Callable[..., None],
+        auth: Callable[[Any], None],
+        fail: Callable[[Any, Reject, str], None],
+        bulk_slots: threading.BoundedSemaphore,
+    ) -> None:
+        """``lock``: the server's. ``config``: the server's settings. ``publication``: the
+        versions and merge sequence numbers replies carry, and the condition ``Watch``
+        waits on. ``boot_id``/``started_s``: this syncer process's id and start
+        (monotonic). ``state()``: the state machine, None before the model is set up;
+        ``require_ready()``: the same, or a ``Reject``; ``spec()``/``fingerprint()``: the
+        model's spec and its fingerprint. ``bulk_port()``: the data port learners are told
+        (None: off, or not bound yet). ``closed()``: whether the server is shutting down.
+        ``depart(m, now_s)``: learner m leaves the state machine (the server takes the
+        merges that its leaving completes, and forgets m's downlink copies).
+        ``counters()``/``rejections``: the server's counters as a status shows them, and
+        its counted rejections. ``event``: metrics. ``auth``/``fail``/``bulk_slots``: the
+        gRPC handlers' token check, their abort and the bulk call slots
+        (``common.handler``)."""
+        self._lock = lock
+        self.config = config
+        self.publication = publication
+        self.boot_id, self.started_s = boot_id, started_s
+        self._state, self._require_ready = state, require_ready
+        self._spec, self._fingerprint = spec, fingerprint
+        self._bulk_port, self._closed, self._depart = bulk_port, closed, depart
+        self._counters, self._rejections, self._event = counters, rejections, event
+        self._auth, self._fail, self._bulk_slots = auth, fail, bulk_slots
+        self.learners: dict[int, LearnerInfo] = {}
+        """Every learner id heard of: incarnation, session, heartbeats, last report."""
+        self.incarnations: dict[int, int] = {}
+        """learner -> its latest incarnation (every id handed out or seen)."""
+        self.steps_done: dict[int, int] = {}
+        """learner -> its latest reported total of inner steps (over its restarts)."""
+        self.members = MembershipLog(started_s)
+        self.run_started_wall: float | None = None
+        """Unix time of the first Join: the run's chip-time counts from there."""
+        self.run_ended_wall: float | None = None
+        """Unix time the last live learner left (None while one is live)."""
+        self.clock: SlotClock | None = None
+        """The run's slot clock (time-driven schedule), announced on Join and Heartbeat."""
+        self.epoch_s: float | None = None
+        """Unix time the run's clock started (the model's initialisation)."""
+        self.budget_spent = False
+        """The learners' reported steps reached ``config.step_budget``: they are told to
+        finish."""
+
+    # -- the gRPC calls -------------------------------------------------------------------
     @handler("join")
-    def _join(self, req: bytes, ctx: grpc.ServicerContext) -> bytes:
+    def join(self, req: bytes, ctx: grpc.ServicerContext) -> bytes:
         raw = self._parse(req)[0]
         h = self._validate(JoinRequest, raw, "join")
         # no id (None or -1): the syncer assigns one (elastic membership)
         req_id, inc = (-1 if h.learner is None else h.learner), h.incarnation
         with self._lock:
-            if self.state is None:
+            st = self._state()
+            if st is None:
                 return wire.pack(
                     {"need_init": True, "boot_id": self.boot_id, "shards": self.shard_map}
                 )
@@ -70,28 +143,29 @@ class ControlHandlers:
                         "shards": self.shard_map,
                     }
                 )
-            m = assign_learner_id(req_id, self._incarnations)
-            if h.fingerprint not in (None, self._fp):
-                what = ""
-                if h.spec is not None:
+            m = assign_learner_id(req_id, self.incarnations)
+            fp = self._fingerprint()
+            if h.fingerprint not in (None, fp):
+                what, ours = "", self._spec()
+                if h.spec is not None and ours is not None:  # ours is set with the model
                     try:
                         check_spec(h.spec)
-                        what = spec_diff(self.spec, h.spec)
+                        what = spec_diff(ours, h.spec)
                     except (ValueError, TypeError):  # a malformed spec: the fingerprint says it
                         pass
                 raise Reject(
                     grpc.StatusCode.FAILED_PRECONDITION,
                     E.SPEC,
                     f"model/fragmentation spec {h.fingerprint} differs from the "
-                    f"syncer's {self._fp}{': ' + what if what else ''}; every learner "
+                    f"syncer's {fp}{': ' + what if what else ''}; every learner "
                     f"must pass the same model (names, shapes, dtypes), P and strategy",
                 )
             now = time.monotonic()
-            info = self._learners.get(m)
+            info = self.learners.get(m)
             if (
                 info is not None
                 and info.state == "live"
-                and m in self.state.live
+                and m in st.live
                 and now - info.last_hb_s <= self.config.heartbeat_timeout_s
                 and not (info.session_key and session.verify(info.session_key, raw))
             ):
@@ -105,20 +179,21 @@ class ControlHandlers:
                     f"stopped (it is declared dead "
                     f"{self.config.heartbeat_timeout_s:g} s after its last heartbeat)",
                 )
-            if inc < 0 or inc != self._incarnations.get(m):
-                inc = self._incarnations.get(m, 0) + 1
-                self._incarnations[m] = inc
-            info = self._learners.setdefault(m, LearnerInfo())
+            if inc < 0 or inc != self.incarnations.get(m):
+                inc = self.incarnations.get(m, 0) + 1
+                self.incarnations[m] = inc
+            info = self.learners.setdefault(m, LearnerInfo())
             info.incarnation, info.last_hb_s, info.state = inc, now, "live"
             info.joins += 1
             self._note_process(info, h.process)
             if self.run_started_wall is None:
                 self.run_started_wall = time.time()
             self.run_ended_wall = None
-            info.session_key, info.hb = session.new_session_key(), -1
+            key = info.session_key = session.new_session_key()
+            info.hb = -1
             info.host, info.pid = h.host, h.pid
-            self.state.join(m)
-            self.members.note("join", m, inc, len(self.state.live))
+            st.join(m)
+            self.members.note("join", m, inc, len(st.live))
             self._event(
                 "join",
                 learner=m,
@@ -126,14 +201,14 @@ class ControlHandlers:
                 host=h.host,
                 pid=h.pid,
                 assigned=req_id < 0,
-                live=len(self.state.live),
+                live=len(st.live),
             )
             log.info(
                 "[learner %d] joined (incarnation %d%s), %d live",
                 m,
                 inc,
                 ", id assigned" if req_id < 0 else "",
-                len(self.state.live),
+                len(st.live),
             )
             return wire.pack(
                 {
@@ -143,154 +218,32 @@ class ControlHandlers:
                     "learner": m,
                     "shards": self.shard_map,
                     "versions": self.publication.versions(),
-                    "spec": self.spec,
-                    "fingerprint": self._fp,
+                    "spec": self._spec(),
+                    "fingerprint": fp,
                     "downlink_codec": self.config.downlink_codec,
                     "history": self.config.syncer.history,
                     "merged_seq": self.publication.merged_seq_pub.get(m, {}),
                     "step_budget": self.config.step_budget,
                     "stop": self.budget_spent,
-                    "bulk_port": self.bulk_port,
+                    "bulk_port": self._bulk_port(),
                     "bulk_host": self.config.data_host,
-                    "session": info.session_key.hex(),
+                    "session": key.hex(),
                     # this learner's steps over its earlier processes (its latest report)
-                    "steps_done": self._steps_done.get(m, 0),
+                    "steps_done": self.steps_done.get(m, 0),
                     "clock": self.clock.to_dict() if self.clock else None,
                 }
             )
 
-    @handler("init", bulk=True)
-    def _init(self, it, ctx: grpc.ServicerContext) -> bytes:
-        first = next(it, None)
-        if first is None:
-            raise Reject(grpc.StatusCode.INVALID_ARGUMENT, E.BAD_FRAME, "empty Init stream")
-        raw, payload = self._parse(first)
-        h = self._validate(InitHeader, raw, "init")
-        spec = h.spec
-        try:
-            check_spec(spec)
-            frag = fragmentation_from_spec(spec)
-        except (ValueError, TypeError) as e:
-            raise Reject(grpc.StatusCode.INVALID_ARGUMENT, E.SPEC, str(e)) from None
-        numels = [math.prod(s) for s in spec["shapes"]]
-        expected = 4 * sum(numels)
-        if expected > self.config.max_push_bytes * max(1, frag.P):
-            raise Reject(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                E.OVERSIZE,
-                f"initial model of {expected} bytes exceeds the limit",
-            )
-        if h.pieces is not None:  # one rank of a sharded island: its runs of the tensors
-            pieces = [Piece(*r) for r in h.pieces]
-            part = self.data.read_stream(payload, it, 4 * sum(pc.numel for pc in pieces))
-            got = self._add_upload(h.upload or "", spec, numels, pieces, part)
-            if got is None:
-                return wire.pack({"accepted": False, "partial": True, "fingerprint": self._fp})
-            buf = got
-            params, copy = {}, True
-            off = 0
-            for n, s, k in zip(spec["names"], spec["shapes"], numels):
-                # views of the uploads' buffer: the state copies them one tensor at a time
-                params[n] = torch.frombuffer(buf, dtype=torch.float32, count=k, offset=off)
-                params[n] = params[n].view(s)
-                off += 4 * k
-        else:
-            # each tensor read into its own memory as its bytes arrive, no buffer of the
-            # whole model beside them: the state takes them as they are; a shard keeps the
-            # tensors of its own fragments and reads the others through one at a time
-            mine = {n for p, f in enumerate(frag.fragments) if self._owns(p) for n in f.names}
-            keep = [n in mine for n in spec["names"]]
-            tensors = self._read_tensors(payload, it, numels, keep)
-            params = {
-                n: t.view(s)
-                for n, s, t in zip(spec["names"], spec["shapes"], tensors)
-                if t is not None
-            }
-            del tensors
-            copy = False
-        if not all(all_finite(t) for t in params.values()):
-            raise Reject(
-                grpc.StatusCode.INVALID_ARGUMENT, E.NONFINITE, "initial model has NaN/inf values"
-            )
-        with self._lock:
-            if self.state is not None:
-                return wire.pack({"accepted": False, "fingerprint": self._fp})
-            self._setup(spec, params, copy=copy)
-            del params  # a shard drops the tensors of the fragments it does not own
-            for p in range(frag.P):
-                self.publication.publish(p, 0, self.state.frags[p].theta)
-            log.info(
-                "initialised by learner %s: %d tensors, P=%d, %d bytes",
-                h.learner,
-                len(numels),
-                frag.P,
-                expected,
-            )
-            self._event("init", learner=h.learner, nbytes=expected)
-            return wire.pack({"accepted": True, "fingerprint": self._fp})
-
-    def _add_upload(
-        self, upload: str, spec: dict, numels: list[int], pieces: list[Piece], data: bytearray
-    ) -> bytearray | None:
-        """Add a sharded island's rank's runs to its upload ``upload`` (the island's id):
-        the whole model's buffer once the island's uploads tile it, else None. At most
-        ``MAX_UPLOADS`` are kept (the oldest goes), none once the model is set up."""
-        key = f"{upload}/{spec_fingerprint(spec)}"
-        with self._lock:
-            if self.state is not None:
-                self._uploads.clear()
-                return None
-            up = self._uploads.get(key)
-            if up is None:
-                while len(self._uploads) >= MAX_UPLOADS:
-                    del self._uploads[next(iter(self._uploads))]
-                up = self._uploads[key] = InitUpload(numels)
-            try:
-                up.add(pieces, memoryview(data))
-            except PieceError as e:
-                raise Reject(grpc.StatusCode.INVALID_ARGUMENT, E.SHAPE, str(e)) from None
-            if not up.complete:
-                return None
-            del self._uploads[key]
-            return up.buf
-
-    def _read_tensors(
-        self, payload: memoryview, it, numels: list[int], keep: list[bool] | None = None
-    ) -> list[torch.Tensor | None]:
-        """The stream's fp32 tensors of ``numels`` elements, each filled in its own memory
-        as the frames arrive; with ``keep``, only those it marks (the others are read into
-        memory that is let go as each one ends: None in their place). The errors are
-        ``Data.chunks``'."""
-        keep = keep or [True] * len(numels)
-        out: list[torch.Tensor | None] = [None] * len(numels)
-        i, pos = -1, 0
-        dst = np.empty(0, dtype=np.uint8)  # the tensor being filled, as bytes
-        for chunk in self.data.chunks(payload, it, 4 * sum(numels)):
-            src = np.frombuffer(chunk, dtype=np.uint8)
-            a = 0
-            while a < len(src):
-                while len(dst) == pos:  # a full (or empty) tensor: the next one
-                    i, pos = i + 1, 0
-                    t = torch.empty(numels[i], dtype=torch.float32)
-                    out[i] = t if keep[i] else None
-                    dst = t.numpy().view(np.uint8)
-                n = min(len(dst) - pos, len(src) - a)
-                dst[pos : pos + n] = src[a : a + n]
-                pos, a = pos + n, a + n
-        for j in range(i + 1, len(numels)):  # empty tensors after the last bytes
-            out[j] = torch.empty(0, dtype=torch.float32) if keep[j] else None
-        return out
-
     @handler("watch", bulk=True)
-    def _watch(self, req: bytes, ctx: grpc.ServicerContext) -> bytes:
-        h = self._parse_as(WatchRequest, req, "watch")
+    def watch(self, req: bytes, ctx: grpc.ServicerContext) -> bytes:
+        h = self._validate(WatchRequest, self._parse(req)[0], "watch")
         m, cursor = h.learner, h.cursor
         seen = {int(k): v for k, v in (h.merged_seq or {}).items() if k.isdigit()}
         deadline = time.monotonic() + h.timeout_s
         with self._lock:
             self._require_ready()
             while (
-                not self._closed
+                not self._closed()
                 and self.publication.versions() == cursor
                 and self.publication.merged_seq_pub.get(m, {}) == seen
             ):
@@ -307,16 +260,16 @@ class ControlHandlers:
             )
 
     @handler("heartbeat")
-    def _heartbeat(self, req: bytes, ctx: grpc.ServicerContext) -> bytes:
+    def heartbeat(self, req: bytes, ctx: grpc.ServicerContext) -> bytes:
         raw = self._parse(req)[0]
         h = self._validate(HeartbeatRequest, raw, "heartbeat")
         m, inc = h.learner, h.incarnation
         with self._lock:
             st = self._require_ready()
-            info = self._learners.get(m)
+            info = self.learners.get(m)
             if m not in st.live or info is None or info.incarnation != inc:
                 return wire.pack({"rejoin": True, "boot_id": self.boot_id})
-            self._require_session(m, raw, "heartbeat")
+            self.require_session(m, raw, "heartbeat")
             if h.hb <= info.hb:
                 raise Reject(
                     grpc.StatusCode.FAILED_PRECONDITION,
@@ -343,50 +296,121 @@ class ControlHandlers:
             )
 
     @handler("leave")
-    def _leave(self, req: bytes, ctx: grpc.ServicerContext) -> bytes:
+    def leave(self, req: bytes, ctx: grpc.ServicerContext) -> bytes:
         raw = self._parse(req)[0]
         h = self._validate(LeaveRequest, raw, "leave")
         m, inc = h.learner, h.incarnation
         with self._lock:
             st = self._require_ready()
-            info = self._learners.get(m)
+            info = self.learners.get(m)
             if info is not None and info.incarnation == inc and info.state != "left":
-                self._require_session(m, raw, "leave")
+                self.require_session(m, raw, "leave")
                 info.state = "left"
                 if h.report is not None:
                     self._take_report(info, h.report.model_dump())
                     self._count_steps(m, h.report)
-                if all(i.state != "live" for i in self._learners.values()):
+                if all(i.state != "live" for i in self.learners.values()):
                     self.run_ended_wall = time.time()
-                t0 = time.monotonic()
-                self._handle_merges(st.leave(m, t0), t0)
-                self.data.forget_copies(m)
+                self._depart(m, time.monotonic())
                 self.members.note("leave", m, inc, len(st.live))
                 self._event("leave", learner=m, live=len(st.live))
                 log.info("[learner %d] left, %d live", m, len(st.live))
             return wire.pack({"ok": True})
 
-    def _last_heartbeat_s(self, m: int) -> float | None:
-        info = self._learners.get(m)
+    @handler("status")
+    def status_call(self, req: bytes, ctx: grpc.ServicerContext) -> bytes:
+        try:
+            h, _ = wire.unpack(req)
+        except ValueError:  # an empty or odd request asks for the plain snapshot
+            h = {}
+        st = self.status()
+        if h.get("spec") is True:  # `ddiloco export HOST:PORT` needs the tensor names and shapes
+            with self._lock:
+                st["spec"] = self._spec()
+        return wire.pack(st)
+
+    # -- sessions and liveness, for the other parts ----------------------------------------
+    def require_session(self, m: int, raw: dict, what: str) -> LearnerInfo:
+        """The call acts as learner ``m``: it must carry the MAC of ``m``'s current session
+        (``m`` is live)."""
+        info = self.learners[m]
+        if info.session_key is None or not session.verify(info.session_key, raw):
+            raise Reject(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                E.SESSION,
+                f"{what} as learner {m} without the session of its live process "
+                f"(incarnation {info.incarnation}): only the process that joined "
+                f"can act as it; Join again",
+            )
+        return info
+
+    def require_live(self, m: int, incarnation: int) -> SyncerState:
+        """The state, once learner m is live in ``incarnation``; else a ``Reject``."""
+        st = self._require_ready()
+        info = self.learners.get(m)
+        if m not in st.live or info is None or info.incarnation != incarnation:
+            raise Reject(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                E.UNKNOWN_LEARNER,
+                f"learner {m} (incarnation {incarnation}) is not joined or was declared "
+                f"dead; Join again",
+            )
+        return st
+
+    def session_of(self, hello: dict) -> int | None:
+        """The learner whose session a data-port hello proves (its MAC under the key of
+        that learner's latest Join), or None. Called by the data port's selector thread
+        without the lock: it reads one learner's session key, which a Join sets in one step."""
+        m = hello.get("learner")
+        info = self.learners.get(m) if isinstance(m, int) else None
+        key = None if info is None else info.session_key
+        return m if key is not None and session.verify(key, hello) else None
+
+    def last_heartbeat_s(self, m: int) -> float | None:
+        info = self.learners.get(m)
         return None if info is None else info.last_hb_s
 
-    def _declare_dead(self, m: int, now: float) -> None:
-        """Learner m's heartbeats stopped (the timer thread, ``Liveness``; lock held): it
-        leaves the state machine."""
-        info = self._learners[m]
+    def declare_dead(self, m: int, now: float) -> None:
+        """Learner m's heartbeats stopped (the timer thread, ``Liveness``): it leaves the
+        state machine."""
+        info = self.learners[m]
         info.state = "dead"
         log.warning("[learner %d] no heartbeat for %.1f s: declared dead", m, now - info.last_hb_s)
-        t0 = time.monotonic()
-        self._handle_merges(self.state.leave(m, now), t0)
-        self.data.forget_copies(m)
-        self.members.note("dead", m, info.incarnation, len(self.state.live))
-        self._event("dead", learner=m, live=len(self.state.live))
+        self._depart(m, now)
+        live = len(self._require_ready().live)
+        self.members.note("dead", m, info.incarnation, live)
+        self._event("dead", learner=m, live=live)
+
+    def mean_fetch_s(self) -> float:
+        """The live learners' mean reported fetch time (0 when none reports one)."""
+        fetch_s = [
+            i.report.get("fetch_s", 0.0)
+            for i in self.learners.values()
+            if i.state == "live" and i.report.get("fetch_s") is not None
+        ]
+        return sum(fetch_s) / len(fetch_s) if fetch_s else 0.0
+
+    # -- the run's clock, budget and ledger -------------------------------------------------
+    def start_epoch(self) -> None:
+        """The model was just set up: the run's clock starts now."""
+        self.epoch_s = time.time()
+
+    def restore(self, r: Resumed) -> None:
+        """A resume: the learners (not live until they join again), their incarnations and
+        steps, the clock and the ledger's start, as checkpointed."""
+        self.incarnations = r.incarnations
+        self.steps_done = r.steps_done
+        self.epoch_s = r.epoch_s or self.epoch_s
+        if r.clock is not None:  # the learners' slots continue where they were
+            self.clock = r.clock
+        self.run_started_wall = r.run_started_wall
+        self.learners.update(r.learners)
 
     @staticmethod
     def _note_process(info: LearnerInfo, process: str | None) -> None:
         """A learner id heard from a process: another process than the one behind its last
-        report is a restart, and the ended process's totals are carried (caller holds the
-        lock). Reports without a process id count as the same process."""
+        report is a restart, and the ended process's totals are carried. Reports without a
+        process id count as the same process."""
         if not process:
             return
         if info.process and process != info.process:
@@ -400,15 +424,16 @@ class ControlHandlers:
         info.report = rep
 
     def _retime(self) -> None:
-        """Start or re-time the slot clock from the live learners' measured step times
-        (caller holds the lock). A change applies ``CLOCK_LEAD_S`` (or four heartbeat
-        intervals, if longer) ahead, so that every learner hears it first."""
-        if self.epoch_s is None or self.state is None:
+        """Start or re-time the slot clock from the live learners' measured step times. A
+        change applies ``CLOCK_LEAD_S`` (or four heartbeat intervals, if longer) ahead, so
+        that every learner hears it first."""
+        st = self._state()
+        if self.epoch_s is None or st is None:
             return
         steps = [
             info.report.get("step_s")
-            for m, info in self._learners.items()
-            if m in self.state.live and info.state == "live"
+            for m, info in self.learners.items()
+            if m in st.live and info.state == "live"
         ]
         slot = measured_slot_s([float(x) for x in steps if isinstance(x, (int, float))])
         lead = max(CLOCK_LEAD_S, 4 * self.config.heartbeat_interval_s)
@@ -425,26 +450,35 @@ class ControlHandlers:
             self._event("clock", slot_s=nxt.slot_s, t0_s=nxt.t0_s, x0=nxt.x0)
 
     def _count_steps(self, m: int, rep: Report) -> None:
-        """Track the global step budget from a learner's report (caller holds the lock).
-        A learner's total is its latest report (``global_step``, counted over its restarts,
-        else ``step``): a restarted learner that resumes from an earlier step lowers it."""
+        """Track the global step budget from a learner's report. A learner's total is its
+        latest report (``global_step``, counted over its restarts, else ``step``): a
+        restarted learner that resumes from an earlier step lowers it."""
         n = rep.global_step if rep.global_step is not None else rep.step
         if n is None:
             return
-        self._steps_done[m] = n
+        self.steps_done[m] = n
         budget = self.config.step_budget
-        if budget and not self.budget_spent and sum(self._steps_done.values()) >= budget:
+        if budget and not self.budget_spent and sum(self.steps_done.values()) >= budget:
             self.budget_spent = True
-            self._event("budget-spent", steps=sum(self._steps_done.values()), budget=budget)
+            self._event("budget-spent", steps=sum(self.steps_done.values()), budget=budget)
             log.info("step budget of %d inner steps spent: learners are told to finish", budget)
 
+    # -- what the syncer tells -------------------------------------------------------------
+    @property
+    def shard_map(self) -> dict | None:
+        """The shard map every Join and Status reply carries (None: not sharded)."""
+        if len(self.config.shards) < 2:
+            return None
+        return {"addresses": list(self.config.shards), "index": self.config.shard}
+
     def status(self) -> dict:
-        """A JSON-able snapshot: learners, versions, ledger, counters, policy timings."""
+        """A JSON-able snapshot: learners, versions, ledger, counters, policy timings. Takes
+        the lock."""
         with self._lock:
             now = time.monotonic()
-            st = self.state
+            st = self._state()
             learners = {}
-            for m, info in sorted(self._learners.items()):
+            for m, info in sorted(self.learners.items()):
                 led = st.ledger.get(m) if st else None
                 learners[str(m)] = {
                     "state": info.state,
@@ -470,16 +504,8 @@ class ControlHandlers:
                 "merges": st.merges if st else 0,
                 "live": sorted(st.live) if st else [],
                 "learners": learners,
-                "counters": {
-                    **self.counters,
-                    "merge_s": self.merge_s,
-                    "merge_cpu_s": self.merge_cpu_s,
-                    "clipped_pushes": st.clipped_pushes if st else 0,
-                    "carried_pushes": st.carried_pushes if st else 0,
-                    "pending_bytes": st.pending_bytes() if st else 0,
-                    "push_room_waits": self.data.push_room.waits,
-                },
-                "rejections": dict(self.rejections),
+                "counters": self._counters(),
+                "rejections": dict(self._rejections),
                 "mean_quorum": (
                     sum(st.quorum_sizes) / len(st.quorum_sizes) if st and st.quorum_sizes else None
                 ),
@@ -487,9 +513,9 @@ class ControlHandlers:
                 "xi_quorum_s": pol.xi_quorum.value if pol else None,
                 "xi_sync_s": pol.xi_sync.value if pol else None,
                 "grace_s": pol.grace_s() if pol else None,
-                "fingerprint": self._fp,
+                "fingerprint": self._fingerprint(),
                 "step_budget": self.config.step_budget,
-                "steps_done": sum(self._steps_done.values()),
+                "steps_done": sum(self.steps_done.values()),
                 "budget_spent": self.budget_spent,
                 "run_s": (
                     round(t_end - self.run_started_wall, 3)
@@ -502,15 +528,3 @@ class ControlHandlers:
             out["goodput"] = goodput_of(out)
             out["learners_per_merge"] = out["mean_quorum"]
             return out
-
-    @handler("status")
-    def _status(self, req: bytes, ctx: grpc.ServicerContext) -> bytes:
-        try:
-            h, _ = wire.unpack(req)
-        except ValueError:  # an empty or odd request asks for the plain snapshot
-            h = {}
-        st = self.status()
-        if h.get("spec") is True:  # `ddiloco export HOST:PORT` needs the tensor names and shapes
-            with self._lock:
-                st["spec"] = self.spec
-        return wire.pack(st)

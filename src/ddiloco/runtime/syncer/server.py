@@ -12,13 +12,15 @@ only after a checkpoint containing it is on disk, so a SIGKILLed syncer restarte
 ``--resume`` never goes back on a version any learner has seen. Writes are coalesced: merges
 that happen during a write are covered by the next one.
 
-The server is assembled from ``control`` (Join, Init, Watch, Heartbeat, Leave, Status), a
-mixin over the server's state, and owns four parts, each with its own state: ``data``
-(``Data``: pushes and fetches on gRPC and on the data port), ``publication``
-(``Publication``: what learners see, the delta-coded downlink's chains, merge sequence
-numbers), ``durability`` (``Durability``: the checkpoint thread, publication once durable,
-resume) and ``liveness`` (``Liveness``: the timer thread, with its grace deadlines and
-heartbeat timeouts). Parts act on the rest of the server through the callbacks it gives
+The server holds the model (the state machine, its spec and fingerprint) and owns six
+parts, each with its own state: ``control`` (``Control``: the learners, their sessions and
+reports, the run's slot clock and step budget; Join, Watch, Heartbeat, Leave, Status),
+``initial`` (``Initial``: Init, the initial model), ``data`` (``Data``: pushes and
+fetches on gRPC and on the data port), ``publication`` (``Publication``: what learners
+see, the delta-coded downlink's chains, merge sequence numbers), ``durability``
+(``Durability``: the checkpoint thread, publication once durable, resume) and
+``liveness`` (``Liveness``: the timer thread, with its grace deadlines and heartbeat
+timeouts). Parts act on the model and on the rest of the server through what it gives
 them. The server takes every merge the state machine returns to ``Durability``
 (``_on_merged``), and a checkpoint is ``durability.snapshot`` of its parts.
 
@@ -39,27 +41,23 @@ import uuid
 from collections import Counter
 from concurrent import futures
 from pathlib import Path
-from typing import TypeVar
 
 import grpc
 import torch
-from pydantic import BaseModel
 
-from ddiloco.algorithm.schedule import SlotClock
-from ddiloco.algorithm.slices import InitUpload
 from ddiloco.algorithm.syncer_state import Merged, SyncerState
 from ddiloco.metrics.sinks import open_sinks
 from ddiloco.runtime.syncer.allocator import tune_malloc
 from ddiloco.runtime.syncer.checkpoint import CHECKPOINT_NAME, remove_stale_temps
-from ddiloco.runtime.syncer.common import LearnerInfo, Reject, unpack_frame, validate
-from ddiloco.runtime.syncer.control import ControlHandlers
+from ddiloco.runtime.syncer.common import Reject
+from ddiloco.runtime.syncer.control import Control
 from ddiloco.runtime.syncer.data import Data
 from ddiloco.runtime.syncer.durability import Durability, snapshot
+from ddiloco.runtime.syncer.initial import Initial
 from ddiloco.runtime.syncer.liveness import Liveness
-from ddiloco.runtime.syncer.membership import MembershipLog
 from ddiloco.runtime.syncer.publication import Publication
 from ddiloco.runtime.syncer.run_config import SyncerServerConfig
-from ddiloco.runtime.transport import session, wire
+from ddiloco.runtime.transport import wire
 from ddiloco.runtime.transport.auth import check_token, server_credentials, server_ssl_context
 from ddiloco.runtime.transport.bulk import BulkServer
 from ddiloco.runtime.transport.spec import check_spec, fragmentation_from_spec, spec_fingerprint
@@ -67,15 +65,13 @@ from ddiloco.runtime.transport.wire import ErrorCode as E
 
 __all__ = ["SyncerServerConfig", "SyncerServer"]
 
-M = TypeVar("M", bound=BaseModel)
-
 log = logging.getLogger("ddiloco.syncer")
 
 DATA_PORT_FILE = "data_port"
 """In the checkpoint directory: the data port of the last run, bound again on restart."""
 
 
-class SyncerServer(ControlHandlers):
+class SyncerServer:
     """The gRPC syncer. ``start()`` binds and serves; ``close()`` checkpoints and stops."""
 
     def __init__(self, config: SyncerServerConfig) -> None:
@@ -88,23 +84,10 @@ class SyncerServer(ControlHandlers):
         self.merge_cpu_s = 0.0
         self._lock = threading.Lock()
         self.state: SyncerState | None = None
+        """The state machine, once the model is set up (Init or a resume)."""
         self.spec: dict | None = None
         self._fp = ""
-        self._uploads: dict[str, InitUpload] = {}  # sharded islands' initial models, by id
         self._bulk_slots = threading.BoundedSemaphore(config.max_workers - config.control_reserve)
-        self._learners: dict[int, LearnerInfo] = {}
-        self._incarnations: dict[int, int] = {}
-        self.members = MembershipLog(self.started_s)
-        self._steps_done: dict[int, int] = {}  # learner -> its latest reported total steps
-        self.run_started_wall: float | None = None
-        """Unix time of the first Join: the run's chip-time counts from there."""
-        self.run_ended_wall: float | None = None
-        """Unix time the last live learner left (None while one is live)."""
-        self.clock: SlotClock | None = None
-        """The run's slot clock (time-driven schedule), announced on Join and Heartbeat."""
-        self.epoch_s: float | None = None
-        """Unix time the run's clock started (the model's initialisation)."""
-        self.budget_spent = False
         self._closed = False
         self.counters: Counter = Counter()
         self.rejections: Counter = Counter()
@@ -142,6 +125,28 @@ class SyncerServer(ControlHandlers):
         self.http_port: int | None = None
         self._threads: list[threading.Thread] = []
         self.port = -1
+        self.control = Control(
+            self._lock,
+            config,
+            self.publication,
+            boot_id=self.boot_id,
+            started_s=self.started_s,
+            state=lambda: self.state,
+            require_ready=self._require_ready,
+            spec=lambda: self.spec,
+            fingerprint=lambda: self._fp,
+            bulk_port=lambda: self.bulk_port,
+            closed=lambda: self._closed,
+            depart=self._depart,
+            counters=self._status_counters,
+            rejections=self.rejections,
+            event=self._event,
+            auth=self._auth,
+            fail=self._fail,
+            bulk_slots=self._bulk_slots,
+        )
+        """The learners, the run's clock and step budget; Join, Watch, Heartbeat, Leave,
+        Status."""
         self.liveness = Liveness(
             self._lock,
             config.heartbeat_timeout_s,
@@ -150,8 +155,8 @@ class SyncerServer(ControlHandlers):
             tick=self.publication.retry_failed,
             fire=self._fire_timer,
             live=lambda: self.state.live if self.state is not None else (),
-            last_heartbeat_s=self._last_heartbeat_s,
-            declare_dead=self._declare_dead,
+            last_heartbeat_s=self.control.last_heartbeat_s,
+            declare_dead=self.control.declare_dead,
         )
         """The timer thread: grace deadlines and heartbeat timeouts."""
         self.data = Data(
@@ -160,8 +165,8 @@ class SyncerServer(ControlHandlers):
             self.counters,
             self.publication,
             require_ready=self._require_ready,
-            require_live=self._require_live,
-            require_session=self._require_session,
+            require_live=self.control.require_live,
+            require_session=self.control.require_session,
             require_owned=self._require_owned,
             owns=self._owns,
             on_merged=self._on_merged,
@@ -174,6 +179,21 @@ class SyncerServer(ControlHandlers):
             bulk_slots=self._bulk_slots,
         )
         """Pushes and fetches, on gRPC and on the data port."""
+        self.initial = Initial(
+            self._lock,
+            config,
+            self.data,
+            self.publication,
+            state=lambda: self.state,
+            setup=self._setup,
+            fingerprint=lambda: self._fp,
+            owns=self._owns,
+            event=self._event,
+            auth=self._auth,
+            fail=self._fail,
+            bulk_slots=self._bulk_slots,
+        )
+        """The initial model: Init, and sharded islands' uploads."""
         if config.checkpoint_dir:
             remove_stale_temps(config.checkpoint_dir)
         if config.resume:
@@ -182,14 +202,14 @@ class SyncerServer(ControlHandlers):
     # -- lifecycle ------------------------------------------------------------------------
     def start(self) -> int:
         handlers = {
-            "Join": grpc.unary_unary_rpc_method_handler(self._join),
-            "Init": grpc.stream_unary_rpc_method_handler(self._init),
+            "Join": grpc.unary_unary_rpc_method_handler(self.control.join),
+            "Init": grpc.stream_unary_rpc_method_handler(self.initial.init),
             "Push": grpc.stream_unary_rpc_method_handler(self.data.push),
             "Fetch": grpc.unary_stream_rpc_method_handler(self.data.fetch),
-            "Watch": grpc.unary_unary_rpc_method_handler(self._watch),
-            "Heartbeat": grpc.unary_unary_rpc_method_handler(self._heartbeat),
-            "Leave": grpc.unary_unary_rpc_method_handler(self._leave),
-            "Status": grpc.unary_unary_rpc_method_handler(self._status),
+            "Watch": grpc.unary_unary_rpc_method_handler(self.control.watch),
+            "Heartbeat": grpc.unary_unary_rpc_method_handler(self.control.heartbeat),
+            "Leave": grpc.unary_unary_rpc_method_handler(self.control.leave),
+            "Status": grpc.unary_unary_rpc_method_handler(self.control.status_call),
         }
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=self.config.max_workers),
@@ -252,6 +272,25 @@ class SyncerServer(ControlHandlers):
         )
         return self.port
 
+    def status(self) -> dict:
+        """A JSON-able snapshot: learners, versions, ledger, counters, policy timings
+        (``Control.status``)."""
+        return self.control.status()
+
+    def _status_counters(self) -> dict:
+        """The counters a status shows (lock held): the server's, the merges' time, and
+        the state's and the push room's."""
+        st = self.state
+        return {
+            **self.counters,
+            "merge_s": self.merge_s,
+            "merge_cpu_s": self.merge_cpu_s,
+            "clipped_pushes": st.clipped_pushes if st else 0,
+            "carried_pushes": st.carried_pushes if st else 0,
+            "pending_bytes": st.pending_bytes() if st else 0,
+            "push_room_waits": self.data.push_room.waits,
+        }
+
     def _ready(self) -> tuple[bool, str]:
         """``/readyz``: whether the syncer serves a global model, and why not."""
         if self._closed:
@@ -283,7 +322,7 @@ class SyncerServer(ControlHandlers):
                     on_auth_failure=self._bulk_auth_failed,
                     on_refused=self._bulk_refused,
                     limits=cfg.data_limits,
-                    session_of=self._bulk_session,
+                    session_of=self.control.session_of,
                 )
                 break
             except OSError as e:
@@ -367,7 +406,7 @@ class SyncerServer(ControlHandlers):
         self.state.unlocked = self._unlocked
         self.spec = spec
         self._fp = spec_fingerprint(spec)
-        self.epoch_s = time.time()
+        self.control.start_epoch()
         self.publication.reset(frag.P)
         shape = dict(zip(spec["names"], (tuple(s) for s in spec["shapes"])))
         self.data.shapes = [[shape[n] for n in f.names] for f in frag.fragments]
@@ -382,12 +421,12 @@ class SyncerServer(ControlHandlers):
             self.publication,
             syncer_config=self.config.syncer,
             counters=self.counters,
-            learners=self._learners,
-            incarnations=self._incarnations,
-            steps_done=self._steps_done,
-            epoch_s=self.epoch_s,
-            clock=self.clock,
-            run_started_wall=self.run_started_wall,
+            learners=self.control.learners,
+            incarnations=self.control.incarnations,
+            steps_done=self.control.steps_done,
+            epoch_s=self.control.epoch_s,
+            clock=self.control.clock,
+            run_started_wall=self.control.run_started_wall,
         )
 
     def _resume(self, path: Path) -> None:
@@ -395,13 +434,7 @@ class SyncerServer(ControlHandlers):
         publication, then the learners, their steps, the clock and the ledger."""
         r = self.durability.load(path, self._setup)
         assert self.state is not None
-        self._incarnations = r.incarnations
-        self._steps_done = r.steps_done
-        self.epoch_s = r.epoch_s or self.epoch_s
-        if r.clock is not None:  # the learners' slots continue where they were
-            self.clock = r.clock
-        self.run_started_wall = r.run_started_wall
-        self._learners.update(r.learners)
+        self.control.restore(r)
         self._event("resume", versions=self.state.versions(), merges=self.state.merges)
 
     def _on_merged(self, mg: Merged, merge_s: float) -> None:
@@ -409,13 +442,8 @@ class SyncerServer(ControlHandlers):
         self.publication.note_merged(mg)
         self.counters["merges"] += 1
         try:  # timing and metrics: never in the way of publishing what was merged
-            fetch_s = [
-                i.report.get("fetch_s", 0.0)
-                for i in self._learners.values()
-                if i.state == "live" and i.report.get("fetch_s") is not None
-            ]
             assert self.state is not None
-            self.state.observe_sync_s(merge_s + (sum(fetch_s) / len(fetch_s) if fetch_s else 0.0))
+            self.state.observe_sync_s(merge_s + self.control.mean_fetch_s())
             if self._metrics:
                 self._event(
                     "merge",
@@ -438,6 +466,14 @@ class SyncerServer(ControlHandlers):
         for mg in merged:
             self._on_merged(mg, time.monotonic() - t0)
         self._followups(t0)
+
+    def _depart(self, m: int, now: float) -> None:
+        """Learner m leaves the state machine (a Leave, or declared dead; lock held): the
+        merges its leaving completes are taken, and its downlink copies forgotten."""
+        assert self.state is not None
+        t0 = time.monotonic()
+        self._handle_merges(self.state.leave(m, now), t0)
+        self.data.forget_copies(m)
 
     def _followups(self, t0: float) -> None:
         """Decisions on rounds that filled while their fragment's merge ran unlocked."""
@@ -508,15 +544,6 @@ class SyncerServer(ControlHandlers):
             self.rejections[code] += 1
         log.warning("data connection from %s dropped: %s: %s", peer, code, reason)
 
-    def _bulk_session(self, hello: dict) -> int | None:
-        """The learner whose session a data-port hello proves (its MAC under the key of
-        that learner's latest Join), or None. Called by the data port's selector thread
-        without the lock: it reads one learner's session key, which a Join sets in one step."""
-        m = hello.get("learner")
-        info = self._learners.get(m) if isinstance(m, int) else None
-        key = None if info is None else info.session_key
-        return m if key is not None and session.verify(key, hello) else None
-
     def _bulk_auth_failed(self, peer: str) -> None:
         with self._lock:
             self.rejections[E.AUTH] += 1
@@ -525,19 +552,6 @@ class SyncerServer(ControlHandlers):
     def _fail(self, ctx: grpc.ServicerContext, r: Reject, who: str) -> None:
         self._note_reject(r, who)
         ctx.abort(r.status, f"{r.code}: {r.message}")
-
-    _parse = staticmethod(unpack_frame)
-    _validate = staticmethod(validate)
-
-    def _parse_as(self, model: type[M], req: bytes, what: str) -> M:
-        return self._validate(model, self._parse(req)[0], what)
-
-    @property
-    def shard_map(self) -> dict | None:
-        """The shard map every Join and Status reply carries (None: not sharded)."""
-        if len(self.config.shards) < 2:
-            return None
-        return {"addresses": list(self.config.shards), "index": self.config.shard}
 
     def _owns(self, p: int) -> bool:
         S = len(self.config.shards)  # noqa: N806
@@ -561,29 +575,3 @@ class SyncerServer(ControlHandlers):
                 "the syncer has no model yet: Join, then Init with the initial model",
             )
         return self.state
-
-    def _require_session(self, m: int, raw: dict, what: str) -> LearnerInfo:
-        """The call acts as learner ``m``: it must carry the MAC of ``m``'s current session
-        (caller holds the lock, ``m`` is live)."""
-        info = self._learners[m]
-        if info.session_key is None or not session.verify(info.session_key, raw):
-            raise Reject(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                E.SESSION,
-                f"{what} as learner {m} without the session of its live process "
-                f"(incarnation {info.incarnation}): only the process that joined "
-                f"can act as it; Join again",
-            )
-        return info
-
-    def _require_live(self, m: int, incarnation: int) -> SyncerState:
-        st = self._require_ready()
-        info = self._learners.get(m)
-        if m not in st.live or info is None or info.incarnation != incarnation:
-            raise Reject(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                E.UNKNOWN_LEARNER,
-                f"learner {m} (incarnation {incarnation}) is not joined or was declared "
-                f"dead; Join again",
-            )
-        return st
