@@ -3,16 +3,14 @@ data port (``ddiloco.runtime.transport.bulk``), one validation and one apply pat
 
 ``Data`` owns the fragments' tensor shapes, the pushes in progress per learner, the room
 for pushes' payloads (``PushRoom``) and the pieces of sharded islands' incomplete pushes
-(``SliceAssembler``), and reads the payload of every gRPC stream. It reads the published
-fragments from the ``Publication`` it is given and acts on the rest of the server
-through the callbacks the server gives it."""
+(``SliceAssembler``), and reads the payload of every gRPC stream. Fetches are answered by
+the ``Fetches`` it owns (``fetch``), from the ``Publication`` it is given; it acts on the
+rest of the server through the callbacks the server gives it."""
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
-import math
 import threading
 import time
 from collections import Counter
@@ -23,17 +21,18 @@ from typing import Any
 import grpc
 
 from ddiloco.algorithm.codecs import Codec, get_codec
-from ddiloco.algorithm.downlink import ChainCopy
 from ddiloco.algorithm.merge import all_finite
 from ddiloco.algorithm.payload import EncodedParams
 from ddiloco.algorithm.slices import Piece, PieceError, SliceAssembler, SlicedParams, check_pieces
 from ddiloco.algorithm.syncer_state import Contribution, Merged, Status, SyncerState
 from ddiloco.runtime.syncer.common import Reject, handler, unpack_frame, validate
+from ddiloco.runtime.syncer.fetch import Fetches, frames
 from ddiloco.runtime.syncer.publication import Publication
 from ddiloco.runtime.syncer.push_room import PushRoom, Taken
+from ddiloco.runtime.syncer.run_config import SyncerServerConfig
 from ddiloco.runtime.transport import wire
 from ddiloco.runtime.transport.bulk import BulkAborted, BulkReject
-from ddiloco.runtime.transport.schema import FetchRequest, PushHeader
+from ddiloco.runtime.transport.schema import PushHeader
 from ddiloco.runtime.transport.wire import ErrorCode as E
 
 __all__ = ["Data"]
@@ -65,21 +64,6 @@ class PushCheck:
     """A sharded island's rank: its runs of the fragment's tensors, in payload order."""
 
 
-def _whole_copy(copy: ChainCopy, shapes: list[tuple[int, ...]]) -> list[wire.Deferred]:
-    """A chain's R (``copy``: immutable, read after the lock) in fp32 on the wire, one piece
-    per tensor, each built when it is sent."""
-
-    def tensor_bytes(j: int) -> memoryview:
-        # a view of R's new tensor, or of Theta's own where the residual is zero
-        t = copy.theta[j] if copy.residual[j] is None else copy.tensor(j)
-        return get_codec("fp32").encode_many([t])[0]
-
-    return [
-        wire.Deferred(4 * math.prod(s), functools.partial(tensor_bytes, j))
-        for j, s in enumerate(shapes)
-    ]
-
-
 class Data:
     """Push and fetch handlers of ``SyncerServer``, on gRPC and on the data port."""
 
@@ -89,7 +73,7 @@ class Data:
     def __init__(
         self,
         lock: threading.Lock,
-        config: Any,
+        config: SyncerServerConfig,
         counters: MutableMapping[str, Any],
         publication: Publication,
         *,
@@ -109,7 +93,7 @@ class Data:
     ) -> None:
         """``lock``: the server's, taken where a method says so. ``config``: the server's
         ``SyncerServerConfig``. ``counters``: the server's. ``publication``: what fetches
-        read. ``require_ready()``/``require_live(m, incarnation)``: the state, or a
+        read (``Fetches``). ``require_ready()``/``require_live(m, incarnation)``: the state, or a
         ``Reject`` (no model yet / m not live in that incarnation);
         ``require_session(m, raw, what)``: rejects a call without m's session MAC;
         ``require_owned(p)``/``owns(p)``: this shard's fragments (lock held for all of
@@ -124,7 +108,6 @@ class Data:
         self.publication = publication
         self._require_ready, self._require_live = require_ready, require_live
         self._require_session, self._require_owned = require_session, require_owned
-        self._owns = owns
         self._on_merged, self._followups, self._add_timer = on_merged, followups, add_timer
         self._event, self._note_reject = event, note_reject
         self._auth, self._fail, self._bulk_slots = auth, fail, bulk_slots
@@ -136,6 +119,16 @@ class Data:
         """learner -> its pushes in progress, on either transport."""
         self.push_room = PushRoom()
         """Room for pushes' payloads (sized once the model is known)."""
+        self.fetches = Fetches(
+            lock,
+            config,
+            counters,
+            publication,
+            require_ready=require_ready,
+            require_owned=require_owned,
+            owns=owns,
+        )
+        """The replies to fetches: the published fragments as each fetch asks for them."""
 
     @staticmethod
     def _push_who(h: object) -> str:
@@ -421,94 +414,6 @@ class Data:
             )
         self.counters["bytes_in"] += got
 
-    def _fetch_items(self, raw: dict) -> list[tuple[int, int, list, dict]]:
-        """(fragment, version, downlink byte pieces, the rest of its header) of the published
-        fragments asked for. A piece is a byte view, or a ``wire.Deferred`` made when it is
-        sent."""
-        req = self._validate(FetchRequest, raw, "fetch")
-        if req.slices is not None:
-            items = self._fetch_slices(req)
-        elif req.exact:
-            fp32 = get_codec("fp32")
-            items = [
-                (p, v, fp32.encode_many(ts), {"codec": "fp32", "numels": [t.numel() for t in ts]})
-                for p, (v, ts) in self._published_f32(req.fragments).items()
-            ]
-        elif self.config.downlink_delta and req.learner is not None:
-            items = self._fetch_delta(
-                req.fragments, req.learner, dict((k, v) for k, v in req.mirrors or [])
-            )
-        else:
-            with self._lock:
-                frags = self._require_ready().fragmentation.fragments
-                items = [
-                    (
-                        p,
-                        *self.publication.pub[p],
-                        {"codec": self.config.downlink_codec, "numels": list(frags[p].numels)},
-                    )
-                    for p in self._wanted(req.fragments)
-                ]
-        with self._lock:
-            self.counters["bytes_out"] += sum(len(b) for _, _, d, _ in items for b in d)
-        return items
-
-    def _fetch_slices(self, req: FetchRequest) -> list[tuple[int, int, list[memoryview], dict]]:
-        """A sharded island's rank fetches its runs of the published fragments, each
-        encoded by itself through the downlink codec (fp32: views of the published tensors,
-        no copy). The delta-coded downlink sends whole fragments only: refused."""
-        if self.config.downlink_delta and not req.exact:
-            raise Reject(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                E.SPEC,
-                "a rank of a sharded island fetches its slices of each fragment, which the "
-                "delta-coded downlink (sync.down_delta) does not send: run the syncer "
-                "without --down-delta, or this learner as one process or a DDP island",
-            )
-        runs: dict[int, list[Piece]] = {}
-        for p, j, off, n in req.slices or ():
-            runs.setdefault(p, []).append(Piece(j, off, n))
-        codec = get_codec("fp32" if req.exact else self.config.downlink_codec)
-        with self._lock:
-            frags = self._require_ready().fragmentation.fragments
-        got = self._published_f32(sorted(runs))
-        for p in got:
-            try:
-                check_pieces(runs[p], frags[p].numels)
-            except PieceError as e:
-                raise Reject(grpc.StatusCode.INVALID_ARGUMENT, E.SHAPE, str(e)) from None
-        items = []
-        for p, (v, ts) in got.items():  # published tensors are never written: no lock
-            flat = [ts[pc.j].reshape(-1)[pc.offset : pc.offset + pc.numel] for pc in runs[p]]
-            head = {
-                "codec": codec.name,
-                "numels": [pc.numel for pc in runs[p]],
-                "slices": [[pc.j, pc.offset, pc.numel] for pc in runs[p]],
-            }
-            items.append((p, v, codec.encode_many(flat), head))
-        return items
-
-    def _published_f32(self, want: list[int] | None) -> dict[int, tuple[int, list]]:
-        """fragment -> (version, the published fp32 tensors) of the fragments asked for."""
-        with self._lock:
-            pub = self.publication
-            return {p: (pub.pub[p][0], pub.theta[p]) for p in self._wanted(want)}
-
-    def _wanted(self, want: list[int] | None) -> list[int]:
-        """The fragments a fetch asks for, checked (the caller holds the lock)."""
-        P = self._require_ready().fragmentation.P  # noqa: N806
-        if want is None:  # every fragment this shard owns
-            return [p for p in range(P) if self._owns(p)]
-        if any(p >= P for p in want):
-            raise Reject(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                E.FRAGMENT,
-                f"fragments must be a list of ints in [0, {P})",
-            )
-        for p in want:
-            self._require_owned(p)
-        return want
-
     def forget_copies(self, m: int) -> None:
         """Learner m left or was declared dead: its copies no longer hold steps of the
         delta-coded downlink (a returning learner gets whole fragments again), and the
@@ -516,53 +421,9 @@ class Data:
         self.publication.forget_copies(m)
         self.slices.forget(m)
 
-    def _fetch_delta(
-        self, want: list[int] | None, m: int, held: dict[int, int]
-    ) -> list[tuple[int, int, list, dict]]:
-        """A delta-coded fetch (``ddiloco.algorithm.downlink``): each fragment as the encoded
-        steps of its chain from the copy learner m holds (``held``: fragment -> the token of
-        that copy) to the published version; a copy the chain does not know by its token,
-        or one whose steps would outweigh the fragment, is replaced whole, in fp32 (the
-        chain's R, built tensor by tensor as the reply is sent: ``wire.Deferred``). Each
-        reply names the copy it leaves the learner with by its token."""
-        items: list[tuple[int, int, list, dict]] = []
-        with self._lock:
-            ps = self._wanted(want)
-            for p in ps:
-                chain = self.publication.chains[p]
-                v = chain.version_of(held.get(p))
-                steps = None if v is None else chain.steps_since(v)
-                whole = 4 * sum(math.prod(s) for s in chain.shapes)
-                if steps is not None and sum(len(b) for st in steps for b in st) < whole:
-                    pieces: list
-                    pieces = [memoryview(b) for st in steps for b in st]
-                    head = {"codec": chain.codec.name, "delta": True, "steps": len(steps)}
-                else:  # R whole, each tensor built from the chain's copy as it is sent
-                    pieces = _whole_copy(chain.copy(), chain.shapes)
-                    head = {"codec": "fp32", "delta": False}
-                head["token"] = chain.token
-                head["numels"] = [math.prod(s) for s in chain.shapes]
-                items.append((p, chain.version, pieces, head))
-                # the copy it holds once the reply lands
-                self.publication.held[(m, p)] = chain.version
-            for p in ps:
-                self.publication.trim_chain(p)
-            n_delta = sum(1 for *_, head in items if head["delta"])
-            self.counters["fetch_delta"] += n_delta
-            self.counters["fetch_whole"] += len(items) - n_delta
-        return items
-
     @handler("fetch", bulk=True)
     def fetch(self, req: bytes, ctx: grpc.ServicerContext) -> Iterator[bytes]:
-        items = self._fetch_items(self._parse(req)[0])
-        return self._fetch_frames(items)
-
-    def _fetch_frames(self, items) -> Iterator[bytes]:
-        for p, version, pieces, head in items:
-            data = wire.joined(pieces)  # a deferred piece is made now, one at a time
-            yield from wire.chunks(
-                {"fragment": p, "version": version, "nbytes": len(data), **head}, data
-            )
+        return frames(self.fetches.items(self._parse(req)[0]))
 
     def bulk(self, op: str, h: dict, plen: int, read_payload) -> tuple[dict, list[bytes]]:
         """Requests on the data port (``ddiloco.runtime.transport.bulk``): push and fetch."""
@@ -596,7 +457,7 @@ class Data:
                         E.BAD_FRAME,
                         "a fetch request carries no payload",
                     )
-                items = self._fetch_items(h)
+                items = self.fetches.items(h)
                 return (
                     {
                         "items": [
