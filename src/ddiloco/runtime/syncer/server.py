@@ -41,6 +41,7 @@ import uuid
 from collections import Counter
 from concurrent import futures
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 import torch
@@ -62,6 +63,9 @@ from ddiloco.runtime.transport.auth import check_token, server_credentials, serv
 from ddiloco.runtime.transport.bulk import BulkServer
 from ddiloco.runtime.transport.spec import check_spec, fragmentation_from_spec, spec_fingerprint
 from ddiloco.runtime.transport.wire import ErrorCode as E
+
+if TYPE_CHECKING:
+    from ddiloco.runtime.observe import SyncerObserver
 
 __all__ = ["SyncerServerConfig", "SyncerServer"]
 
@@ -121,7 +125,7 @@ class SyncerServer:
         self._server: grpc.Server | None = None
         self._bulk_server: BulkServer | None = None
         self.bulk_port: int | None = None
-        self._observer = None
+        self._observer: SyncerObserver | None = None
         self.http_port: int | None = None
         self._threads: list[threading.Thread] = []
         self.port = -1
@@ -197,6 +201,7 @@ class SyncerServer:
         if config.checkpoint_dir:
             remove_stale_temps(config.checkpoint_dir)
         if config.resume:
+            assert config.checkpoint_dir  # SyncerServerConfig refuses a resume without one
             self._resume(Path(config.checkpoint_dir) / CHECKPOINT_NAME)
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -219,11 +224,10 @@ class SyncerServer:
             (grpc.method_handlers_generic_handler(wire.SERVICE, handlers),)
         )
         addr = f"{self.config.host}:{self.config.port}"
+        cert, key = self.config.tls_cert, self.config.tls_key  # both or neither
         try:
-            if self.config.tls_cert:
-                self.port = self._server.add_secure_port(
-                    addr, server_credentials(self.config.tls_cert, self.config.tls_key)
-                )
+            if cert and key:
+                self.port = self._server.add_secure_port(addr, server_credentials(cert, key))
             else:
                 self.port = self._server.add_insecure_port(addr)
         except RuntimeError:
@@ -235,16 +239,16 @@ class SyncerServer:
                 f"(0: a free one) or stop the process holding it"
             )
         if self.config.bulk_port is not None:
-            self._start_data_port()
+            self._start_data_port(self.config.bulk_port)
         self._threads.append(self.liveness.start())
         self._threads.append(self.durability.start())
         self._server.start()
-        if self.config.http_port is not None:
+        cfg = self.config
+        if cfg.http_port is not None:
             from ddiloco.runtime.observe import serve_syncer
 
-            cfg = self.config
             try:
-                self._observer = serve_syncer(
+                self._observer = obs = serve_syncer(
                     self.status,
                     self._ready,
                     host=cfg.host,
@@ -262,7 +266,7 @@ class SyncerServer:
                 raise RuntimeError(
                     f"could not bind the HTTP port {self.config.host}:{self.config.http_port}: {e}"
                 ) from None
-            self.http_port = self._observer.port
+            self.http_port = obs.port
         log.info(
             "syncer %s listening on %s:%d (data port %s)",
             self.boot_id,
@@ -299,20 +303,24 @@ class SyncerServer:
             return False, "no model yet (waiting for the first learner's Init)"
         return True, "holds a global model"
 
-    def _start_data_port(self) -> None:
-        """Bind the data port. With a checkpoint directory and ``bulk_port == 0`` the port
-        first bound is remembered there (``data_port``) and taken again after a restart, so
-        learners keep reaching it across resumes (any free port if it is taken by then)."""
+    def _start_data_port(self, bulk_port: int) -> None:
+        """Bind the data port (``bulk_port``: the configured one). With a checkpoint
+        directory and ``bulk_port == 0`` the port first bound is remembered there
+        (``data_port``) and taken again after a restart, so learners keep reaching it across
+        resumes (any free port if it is taken by then)."""
         cfg = self.config
-        ctx = server_ssl_context(cfg.tls_cert, cfg.tls_key) if cfg.tls_cert else None
+        ctx = (
+            server_ssl_context(cfg.tls_cert, cfg.tls_key) if cfg.tls_cert and cfg.tls_key else None
+        )
         remembered = Path(cfg.checkpoint_dir) / DATA_PORT_FILE if cfg.checkpoint_dir else None
-        ports = [cfg.bulk_port]
-        if cfg.bulk_port == 0 and remembered is not None and remembered.is_file():
+        ports = [bulk_port]
+        if bulk_port == 0 and remembered is not None and remembered.is_file():
             with contextlib.suppress(ValueError, OSError):
                 ports.insert(0, int(remembered.read_text()))
+        bulk = None
         for i, port in enumerate(ports):
             try:
-                self._bulk_server = BulkServer(
+                bulk = BulkServer(
                     cfg.host,
                     port,
                     cfg.token,
@@ -334,14 +342,17 @@ class SyncerServer:
                         e,
                     )
                     continue
-                self._server.stop(None)
+                if self._server is not None:
+                    self._server.stop(None)
                 raise RuntimeError(f"could not bind the data port {cfg.host}:{port}: {e}") from None
-        self.bulk_port = self._bulk_server.port
-        if remembered is not None and cfg.bulk_port == 0:
+        assert bulk is not None  # bound, or the loop raised
+        self._bulk_server = bulk
+        self.bulk_port = bulk.port
+        if remembered is not None and bulk_port == 0:
             with contextlib.suppress(OSError):
                 remembered.parent.mkdir(parents=True, exist_ok=True)
                 remembered.write_text(str(self.bulk_port))
-        self._bulk_server.start()
+        bulk.start()
 
     def close(self) -> None:
         with self._lock:
