@@ -55,6 +55,7 @@ def _row(name: str, run: RunData) -> dict:
         "seed": s.get("config", {}).get("seed"),
         "tokens": s.get("tokens"),
         "loss": round(loss, 4),
+        "_loss": loss,  # the ratio to DP is taken before rounding (dropped from the output)
         "perplexity": round(math.exp(loss), 2),
         "accuracy": None if s.get("eval_accuracy") is None else round(s["eval_accuracy"], 4),
         "goodput": None if s.get("goodput") is None else round(s["goodput"], 3),
@@ -77,10 +78,10 @@ def summarize(root: Path) -> tuple[list[dict], list[RunData]]:
     for d, run in zip(dirs, runs):
         rows.append(_row(d.name, run))
         run.label = d.name
-    dp = {r["seed"]: r["loss"] for r in rows if r["method"] == "dp"}
+    dp = {r["seed"]: r["_loss"] for r in rows if r["method"] == "dp"}
     for r in rows:
-        base = dp.get(r["seed"])
-        r["vs_dp"] = None if base is None else f"{100 * (r['loss'] / base - 1):+.2f}%"
+        base, loss = dp.get(r["seed"]), r.pop("_loss")
+        r["vs_dp"] = None if base is None else f"{100 * (loss / base - 1):+.2f}%"
     return rows, runs
 
 
