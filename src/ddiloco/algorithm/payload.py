@@ -21,10 +21,20 @@ from ddiloco.algorithm import kernels
 from ddiloco.algorithm.codecs import Codec
 from ddiloco.algorithm.merge import all_finite
 
-__all__ = ["CHUNK", "EncodedParams", "encode_push"]
+__all__ = ["CHUNK", "EncodedParams", "encode_push", "encoded_finite"]
 
 CHUNK = 1 << 20
 """Elements per piece when a push is read a piece at a time (``EncodedParams.chunks``)."""
+
+
+def encoded_finite(codec: Codec, buf, numel: int) -> bool:
+    """The ``numel`` values a codec's bytes ``buf`` hold are all finite: read where they
+    arrived by the kernels where they read the codec (bf16: its exponent bits), else
+    decoded."""
+    raw = kernels.elements(codec.name, buf, numel)
+    if raw is not None:
+        return kernels.finite_elements(*raw)
+    return all_finite(codec.decode(buf, numel))
 
 
 def encode_push(

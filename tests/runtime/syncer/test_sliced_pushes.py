@@ -44,6 +44,15 @@ def test_a_push_in_slices_merges_once_they_tile_the_fragment():
         values = [theta[n] + 0.01 for n in names]
         first, second = _halves(frag.fragments[p].numels)
         d1, d2 = _data(values, first, codec), _data(values, second, codec)
+        # a run holding a NaN or an inf is refused, and names its tensor and elements
+        for bad_value, name in ((float("nan"), "bf16"), (float("inf"), "fp32")):
+            broken = [v.clone() for v in values]
+            broken[0].view(-1)[1] = bad_value
+            dx = _data(broken, first, get_codec(name))
+            hx = push_header(frag, p, dx, live.inc, seq=1, codec=name, slices=first)
+            expect_rejection(
+                grpc.StatusCode.INVALID_ARGUMENT, "E_NONFINITE", lambda h=hx, d=dx: c.push(h, d)
+            )
         h1 = push_header(frag, p, d1, live.inc, seq=1, codec="bf16", slices=first)
         r = c.push(h1, d1)
         assert r["status"] == "accepted" and r["partial"] and r["target_version"] == 1

@@ -21,8 +21,7 @@ from typing import Any
 import grpc
 
 from ddiloco.algorithm.codecs import Codec, get_codec
-from ddiloco.algorithm.merge import all_finite
-from ddiloco.algorithm.payload import EncodedParams
+from ddiloco.algorithm.payload import EncodedParams, encoded_finite
 from ddiloco.algorithm.slices import Piece, PieceError, SliceAssembler, SlicedParams, check_pieces
 from ddiloco.algorithm.syncer_state import Contribution, Merged, Status, SyncerState
 from ddiloco.runtime.syncer.common import Reject, handler, unpack_frame, validate
@@ -249,7 +248,7 @@ class Data:
         elif not (
             codec.name == "fp32"
             and not pc.delta
-            and all_finite(codec.decode(memoryview(buf), sum(pc.numels)))
+            and encoded_finite(codec, memoryview(buf), sum(pc.numels))
         ):
             assert isinstance(params, EncodedParams)
             for name, j in zip(pc.names, range(len(params))):
@@ -312,7 +311,7 @@ class Data:
             nb = pc.codec.nbytes(piece.numel)
             b = view[off : off + nb]
             off += nb
-            if not all_finite(pc.codec.decode(b, piece.numel)):
+            if not encoded_finite(pc.codec, b, piece.numel):
                 raise Reject(
                     grpc.StatusCode.INVALID_ARGUMENT,
                     E.NONFINITE,
