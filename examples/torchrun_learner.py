@@ -28,7 +28,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from ddiloco import DecoupledLearner  # Decoupled DiLoCo
+from ddiloco import DecoupledLearner, exit_island_rank  # Decoupled DiLoCo
 from ddiloco.models import build_model
 
 VOCAB, SEQ, BATCH = 64, 32, 8
@@ -122,6 +122,9 @@ def main() -> None:
     sys.stdout.flush()
     if dist.is_initialized():
         dist.destroy_process_group()
+        # leave without interpreter finalization, where Gloo's worker threads, which DDP
+        # keeps alive past destroy_process_group, can abort the rank (SIGABRT)
+        exit_island_rank()
 
 
 if __name__ == "__main__":

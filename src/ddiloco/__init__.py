@@ -7,11 +7,13 @@ simulator (``ddiloco.sim``) and the bandwidth planner stay torch-free.
 
 ``ddiloco.DecoupledLearner`` (the hook for your own model, optimizer and loop),
 ``ddiloco.TrainConfig`` and ``ddiloco.load_model`` (a run's global model, built and loaded
-from its run directory or exported file) are loaded on first use.
+from its run directory or exported file) are loaded on first use, as is
+``ddiloco.exit_island_rank`` (the last line of a torchrun rank's script: it leaves
+without the interpreter's finalization, where Gloo's workers can abort the process).
 """
 
 __version__ = "0.1.0"
-__all__ = ["__version__", "DecoupledLearner", "TrainConfig", "load_model"]
+__all__ = ["__version__", "DecoupledLearner", "TrainConfig", "exit_island_rank", "load_model"]
 
 
 def __getattr__(name: str):
@@ -19,6 +21,10 @@ def __getattr__(name: str):
         from ddiloco.runtime.learner.hook import DecoupledLearner
 
         return DecoupledLearner
+    if name == "exit_island_rank":
+        from ddiloco.runtime.learner.island import exit_island_rank
+
+        return exit_island_rank
     if name == "TrainConfig":
         from ddiloco.config import TrainConfig
 

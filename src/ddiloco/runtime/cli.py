@@ -146,24 +146,10 @@ def cmd_learner(argv: list[str]) -> int:
         print(f"ddiloco learner: error: {e}", file=sys.stderr)
         return 2
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        _exit_island_rank()
+        from ddiloco.runtime.learner.island import exit_island_rank
+
+        exit_island_rank()
     return 0
-
-
-def _exit_island_rank() -> None:
-    """End a finished island rank without interpreter finalization.
-
-    The Gloo process group's worker threads outlive ``destroy_process_group`` (DDP keeps
-    the group referenced), and a worker that finishes a collective on a Python tensor
-    drops that tensor after the caller has moved on; when that decref needs the GIL while
-    the interpreter is finalizing, the thread is unwound through a noexcept destructor and
-    the process aborts ("terminate called without an active exception", SIGABRT), which
-    torchrun reports as a failed island. Everything the rank writes is closed by now, so
-    it flushes its streams and logs and leaves with ``os._exit``."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 # -- status ----------------------------------------------------------------------------------

@@ -10,20 +10,39 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Protocol
+import os
+import sys
+from typing import NoReturn, Protocol
 
 import torch
 
 from ddiloco.runtime.learner.context import LearnerContext
 from ddiloco.runtime.learner.session import Session
 
-__all__ = ["InstallWatch", "Island", "copy_params", "late_install_advice"]
+__all__ = ["InstallWatch", "Island", "copy_params", "exit_island_rank", "late_install_advice"]
 
 log = logging.getLogger("ddiloco.learner")
 
 _FLAGS = {"tau": "--tau", "H": "-H", "P": "-P", "codec": "--codec"}
 """The command line's names of the settings that advice names (``ddiloco learner`` and
 ``ddiloco train``)."""
+
+
+def exit_island_rank(code: int = 0) -> NoReturn:
+    """End a finished torchrun rank without interpreter finalization: call it last, after
+    ``dist.destroy_process_group()``.
+
+    The Gloo process group's worker threads outlive ``destroy_process_group`` (DDP keeps
+    the group referenced), and a worker that finishes a collective on a Python tensor
+    drops that tensor after the caller has moved on; when that decref needs the GIL while
+    the interpreter is finalizing, the thread is unwound through a noexcept destructor and
+    the process aborts ("terminate called without an active exception", SIGABRT), which
+    torchrun reports as a failed island. This flushes the logs and the standard streams
+    and leaves with ``os._exit(code)``: close or flush any file of your own first."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 class Island(Protocol):
