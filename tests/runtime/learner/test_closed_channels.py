@@ -163,7 +163,14 @@ def test_a_reply_that_cannot_be_read_is_a_typed_retryable_failure():
         from ddiloco.runtime.learner.session import Session
 
         class Ctx:
-            learner, incarnation, fingerprint, spec, process_id = 0, -1, "fp", {}, "p"
+            learner, incarnation, fingerprint, spec, process_id, process_key = (
+                0,
+                -1,
+                "fp",
+                {},
+                "p",
+                "k",
+            )
 
         session = Session(Ctx(), ShardedClient(f"127.0.0.1:{port}", "tok"), None, None, dict)
         with pytest.raises(TransportError, match="E_TRANSPORT: a Join reply"):

@@ -151,6 +151,25 @@ def test_a_live_learner_is_not_taken_over_by_another_process():
     assert again["incarnation"] == r["incarnation"] + 1 and c.incarnations == {3: 2}
 
 
+def test_a_join_retried_after_its_reply_was_lost_is_the_same_process():
+    """A Join that went through but whose reply never arrived is sent again by the same
+    process without the session it made: its process key says it is that process, and it
+    gets a new session; another process is still refused, even one that names the same
+    process id (which ``status`` shows), and so is a Join without a key."""
+    st, departed, events = _State(), [], []
+    c = _control(st, departed, events)
+    join = {"learner": 3, "fingerprint": "fp", "process": "p", "process_key": "k1"}
+    first = _call(c.join, join)
+    again = _call(c.join, join)
+    assert again["incarnation"] == first["incarnation"] + 1 and st.live == {3}
+    assert again["session"] != first["session"]
+    for other in ({**join, "process_key": "k2"}, {**join, "process_key": None}):
+        with pytest.raises(Reject) as dup:
+            _call(c.join, other)
+        assert dup.value.code == E.DUPLICATE
+        assert "already live in another process" in dup.value.message
+
+
 def test_before_the_model_a_join_asks_for_it():
     c = _control(None, [], [])
     assert _call(c.join, {})["need_init"] is True

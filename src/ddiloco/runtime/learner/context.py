@@ -26,6 +26,7 @@ from ddiloco.algorithm.schedule import ClockTrack, FragmentSchedule
 from ddiloco.runtime.learner.client import LinkLimits
 from ddiloco.runtime.learner.device import DeviceCopier
 from ddiloco.runtime.learner.layout import IslandPlan, island_group, local_runs, mesh_group
+from ddiloco.runtime.transport.session import new_process_key
 from ddiloco.runtime.transport.spec import fragmentation_from_spec, model_spec, spec_fingerprint
 
 __all__ = ["LearnerContext", "LearnerStats", "build_context"]
@@ -126,6 +127,8 @@ class LearnerContext:
     boot_id: str = ""
     process_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     """This learner process: the syncer carries a restarted learner's earlier totals."""
+    process_key: str = field(default_factory=new_process_key)
+    """This process's secret, sent in its Joins only (``transport.session``)."""
     settings_as: str = "keywords"
     """How warnings name a setting to change: ``keywords`` or ``flags``."""
     stats: LearnerStats = field(default_factory=LearnerStats)

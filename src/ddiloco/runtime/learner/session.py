@@ -88,6 +88,7 @@ class Session:
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "process": ctx.process_id,
+            "process_key": ctx.process_key,
         }
         r = self._client().unary("Join", h, timeout_s=10.0, control=True)
         if not r.get("need_init") and not all(k in r for k in ("incarnation", "boot_id")):

@@ -48,6 +48,8 @@ class LearnerInfo:
     """Totals of the learner's earlier processes (``accounting.fold``)."""
     session_key: bytes | None = None
     """The key issued by this learner's latest Join (``transport.session``)."""
+    process_key: bytes | None = None
+    """The digest of the process key its latest Join carried (``session.process_digest``)."""
     hb: int = -1
     """The last heartbeat counter accepted in this session."""
     host: str | None = None

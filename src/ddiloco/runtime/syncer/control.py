@@ -168,6 +168,9 @@ class Control:
                 and m in st.live
                 and now - info.last_hb_s <= self.config.heartbeat_timeout_s
                 and not (info.session_key and session.verify(info.session_key, raw))
+                # the same process again: it retries a Join whose reply was lost (that
+                # Join went through, and made a session the process never got)
+                and not session.same_process(info.process_key, h.process_key)
             ):
                 raise Reject(
                     grpc.StatusCode.FAILED_PRECONDITION,
@@ -190,6 +193,7 @@ class Control:
                 self.run_started_wall = time.time()
             self.run_ended_wall = None
             key = info.session_key = session.new_session_key()
+            info.process_key = session.process_digest(h.process_key)
             info.hb = -1
             info.host, info.pid = h.host, h.pid
             st.join(m)

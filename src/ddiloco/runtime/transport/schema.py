@@ -120,6 +120,9 @@ class JoinRequest(BaseModel):
     """Id of the learner process: another one than before is a restart (its ledger starts
     from zero; the syncer carries the earlier process's totals)."""
     session: ShortStr | None = None
+    process_key: ShortStr | None = None
+    """The learner process's own secret (``session.new_process_key``), never reported: a Join
+    carrying the key of a live learner's process is that process again."""
 
 
 MAX_PIECES = 1 << 20

@@ -9,6 +9,11 @@ holder cannot push, heartbeat or leave as a learner it did not join as, nor alte
 call; heartbeats carry a strictly increasing ``hb`` counter and pushes a sequence number the
 syncer deduplicates, so a captured call replayed unchanged does nothing.
 
+A Join also carries the process's own random ``process_key``: the syncer keeps its digest,
+and a Join for a live learner id that carries the same key is the same process retrying a
+Join whose reply it lost, so it is answered with a new session instead of ``E_DUPLICATE``.
+The key is never reported (``status`` shows the process id, not the key).
+
 Without TLS the key travels in the clear in the Join reply: sessions then protect learners
 from each other's mistakes (a duplicate learner id, a stale process), not from an
 eavesdropper on the network (``docs/security.md``).
@@ -22,7 +27,15 @@ import json
 import secrets
 from typing import Any
 
-__all__ = ["MAC_FIELD", "new_session_key", "sign", "verify"]
+__all__ = [
+    "MAC_FIELD",
+    "new_process_key",
+    "new_session_key",
+    "process_digest",
+    "same_process",
+    "sign",
+    "verify",
+]
 
 MAC_FIELD = "mac"
 _UNSIGNED = (MAC_FIELD, "op")
@@ -30,6 +43,24 @@ _UNSIGNED = (MAC_FIELD, "op")
 
 def new_session_key() -> bytes:
     return secrets.token_bytes(32)
+
+
+def new_process_key() -> str:
+    """A learner process's own secret, sent in its Joins and never reported: a Join that
+    carries the key of the process holding a live learner id is that process again (it
+    retries a Join whose reply was lost, and never got the session that Join made)."""
+    return secrets.token_hex(16)
+
+
+def process_digest(key: str | None) -> bytes | None:
+    """What the syncer keeps of a process key (its SHA-256), or None without one."""
+    return hashlib.sha256(key.encode()).digest() if key else None
+
+
+def same_process(digest: bytes | None, key: str | None) -> bool:
+    """``key`` is the process key whose digest is ``digest`` (constant time)."""
+    other = process_digest(key)
+    return digest is not None and other is not None and hmac.compare_digest(digest, other)
 
 
 def _canonical(header: dict[str, Any]) -> bytes:
