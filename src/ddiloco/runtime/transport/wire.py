@@ -100,6 +100,12 @@ class ErrorCode:
     """A data-port message did not arrive (or its reply was not taken) within its deadline."""
     INTERNAL = "E_INTERNAL"
     """A handler failed on a bug; the call changed nothing it had not committed."""
+    NOT_LEADER = "E_NOT_LEADER"
+    """A syncer of a replicated run that does not lead now (a standby, or a leader whose
+    lease lapsed); the message names the leader where it is known
+    (``ddiloco.runtime.syncer.ha``)."""
+    STALE_EPOCH = "E_STALE_EPOCH"
+    """(learner side) a reply from a leader older than the newest one heard: refused."""
 
 
 def pack(header: dict, payload: bytes | memoryview = b"") -> bytes:
