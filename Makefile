@@ -6,9 +6,10 @@ VENV   ?= .venv
 STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
 # Debian packages some tests drive for real: headless Chromium (dashboard), network namespaces
-# and shaped links (iproute2), a one-node Slurm cluster (slurm-wlm, munge). Installed once, as
-# root, by `make test`; elsewhere the tests that need them skip and say so.
-APT_PKGS ?= chromium chromium-driver iproute2 slurm-wlm munge
+# and shaped links (iproute2), a one-node Slurm cluster (slurm-wlm, munge), etcd for the
+# replicated syncer's election (etcd-server). Installed once, as root, by `make test`;
+# elsewhere the tests that need them skip and say so.
+APT_PKGS ?= chromium chromium-driver iproute2 slurm-wlm munge etcd-server
 
 .PHONY: setup sysdeps check train test bench clean
 setup: $(STAMP)

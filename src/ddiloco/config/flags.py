@@ -272,6 +272,18 @@ class SyncerArgs:
     data_host: str | None = None
     """Host learners should reach the data port at (default: the host they dialed for
     gRPC; set it when the data port is on another address or behind NAT)."""
+    ha: str | None = None
+    """A replicated syncer: etcd://HOST:PORT of the etcd in which this run's syncers elect
+    their leader (the others stand by); needs --ha-name and a --checkpoint-dir that every
+    syncer of the run shares (docs/runtime.md, Failover)."""
+    ha_name: str | None = None
+    """The run's name in etcd (with --ha): every syncer of the run gives the same."""
+    ha_ttl_s: int = 6
+    """With --ha: the leader's lease in seconds; a standby leads within it of the leader's
+    loss."""
+    ha_address: str | None = None
+    """With --ha: HOST:PORT learners reach this syncer at (default: --host and the bound
+    port)."""
     sync: SyncConfig = field(default_factory=SyncConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     run: Annotated[TrainConfig, tyro.conf.Suppress] = field(default_factory=TrainConfig)

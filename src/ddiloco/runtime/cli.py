@@ -78,6 +78,8 @@ def cmd_syncer(argv: list[str]) -> int:
     import torch
 
     torch.set_num_threads(1)
+    if args.ha or args.ha_name:
+        return _replicated_syncer(args, cfg)
     try:
         server = SyncerServer(cfg)
     except (ValueError, FileNotFoundError, ImportError) as e:
@@ -108,6 +110,42 @@ def cmd_syncer(argv: list[str]) -> int:
     logging.getLogger("ddiloco.syncer").info("stopping: final checkpoint")
     server.close()
     return 0
+
+
+def _write_port(port_file: str | None, port: int) -> None:
+    if port_file:
+        tmp = Path(port_file).with_suffix(".tmp")
+        tmp.write_text(str(port))
+        os.replace(tmp, port_file)
+
+
+def _replicated_syncer(args, cfg) -> int:
+    """``ddiloco syncer --ha etcd://HOST:PORT --ha-name RUN``: stand by, lead when elected
+    (``ddiloco.runtime.syncer.ha``)."""
+    from ddiloco.runtime.syncer.ha import HAConfig, run_replicated
+
+    try:
+        if not (args.ha and args.ha_name):
+            raise ValueError("--ha and --ha-name go together")
+        ha = HAConfig(
+            endpoint=args.ha, name=args.ha_name, address=args.ha_address or "", ttl_s=args.ha_ttl_s
+        )
+    except ValueError as e:
+        print(f"ddiloco syncer: error: {e}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+
+    def bound(port: int) -> None:
+        _write_port(args.port_file, port)
+        print(f"ddiloco syncer on {cfg.host}:{port}: standing by in run {ha.name}", flush=True)
+
+    try:
+        return run_replicated(cfg, ha, stop, on_bound=bound)
+    except (ValueError, FileNotFoundError, RuntimeError, ImportError) as e:
+        print(f"ddiloco syncer: error: {e}", file=sys.stderr)
+        return 2
 
 
 # -- learner ---------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ import queue
 import grpc
 
 from ddiloco.runtime.learner.client import ChannelClosedError, SyncerClient, SyncerError, rpc_code
+from ddiloco.runtime.learner.leader import connect
 from ddiloco.runtime.transport.shards import ShardMap, aggregate_status
 
 __all__ = ["ShardedClient", "SendQueues"]
@@ -45,7 +46,7 @@ class ShardedClient:
     ) -> None:
         self.address = address
         self._args = (token, tls_ca, tls)
-        self.primary = SyncerClient(address, token, tls_ca, tls)
+        self.primary = connect(address, token, tls_ca, tls)  # follows a replicated syncer
         self.map: ShardMap | None = None
         self.clients: list[SyncerClient] = [self.primary]
         self._inc: dict[int, int] = {}

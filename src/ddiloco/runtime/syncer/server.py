@@ -41,7 +41,7 @@ import uuid
 from collections import Counter
 from concurrent import futures
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import torch
@@ -151,6 +151,9 @@ class SyncerServer:
         )
         """The learners, the run's clock and step budget; Join, Watch, Heartbeat, Leave,
         Status."""
+        self.fence: Any = None
+        """A replicated run's leader: ``ha.Fence``, set before ``start()`` (every reply
+        checked against the lease and stamped with the epoch); None otherwise."""
         self.liveness = Liveness(
             self._lock,
             config.heartbeat_timeout_s,
@@ -219,6 +222,7 @@ class SyncerServer:
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=self.config.max_workers),
             options=wire.GRPC_SERVER_OPTIONS,
+            interceptors=() if self.fence is None else (self.fence.interceptor(),),
         )
         self._server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(wire.SERVICE, handlers),)
@@ -324,7 +328,7 @@ class SyncerServer:
                     cfg.host,
                     port,
                     cfg.token,
-                    self.data.bulk,
+                    self.data.bulk if self.fence is None else self.fence.bulk(self.data.bulk),
                     max_payload=cfg.max_push_bytes,
                     ssl_context=ctx,
                     on_auth_failure=self._bulk_auth_failed,

@@ -1,0 +1,569 @@
+"""A replicated syncer: leader election and fencing through etcd (``ddiloco syncer --ha``).
+
+Two or more syncer processes of one run (``--ha etcd://HOST:PORT --ha-name RUN``) campaign
+for the key ``/ddiloco/RUN/leader``. A campaign is one etcd transaction: create the key
+under a fresh lease if no such key exists. The process that created it leads; the others
+stand by. The key's creation revision is the leader's **epoch**, the fencing token: etcd
+gives every creation a larger revision, so a later leader always has a larger epoch.
+
+**The leader** runs the ordinary ``SyncerServer``, and every reply it sends (each gRPC
+call, each data-port reply) carries ``"epoch": E`` in its header. It renews its lease every
+``ttl_s / 3`` (``Lease``) and answers a call only while
+
+    now < t_sent + TTL - margin_s
+
+where ``t_sent`` is when it *sent* its last keepalive that etcd acknowledged (its own
+monotonic clock) and TTL the lease time etcd granted with it. etcd started that TTL when
+it *received* the keepalive, after ``t_sent``, so the lease cannot lapse (and no other
+process can create the key) before ``t_sent + TTL`` by etcd's clock. ``margin_s`` covers
+the two clocks' rate difference over a TTL (ppm for real clocks; the default 1 s over a
+6 s TTL covers a rate error of 16%) and the time between the check and the reply's
+bytes leaving. When the check fails the leader answers ``E_NOT_LEADER`` to every call,
+closes its server and stands by again: it stops publishing before a new leader can be
+elected, whether it lost the lease to a pause (SIGSTOP, a long GC), a partition from etcd
+or a slow disk. A reply already checked and then delayed past that point (a pause of
+the process between the check and the send) is what the epoch is for: learners refuse
+every reply of an epoch older than the newest they have heard
+(``ddiloco.runtime.learner.leader``).
+
+**A standby** binds the syncer's port and answers every call ``E_NOT_LEADER`` with the
+leader's address and epoch (Status answers its role), so learners given every syncer's
+address can follow. It polls the key every ``poll_s`` and campaigns when the key is gone.
+It leads within TTL + ``poll_s`` of the old leader's last keepalive (plus the resume).
+
+**State** (this first form): the leaders share the checkpoint directory (a shared disk).
+Leader E writes its checkpoints under ``CHECKPOINT_DIR/epoch-E``; a new leader links
+(hard links: checkpoint files are never written in place) the newest earlier epoch's
+checkpoint into its own directory and resumes from it. A deposed leader that still writes
+writes into its own epoch's directory, which no later leader reads. With
+``checkpoint_every = 1`` every version a learner saw was durable before it was sent, and
+so before the old lease lapsed: the new leader holds it. Pushes not yet merged are lost,
+as on a ``--resume``: learners count them dropped and push again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import shutil
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from ddiloco.runtime.transport import wire
+from ddiloco.runtime.transport.auth import check_token, server_credentials
+from ddiloco.runtime.transport.bulk import BulkReject
+from ddiloco.runtime.transport.etcd import (
+    EtcdClient,
+    EtcdError,
+    KeyValue,
+    leader_key,
+    parse_endpoint,
+)
+from ddiloco.runtime.transport.wire import ErrorCode as E
+
+__all__ = [
+    "HAConfig",
+    "Lease",
+    "Election",
+    "Fence",
+    "StandbyServer",
+    "prepare_epoch_dir",
+    "run_replicated",
+]
+
+log = logging.getLogger("ddiloco.syncer.ha")
+
+EPOCH_DIR = re.compile(r"^epoch-(\d+)$")
+KEEP_EPOCH_DIRS = 3
+"""Epoch directories kept in the checkpoint directory: the leader's and two before it."""
+
+
+@dataclass(kw_only=True, slots=True)
+class HAConfig:
+    endpoint: str
+    """etcd's client address, ``etcd://HOST:PORT`` (its JSON gateway)."""
+    name: str
+    """The run's name: every syncer of the run campaigns for ``/ddiloco/NAME/leader``."""
+    address: str = ""
+    """This syncer's HOST:PORT as learners reach it, told to learners that ask a standby
+    and written in the key. Empty: the bind host and port."""
+    ttl_s: int = 6
+    """The lease's time to live: a dead leader's lease lapses this long after its last
+    keepalive, and a standby leads within it (plus ``poll_s`` and the resume)."""
+    margin_s: float = 1.0
+    """The leader stops answering this long before its lease can lapse (module doc)."""
+    poll_s: float = 0.5
+    """A standby reads the key this often."""
+
+    def __post_init__(self) -> None:
+        parse_endpoint(self.endpoint)
+        if not self.name or "/" in self.name:
+            raise ValueError(f"ha name must be a non-empty name without '/', got {self.name!r}")
+        if self.ttl_s < 2:
+            raise ValueError(f"ha ttl_s must be >= 2 (etcd's smallest lease), got {self.ttl_s}")
+        if not 0 < self.margin_s < self.ttl_s * 2 / 3:
+            raise ValueError(
+                f"ha margin_s must be in (0, 2/3 of ttl_s = {self.ttl_s * 2 / 3:g}): a "
+                f"keepalive goes every ttl_s / 3, and the leader must stay valid between "
+                f"two of them; got {self.margin_s}"
+            )
+        if self.poll_s <= 0:
+            raise ValueError("ha poll_s must be > 0")
+
+    @property
+    def keepalive_s(self) -> float:
+        """Interval between keepalives: three per TTL, so one lost keepalive costs nothing."""
+        return self.ttl_s / 3
+
+
+class Lease:
+    """The leader's lease and the deadline of its validity (``valid``). A thread renews it
+    every ``keepalive_s``; ``lost`` is set once it is no longer valid, for good."""
+
+    def __init__(
+        self, client: EtcdClient, cfg: HAConfig, lease_id: int, t_sent: float, ttl_s: float
+    ) -> None:
+        self.client, self.cfg, self.id = client, cfg, lease_id
+        self._deadline = t_sent + ttl_s - cfg.margin_s
+        self.lost = threading.Event()
+        self.why = ""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._renew, name="ddiloco-lease", daemon=True)
+        self._thread.start()
+
+    def valid(self) -> bool:
+        """Whether this process may still act as the leader now (module doc)."""
+        return not self.lost.is_set() and time.monotonic() < self._deadline
+
+    def remaining_s(self) -> float:
+        return self._deadline - time.monotonic()
+
+    def _lose(self, why: str) -> None:
+        if not self.lost.is_set():
+            self.why = why
+            self.lost.set()
+            log.error("lease %x lost: %s; this syncer no longer leads", self.id, why)
+
+    def _renew(self) -> None:
+        interval = self.cfg.keepalive_s
+        while not self._stop.is_set():
+            t0 = time.monotonic()
+            if t0 >= self._deadline:
+                self._lose("no keepalive acknowledged within TTL - margin")
+                return
+            try:
+                ttl = self.client.keepalive(
+                    self.id, timeout_s=max(0.1, min(interval, self.remaining_s()))
+                )
+            except EtcdError as e:
+                log.warning(
+                    "lease keepalive failed (%s); valid for %.1f s more", e, self.remaining_s()
+                )
+                ttl = None
+            if ttl == 0:
+                self._lose("etcd says the lease expired")
+                return
+            if ttl:
+                self._deadline = max(self._deadline, t0 + ttl - self.cfg.margin_s)
+            self._stop.wait(max(0.0, min(t0 + interval, self._deadline) - time.monotonic()))
+
+    def close(self, revoke: bool) -> None:
+        """Stop renewing; with ``revoke`` end the lease at once (its key goes with it, so a
+        standby leads without waiting for the TTL)."""
+        self._stop.set()
+        self._thread.join(timeout=5.0)
+        self.lost.set()
+        if revoke:
+            with contextlib.suppress(EtcdError):
+                self.client.revoke(self.id)
+
+
+@dataclass(frozen=True, slots=True)
+class LeaderInfo:
+    address: str
+    epoch: int
+
+
+def _leader_of(kv: KeyValue | None) -> LeaderInfo | None:
+    if kv is None:
+        return None
+    try:
+        v = json.loads(kv.value)
+        return LeaderInfo(str(v["address"]), kv.create_revision)
+    except (ValueError, KeyError, TypeError):
+        return LeaderInfo("", kv.create_revision)
+
+
+class Election:
+    """Campaign for the run's key; ``leader`` is the leader last read from etcd."""
+
+    def __init__(self, cfg: HAConfig, address: str, client: EtcdClient | None = None) -> None:
+        self.cfg, self.address = cfg, address
+        self.client = client or EtcdClient(parse_endpoint(cfg.endpoint))
+        self.key = leader_key(cfg.name)
+        self.leader: LeaderInfo | None = None
+
+    def _value(self) -> bytes:
+        """The key's value: where learners reach this syncer."""
+        return json.dumps(
+            {"address": self.address, "host": socket.gethostname(), "pid": os.getpid()}
+        ).encode()
+
+    def campaign(self, stop: threading.Event) -> tuple[int, Lease] | None:
+        """Block until this process leads: (its epoch, its lease); None once ``stop`` is
+        set. etcd unreachable: keep trying."""
+        warned = 0.0
+        while not stop.is_set():
+            try:
+                kv = self.client.get(self.key)
+                if kv is None:
+                    t0 = time.monotonic()
+                    ttl = self.cfg.ttl_s
+                    lease_id = self.client.grant(ttl)
+                    won, kv = self.client.create(self.key, self._value(), lease_id)
+                    if won:
+                        assert kv is not None
+                        self.leader = LeaderInfo(self.address, kv.create_revision)
+                        log.info(
+                            "elected leader of %s: epoch %d, lease %x (TTL %d s)",
+                            self.cfg.name,
+                            kv.create_revision,
+                            lease_id,
+                            ttl,
+                        )
+                        return kv.create_revision, Lease(self.client, self.cfg, lease_id, t0, ttl)
+                    with contextlib.suppress(EtcdError):
+                        self.client.revoke(lease_id)
+                self.leader = _leader_of(kv)
+            except EtcdError as e:
+                if time.monotonic() > warned:
+                    log.warning("etcd unreachable (%s); standing by", e)
+                    warned = time.monotonic() + 10.0
+            stop.wait(self.cfg.poll_s)
+        return None
+
+
+class Fence:
+    """What the leading ``SyncerServer`` does with every reply: refuse it unless the lease
+    is valid, and stamp the epoch into its header (``SyncerServer.fence``)."""
+
+    def __init__(self, epoch: int, lease: Lease, name: str, address: str) -> None:
+        self.epoch, self.lease, self.name, self.address = epoch, lease, name, address
+        self.refused = 0
+
+    def message(self) -> str:
+        return (
+            f"{E.NOT_LEADER}: syncer {self.address} of run {self.name} no longer leads "
+            f"(epoch {self.epoch}, lease lapsed: {self.lease.why or 'past its margin'}); "
+            f"the leader is elected anew through etcd"
+        )
+
+    def check(self) -> None:
+        if not self.lease.valid():
+            self.refused += 1
+            raise _NotLeader(self.message())
+
+    def ha_status(self) -> dict:
+        return {
+            "role": "leader",
+            "epoch": self.epoch,
+            "leader": self.address,
+            "lease_s": round(self.lease.remaining_s(), 3),
+        }
+
+    def stamp(self, frame: bytes, method: str = "") -> bytes:
+        h, payload = wire.unpack(frame)
+        h["epoch"] = self.epoch
+        if method == "Status":
+            h["ha"] = self.ha_status()
+        return wire.pack(h, payload)
+
+    def interceptor(self) -> grpc.ServerInterceptor:
+        return _FenceInterceptor(self)
+
+    def bulk(self, handler: Callable[..., tuple[dict, list]]) -> Callable[..., tuple[dict, list]]:
+        """The data port's handler, fenced: a reply leaves only while the lease is valid,
+        with the epoch in its header."""
+
+        def fenced(op: str, h: dict, plen: int, read_payload: Any) -> tuple[dict, list]:
+            try:
+                self.check()
+                reply, pieces = handler(op, h, plen, read_payload)
+                self.check()
+            except _NotLeader as e:
+                raise BulkReject(grpc.StatusCode.UNAVAILABLE, str(e)) from None
+            return {**reply, "epoch": self.epoch}, pieces
+
+        return fenced
+
+
+class _NotLeader(Exception):
+    pass
+
+
+class _FenceInterceptor(grpc.ServerInterceptor):
+    def __init__(self, fence: Fence) -> None:
+        self.fence = fence
+
+    def intercept_service(self, continuation, handler_call_details):  # noqa: ANN001
+        h = continuation(handler_call_details)
+        if h is None:
+            return None
+        fence = self.fence
+        method = handler_call_details.method.rsplit("/", 1)[-1]
+
+        def guard(ctx: grpc.ServicerContext) -> None:
+            try:
+                fence.check()
+            except _NotLeader as e:
+                ctx.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+
+        def stamp(frame: bytes, ctx: grpc.ServicerContext) -> bytes:
+            guard(ctx)
+            return fence.stamp(frame, method)
+
+        kw = {
+            "request_deserializer": h.request_deserializer,
+            "response_serializer": h.response_serializer,
+        }
+        if h.unary_unary is not None:
+            fn = h.unary_unary
+
+            def uu(req: bytes, ctx: grpc.ServicerContext) -> bytes:
+                guard(ctx)
+                return stamp(fn(req, ctx), ctx)
+
+            return grpc.unary_unary_rpc_method_handler(uu, **kw)
+        if h.stream_unary is not None:
+            fsu = h.stream_unary
+
+            def su(it: Iterator[bytes], ctx: grpc.ServicerContext) -> bytes:
+                guard(ctx)
+                return stamp(fsu(it, ctx), ctx)
+
+            return grpc.stream_unary_rpc_method_handler(su, **kw)
+        if h.unary_stream is not None:
+            fus = h.unary_stream
+
+            def us(req: bytes, ctx: grpc.ServicerContext) -> Iterator[bytes]:
+                guard(ctx)
+                first = True
+                for frame in fus(req, ctx):
+                    if first:  # the header rides on the first frame of each item
+                        frame, first = stamp(frame, ctx), False
+                    else:
+                        guard(ctx)
+                    yield frame
+
+            return grpc.unary_stream_rpc_method_handler(us, **kw)
+        return h
+
+
+class StandbyServer:
+    """A standby's gRPC port: every call is answered ``E_NOT_LEADER`` with the leader's
+    address, Status with this syncer's role (``ddiloco status``)."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        token: str,
+        election: Election,
+        tls: tuple[str, str] | None = None,
+    ) -> None:
+        self.election, self.token = election, token
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=8), options=wire.GRPC_SERVER_OPTIONS
+        )
+        names = ("Join", "Init", "Push", "Fetch", "Watch", "Heartbeat", "Leave", "Status")
+        handlers = {}
+        for n in names:
+            if n in ("Init", "Push"):
+                handlers[n] = grpc.stream_unary_rpc_method_handler(self._refuse)
+            elif n == "Fetch":
+                handlers[n] = grpc.unary_stream_rpc_method_handler(self._refuse)
+            elif n == "Status":
+                handlers[n] = grpc.unary_unary_rpc_method_handler(self._status)
+            else:
+                handlers[n] = grpc.unary_unary_rpc_method_handler(self._refuse)
+        self._server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(wire.SERVICE, handlers),)
+        )
+        addr = f"{host}:{port}"
+        try:
+            if tls is not None:
+                self.port = self._server.add_secure_port(addr, server_credentials(*tls))
+            else:
+                self.port = self._server.add_insecure_port(addr)
+        except RuntimeError:
+            self.port = 0
+        if self.port == 0:
+            raise RuntimeError(f"could not bind {addr}: the port is in use")
+        self._server.start()
+
+    def _authorised(self, ctx: grpc.ServicerContext) -> bool:
+        token = dict(ctx.invocation_metadata()).get(wire.TOKEN_METADATA)
+        return isinstance(token, str) and check_token(self.token, token)
+
+    def _refuse(self, req: Any, ctx: grpc.ServicerContext) -> bytes:
+        if not self._authorised(ctx):
+            ctx.abort(grpc.StatusCode.UNAUTHENTICATED, f"{E.AUTH}: missing or wrong token")
+        ld = self.election.leader
+        where = (
+            f"the leader is {ld.address} (epoch {ld.epoch})"
+            if ld is not None and ld.address
+            else "no leader is known yet"
+        )
+        ctx.abort(
+            grpc.StatusCode.UNAVAILABLE,
+            f"{E.NOT_LEADER}: syncer {self.election.address} of run {self.election.cfg.name} "
+            f"is a standby; {where}",
+        )
+        raise AssertionError("unreachable")
+
+    def _status(self, req: bytes, ctx: grpc.ServicerContext) -> bytes:
+        if not self._authorised(ctx):
+            ctx.abort(grpc.StatusCode.UNAUTHENTICATED, f"{E.AUTH}: missing or wrong token")
+        ld = self.election.leader
+        return wire.pack(
+            {
+                "initialised": False,
+                "ha": {
+                    "role": "standby",
+                    "leader": ld.address if ld else None,
+                    "epoch": ld.epoch if ld else None,
+                },
+            }
+        )
+
+    def close(self) -> None:
+        self._server.stop(None).wait(2.0)
+
+
+def _epoch_dirs(base: Path) -> list[tuple[int, Path]]:
+    out = []
+    if base.is_dir():
+        for d in base.iterdir():
+            m = EPOCH_DIR.match(d.name)
+            if m and d.is_dir():
+                out.append((int(m.group(1)), d))
+    return sorted(out)
+
+
+def _link_tree(src: Path, dst: Path) -> None:
+    """``src``'s checkpoint (manifests and fragment directories, no temp names) linked into
+    ``dst``; copied where a hard link is refused."""
+    from ddiloco.runtime.syncer.server import DATA_PORT_FILE
+
+    dst.mkdir(parents=True, exist_ok=True)
+    for entry in sorted(src.iterdir()):
+        if (
+            entry.name.startswith(".")
+            or entry.name == DATA_PORT_FILE
+            or EPOCH_DIR.match(entry.name)
+        ):
+            continue  # a write in progress; the data port of another host; other epochs
+        target = dst / entry.name
+        if entry.is_dir():
+            _link_tree(entry, target)
+        elif entry.is_file() and not target.exists():
+            try:
+                os.link(entry, target)
+            except OSError:
+                shutil.copy2(entry, target)
+
+
+def prepare_epoch_dir(base: str | Path, epoch: int) -> tuple[Path, bool]:
+    """Leader ``epoch``'s checkpoint directory under ``base``, holding the newest earlier
+    checkpoint (another epoch's, or a run's checkpoint in ``base`` itself): (the directory,
+    whether there is a checkpoint to resume). Epoch directories past the newest
+    ``KEEP_EPOCH_DIRS`` are removed."""
+    from ddiloco.runtime.syncer.checkpoint import CHECKPOINT_NAME
+
+    base = Path(base)
+    mine = base / f"epoch-{epoch:012d}"
+    earlier = [d for e, d in _epoch_dirs(base) if e < epoch and (d / CHECKPOINT_NAME).exists()]
+    if not (mine / CHECKPOINT_NAME).exists():
+        if earlier:
+            _link_tree(earlier[-1], mine)
+        elif (base / CHECKPOINT_NAME).exists():  # a run started without --ha
+            _link_tree(base, mine)
+    mine.mkdir(parents=True, exist_ok=True)
+    for _, d in _epoch_dirs(base)[:-KEEP_EPOCH_DIRS]:
+        if d != mine:
+            shutil.rmtree(d, ignore_errors=True)
+    return mine, (mine / CHECKPOINT_NAME).exists()
+
+
+def run_replicated(
+    cfg: Any,
+    ha: HAConfig,
+    stop: threading.Event,
+    on_bound: Callable[[int], None] | None = None,
+    on_lead: Callable[[Any], None] | None = None,
+) -> int:
+    """Serve as one syncer of a replicated run until ``stop``: stand by, lead when elected,
+    stand by again if the lease is lost. ``cfg``: the ``SyncerServerConfig`` (its
+    ``checkpoint_dir`` is the shared base directory). ``on_bound(port)`` once the port is
+    bound; ``on_lead(server)`` each time this process starts leading. Returns 0."""
+    from ddiloco.runtime.syncer.server import SyncerServer
+
+    if not cfg.checkpoint_dir:
+        raise ValueError("a replicated syncer (--ha) needs a --checkpoint-dir on a shared disk")
+    if cfg.checkpoint_every != 1:
+        raise ValueError(
+            "a replicated syncer (--ha) needs --checkpoint-every 1: a new leader resumes "
+            "from the checkpoint, which must hold every version learners saw"
+        )
+    tls = (cfg.tls_cert, cfg.tls_key) if cfg.tls_cert and cfg.tls_key else None
+    port = cfg.port
+    announced = False
+    while not stop.is_set():
+        address = ha.address or f"{cfg.host}:{port}"
+        election = Election(ha, address)
+        standby = StandbyServer(cfg.host, port, cfg.token, election, tls)
+        port = standby.port
+        if not ha.address:  # the key names the port bound
+            address = election.address = f"{cfg.host}:{port}"
+        if not announced:
+            announced = True
+            if on_bound is not None:
+                on_bound(port)
+        log.info("syncer %s of run %s standing by", address, ha.name)
+        won = election.campaign(stop)
+        standby.close()
+        if won is None:
+            break
+        epoch, lease = won
+        directory, resume = prepare_epoch_dir(cfg.checkpoint_dir, epoch)
+        server = SyncerServer(replace(cfg, port=port, checkpoint_dir=str(directory), resume=resume))
+        server.fence = Fence(epoch, lease, ha.name, address)
+        server.start()
+        log.info(
+            "leading run %s as epoch %d on %s (%s)",
+            ha.name,
+            epoch,
+            address,
+            f"resumed from {directory}" if resume else "no checkpoint: waiting for Init",
+        )
+        if on_lead is not None:
+            on_lead(server)
+        while not stop.is_set() and lease.valid():
+            stop.wait(min(0.1, max(0.01, lease.remaining_s())))
+        lost = not lease.valid()
+        server.close()  # its final checkpoint goes to its own epoch directory
+        lease.close(revoke=not lost)  # a clean stop hands over at once
+        if lost:
+            log.warning("epoch %d over (%s): standing by again", epoch, lease.why)
+    return 0
