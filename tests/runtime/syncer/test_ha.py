@@ -16,12 +16,20 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 from etcd_helpers import EtcdProcess
 from runtime_helpers import SyncerProcess, init_syncer, push_header, read_jsonl, tiny_model
 
 from ddiloco.algorithm.codecs import get_codec
 from ddiloco.runtime.learner.client import SyncerClient
 from ddiloco.runtime.learner.leader import FollowingClient, LeaderFinder
+from ddiloco.runtime.syncer.checkpoint import (
+    CHECKPOINT_NAME,
+    Written,
+    load_checkpoint,
+    save_atomic,
+    stored_fragments,
+)
 from ddiloco.runtime.syncer.ha import Election, Fence, HAConfig, prepare_epoch_dir
 from ddiloco.runtime.transport.etcd import leader_key
 from ddiloco.runtime.transport.spec import fragmentation_from_spec
@@ -109,24 +117,116 @@ def test_a_leader_cut_off_from_etcd_gives_up_within_its_lease(etcd):
     lease.close(revoke=True)
 
 
+def _snap(values: list[float], versions: list[int]) -> dict:
+    """A checkpoint snapshot of ``len(values)`` fragments, fragment p's tensors all
+    ``values[p]``."""
+    return {
+        "state": {
+            "theta": [[torch.full((5,), v), torch.full((3,), v)] for v in values],
+            "momentum": [[torch.full((5,), -v), torch.full((3,), -v)] for v in values],
+        },
+        "versions": versions,
+    }
+
+
+def _write(directory: Path, values: list[float], versions: list[int], prev=None, same=()):
+    """An incremental checkpoint: the fragments in ``same`` named from ``prev``'s files."""
+    reuse = {p: prev.fragments[p] for p in same} if prev is not None else None
+    return save_atomic(_snap(values, versions), directory / CHECKPOINT_NAME, reuse=reuse)
+
+
+def _values(manifest: Path) -> tuple[list[float], list[int]]:
+    ck = load_checkpoint(manifest)
+    theta = ck["state"]["theta"]
+    for p, ts in enumerate(theta):
+        assert all(torch.equal(m, -t) for m, t in zip(ck["state"]["momentum"][p], ts))
+    return [float(ts[0][0]) for ts in theta], ck["versions"]
+
+
 @pytest.mark.timeout(60)
-def test_a_new_leader_resumes_from_a_link_of_the_newest_epoch(tmp_path):
+def test_a_take_over_after_incremental_checkpoints_brings_every_file_its_manifests_name(
+    tmp_path,
+):
     base = tmp_path / "ck"
     old = base / "epoch-000000000003"
-    (old / "syncer-000007").mkdir(parents=True)
-    (old / "syncer-000007" / "fragment-0000.safetensors").write_bytes(b"x")
-    (old / "syncer.json").write_text("{}")
-    (old / ".syncer-000008.tmp.1").mkdir()  # a write in progress: not taken
+    # four incremental checkpoints: each writes only the fragment merged since the last
+    w = _write(old, [1, 2, 3], [1, 1, 1])
+    w = _write(old, [4, 2, 3], [2, 1, 1], w, same=(1, 2))
+    w = _write(old, [4, 5, 3], [2, 2, 1], w, same=(0, 2))
+    w = _write(old, [6, 5, 3], [3, 2, 1], w, same=(1, 2))
+    named = {e["file"] for e in w.fragments if e}
+    assert named == {
+        "syncer-000004/fragment-0000.safetensors",
+        "syncer-000003/fragment-0001.safetensors",
+        "syncer-000001/fragment-0002.safetensors",
+    }
+    (old / ".syncer-000005.tmp.1").mkdir()  # a write in progress: not taken
     mine, resume = prepare_epoch_dir(base, 9)
     assert resume and mine.name == "epoch-000000000009"
-    f = mine / "syncer-000007" / "fragment-0000.safetensors"
-    assert (
-        f.read_bytes() == b"x"
-        and f.stat().st_ino == (old / "syncer-000007" / "fragment-0000.safetensors").stat().st_ino
-    )
-    assert not (mine / ".syncer-000008.tmp.1").exists()
+    assert not (mine / ".syncer-000005.tmp.1").exists()
+    # every file the kept manifests name is there, the same inode (a link, not a copy)
+    for f in named:
+        assert (mine / f).stat().st_ino == (old / f).stat().st_ino
+    assert _values(mine / CHECKPOINT_NAME) == ([6, 5, 3], [3, 2, 1])
+    assert _values(mine / f"{CHECKPOINT_NAME}.1") == ([4, 5, 3], [2, 2, 1])
+    assert _values(mine / f"{CHECKPOINT_NAME}.2") == ([4, 2, 3], [2, 1, 1])
+    assert (mine / "syncer-000004" / CHECKPOINT_NAME).is_file()  # the recovery copy
+
+    # the deposed leader goes on writing in its own directory: three full checkpoints, whose
+    # clean-up removes every file of the four above there; nothing of the new leader's moves
+    w_old = w
+    for k in range(3):
+        w_old = _write(old, [10 + k] * 3, [9, 9, 9])
+    assert not (old / "syncer-000001").exists() and not (old / "syncer-000004").exists()
+    assert _values(mine / CHECKPOINT_NAME) == ([6, 5, 3], [3, 2, 1])
+
+    # the new leader writes incrementally in its directory (fragment 0 only), reusing the
+    # linked files; its clean-up drops only its own links that no manifest of it names
+    stored = stored_fragments(load_checkpoint(mine / CHECKPOINT_NAME, lazy=True))
+    assert stored is not None
+    w = Written(0, stored, [])
+    for k in range(4):
+        w = _write(mine, [20 + k, 5, 3], [4 + k, 2, 1], w, same=(1, 2))
+    assert not (mine / "syncer-000004").exists()  # fragment 0 of v3 is named by none now
+    assert (mine / "syncer-000001" / "fragment-0002.safetensors").is_file()  # still named
+    assert _values(mine / CHECKPOINT_NAME) == ([23, 5, 3], [7, 2, 1])
+    assert _values(old / CHECKPOINT_NAME) == ([12, 12, 12], [9, 9, 9])  # untouched by it
+    assert w_old.written == [0, 1, 2]
+
+    # a third leader takes over from the second: the fragment files its manifests name
+    # lie in four fragment directories, two of them linked in from the first epoch
+    third, resume = prepare_epoch_dir(base, 15)
+    assert resume and _values(third / CHECKPOINT_NAME) == ([23, 5, 3], [7, 2, 1])
+    assert sorted(p.name for p in base.iterdir()) == [
+        "epoch-000000000003",
+        "epoch-000000000009",
+        "epoch-000000000015",
+    ]
     first, resume = prepare_epoch_dir(tmp_path / "fresh", 2)
     assert not resume and first.is_dir()
+
+
+@pytest.mark.timeout(60)
+def test_a_take_over_leaves_out_a_manifest_whose_files_are_gone(tmp_path):
+    """A manifest read while the deposed leader's clean-up removes what it names is left
+    out (here: a file of the newest is gone); a damaged one too; the rest are taken."""
+    base = tmp_path / "ck"
+    old = base / "epoch-000000000003"
+    w = _write(old, [1, 2], [1, 1])
+    w = _write(old, [3, 2], [2, 1], w, same=(1,))
+    w = _write(old, [3, 4], [2, 2], w, same=(0,))
+    (old / "syncer-000003" / "fragment-0001.safetensors").unlink()
+    mine, resume = prepare_epoch_dir(base, 4, attempts=1)
+    assert resume
+    assert _values(mine / CHECKPOINT_NAME) == ([3, 2], [2, 1])
+    assert _values(mine / f"{CHECKPOINT_NAME}.1") == ([1, 2], [1, 1])
+    assert not (mine / f"{CHECKPOINT_NAME}.2").exists()
+    # nothing intact at all in the newest epoch: the one before it is taken, loudly
+    newer = base / "epoch-000000000005"
+    newer.mkdir()
+    (newer / CHECKPOINT_NAME).write_text("{}")
+    again, resume = prepare_epoch_dir(base, 6, attempts=1)
+    assert resume and _values(again / CHECKPOINT_NAME) == ([3, 2], [2, 1])
 
 
 @pytest.mark.timeout(60)

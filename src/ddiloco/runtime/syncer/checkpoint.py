@@ -116,6 +116,7 @@ __all__ = [
     "Written",
     "stored_fragments",
     "DEFAULT_KEEP",
+    "manifest_files",
 ]
 
 log = logging.getLogger("ddiloco.syncer")
@@ -428,6 +429,29 @@ def _entries(doc: dict) -> list[tuple[str, int]]:
         else:
             out.append((e["file"], int(e.get("bytes", -1))))
     return out
+
+
+def manifest_files(raw: bytes) -> tuple[str, list[tuple[str, int]]] | None:
+    """What the manifest ``raw`` (its bytes) needs beside it in its checkpoint directory:
+    (the fragment directory its checkpoint wrote, the fragment files it names as paths
+    relative to that checkpoint directory with their sizes), those of a version 3 manifest
+    in that directory or earlier ones'; None when it is not intact. A checkpoint is whole
+    where it stands once each of these files is there at its size (their SHA-256 is
+    verified as they are read)."""
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        return None
+    if not isinstance(doc, dict):
+        return None
+    digest = doc.pop("manifest_sha256", None)
+    if not isinstance(digest, str) or hashlib.sha256(_canonical(doc)).hexdigest() != digest:
+        return None
+    data = doc.get("data")
+    files = _entries(doc)
+    if not isinstance(data, str) or not all(_FILE_PATH.match(f) for f, _ in files):
+        return None
+    return data, files
 
 
 def _fragment_files(directory: Path, name: str, below: int | None = None) -> list[str]:

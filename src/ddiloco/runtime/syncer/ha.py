@@ -32,13 +32,18 @@ address can follow. It polls the key every ``poll_s`` and campaigns when the key
 It leads within TTL + ``poll_s`` of the old leader's last keepalive (plus the resume).
 
 **State** (this first form): the leaders share the checkpoint directory (a shared disk).
-Leader E writes its checkpoints under ``CHECKPOINT_DIR/epoch-E``; a new leader links
-(hard links: checkpoint files are never written in place) the newest earlier epoch's
-checkpoint into its own directory and resumes from it. A deposed leader that still writes
-writes into its own epoch's directory, which no later leader reads. With
-``checkpoint_every = 1`` every version a learner saw was durable before it was sent, and
-so before the old lease lapsed: the new leader holds it. Pushes not yet merged are lost,
-as on a ``--resume``: learners count them dropped and push again.
+Leader E writes its checkpoints under ``CHECKPOINT_DIR/epoch-E``. A new leader takes the
+newest earlier epoch's checkpoints into its own directory and resumes from them
+(``prepare_epoch_dir``): each intact manifest with every fragment file it names, which in
+an incremental checkpoint (manifest version 3) lies in that checkpoint's fragment
+directory or an earlier one's, hard-linked under the same relative path, so every path
+the manifest names resolves in the new directory. Checkpoint files are never written in
+place, so the links make the directories independent: a deposed leader that still writes
+(its final checkpoint, a clean-up) changes nothing the new leader resumed from, and the
+new leader's clean-up removes only its own links, never a file another epoch's manifest
+needs. With ``checkpoint_every = 1`` every version a learner saw was durable before it
+was sent, and so before the old lease lapsed: the new leader holds it. Pushes not yet
+merged are lost, as on a ``--resume``: learners count them dropped and push again.
 """
 
 from __future__ import annotations
@@ -461,49 +466,131 @@ def _epoch_dirs(base: Path) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
-def _link_tree(src: Path, dst: Path) -> None:
-    """``src``'s checkpoint (manifests and fragment directories, no temp names) linked into
-    ``dst``; copied where a hard link is refused."""
-    from ddiloco.runtime.syncer.server import DATA_PORT_FILE
+def _link(src: Path, dst: Path) -> None:
+    """``dst`` a hard link of ``src`` (a copy where the file system refuses one)."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    if dst.exists():
+        if dst.stat().st_ino == src.stat().st_ino:
+            return
+        dst.unlink()
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _adopt(src: Path, dst: Path, keep: int) -> int:
+    """Link the checkpoints of ``src`` into ``dst`` (a new epoch's directory, without a
+    manifest yet): each intact manifest among ``syncer.json``, ``.1``... (read once, as
+    bytes: a deposed leader may still be rotating them) with every fragment file it names,
+    wherever in ``src`` it is (a version 3 manifest names files of earlier checkpoints'
+    directories), and the copy of the manifest in its own fragment directory. A manifest
+    whose files are not all there at their sizes (removed meanwhile by the deposed
+    leader's clean-up) is left out. The manifests adopted are written newest last, as
+    ``syncer.json``, ``.1``... in the order of their fragment directories; returns how many.
+
+    Hard links make the two directories independent: checkpoint files are never written
+    in place (a write makes new files, a rotation renames, a clean-up unlinks), so nothing
+    the old leader still does in ``src`` changes a byte ``dst`` holds, and a clean-up in
+    ``dst`` removes only ``dst``'s own names, never a file another epoch's manifest needs."""
+    from ddiloco.runtime.syncer.checkpoint import CHECKPOINT_NAME, LEGACY_NAME, manifest_files
 
     dst.mkdir(parents=True, exist_ok=True)
-    for entry in sorted(src.iterdir()):
-        if (
-            entry.name.startswith(".")
-            or entry.name == DATA_PORT_FILE
-            or EPOCH_DIR.match(entry.name)
-        ):
-            continue  # a write in progress; the data port of another host; other epochs
-        target = dst / entry.name
-        if entry.is_dir():
-            _link_tree(entry, target)
-        elif entry.is_file() and not target.exists():
-            try:
-                os.link(entry, target)
-            except OSError:
-                shutil.copy2(entry, target)
+    found: dict[str, bytes] = {}  # fragment directory -> manifest
+    for i in range(keep):
+        m = src / (CHECKPOINT_NAME if i == 0 else f"{CHECKPOINT_NAME}.{i}")
+        try:
+            raw = m.read_bytes()
+        except OSError:
+            continue
+        got = manifest_files(raw)
+        if got is None:
+            log.warning("take-over: %s is damaged; not taken", m)
+            continue
+        data, files = got
+        try:
+            for f, size in files:
+                if (src / f).stat().st_size != size:
+                    raise FileNotFoundError(f"{src / f} is not {size} bytes")
+                _link(src / f, dst / f)
+                if (dst / f).stat().st_size != size:
+                    raise FileNotFoundError(f"{dst / f} is not {size} bytes")
+        except OSError as e:
+            log.warning("take-over: %s names a fragment file that is gone (%s); not taken", m, e)
+            continue
+        with contextlib.suppress(OSError):
+            _link(src / data / CHECKPOINT_NAME, dst / data / CHECKPOINT_NAME)
+        found[data] = raw
+    order = sorted(found, key=lambda d: (len(d), d), reverse=True)[:keep]  # newest first
+    if not order:
+        legacy = [src / LEGACY_NAME] + [src / f"{LEGACY_NAME}.{i}" for i in range(1, keep)]
+        for old in legacy:
+            with contextlib.suppress(OSError):
+                _link(old, dst / old.name)
+        return sum((dst / old.name).is_file() for old in legacy)
+    for i in reversed(range(len(order))):
+        name = CHECKPOINT_NAME if i == 0 else f"{CHECKPOINT_NAME}.{i}"
+        tmp = dst / f".{name}.tmp.{os.getpid()}"
+        with open(tmp, "wb") as fh:
+            fh.write(found[order[i]])
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, dst / name)
+    _fsync_dir(dst)
+    return len(order)
 
 
-def prepare_epoch_dir(base: str | Path, epoch: int) -> tuple[Path, bool]:
+def prepare_epoch_dir(
+    base: str | Path, epoch: int, keep: int | None = None, attempts: int = 5
+) -> tuple[Path, bool]:
     """Leader ``epoch``'s checkpoint directory under ``base``, holding the newest earlier
-    checkpoint (another epoch's, or a run's checkpoint in ``base`` itself): (the directory,
-    whether there is a checkpoint to resume). Epoch directories past the newest
-    ``KEEP_EPOCH_DIRS`` are removed."""
-    from ddiloco.runtime.syncer.checkpoint import CHECKPOINT_NAME
+    checkpoint (``_adopt``: another epoch's, or a run's checkpoint in ``base`` itself):
+    (the directory, whether there is a checkpoint to resume). An epoch directory whose
+    checkpoints cannot be taken whole (its writer still cleaning up) is read again up to
+    ``attempts`` times before an older one is taken, loudly. Epoch directories older than
+    the one taken, past the newest ``KEEP_EPOCH_DIRS``, are removed."""
+    from ddiloco.runtime.syncer.checkpoint import DEFAULT_KEEP, has_checkpoint
 
+    keep = keep or DEFAULT_KEEP
     base = Path(base)
     mine = base / f"epoch-{epoch:012d}"
-    earlier = [d for e, d in _epoch_dirs(base) if e < epoch and (d / CHECKPOINT_NAME).exists()]
-    if not (mine / CHECKPOINT_NAME).exists():
-        if earlier:
-            _link_tree(earlier[-1], mine)
-        elif (base / CHECKPOINT_NAME).exists():  # a run started without --ha
-            _link_tree(base, mine)
+    sources = [d for e, d in reversed(_epoch_dirs(base)) if e < epoch]
+    sources = [d for d in sources if has_checkpoint(d, keep)]
+    if has_checkpoint(base, keep):  # a run started without --ha
+        sources.append(base)
+    taken: Path | None = None
+    if not has_checkpoint(mine, keep):
+        for k, src in enumerate(sources):
+            for attempt in range(attempts):
+                if _adopt(src, mine, keep):
+                    taken = src
+                    break
+                time.sleep(0.05 * (attempt + 1))
+            if taken is not None:
+                if k:
+                    log.error(
+                        "TAKE-OVER FROM AN OLDER EPOCH: no checkpoint of %s could be taken "
+                        "whole; resuming from %s (merges after it are lost)",
+                        ", ".join(str(d) for d in sources[:k]),
+                        taken,
+                    )
+                break
     mine.mkdir(parents=True, exist_ok=True)
-    for _, d in _epoch_dirs(base)[:-KEEP_EPOCH_DIRS]:
-        if d != mine:
-            shutil.rmtree(d, ignore_errors=True)
-    return mine, (mine / CHECKPOINT_NAME).exists()
+    if taken is not None and taken != base:
+        below = EPOCH_DIR.match(taken.name)
+        assert below is not None
+        for e, d in _epoch_dirs(base)[:-KEEP_EPOCH_DIRS]:
+            if e < int(below.group(1)) and d != mine:
+                shutil.rmtree(d, ignore_errors=True)
+    return mine, has_checkpoint(mine, keep)
 
 
 def run_replicated(
@@ -546,7 +633,7 @@ def run_replicated(
         if won is None:
             break
         epoch, lease = won
-        directory, resume = prepare_epoch_dir(cfg.checkpoint_dir, epoch)
+        directory, resume = prepare_epoch_dir(cfg.checkpoint_dir, epoch, cfg.checkpoint_keep)
         server = SyncerServer(replace(cfg, port=port, checkpoint_dir=str(directory), resume=resume))
         server.fence = Fence(epoch, lease, ha.name, address)
         server.start()
