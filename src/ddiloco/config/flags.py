@@ -284,6 +284,13 @@ class SyncerArgs:
     ha_address: str | None = None
     """With --ha: HOST:PORT learners reach this syncer at (default: --host and the bound
     port)."""
+    ha_replicate: bool = False
+    """With --ha: hot standbys. The leader sends each checkpoint to every standby and
+    publishes once they hold it; an elected standby resumes from its own copy, so the
+    checkpoint directories need not be shared (docs/runtime.md, Failover)."""
+    ha_replica_dir: str | None = None
+    """With --ha-replicate: where this syncer keeps its copy as a standby (default:
+    CHECKPOINT_DIR/replica-PORT)."""
     sync: SyncConfig = field(default_factory=SyncConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     run: Annotated[TrainConfig, tyro.conf.Suppress] = field(default_factory=TrainConfig)

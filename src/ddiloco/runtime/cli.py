@@ -128,7 +128,12 @@ def _replicated_syncer(args, cfg) -> int:
         if not (args.ha and args.ha_name):
             raise ValueError("--ha and --ha-name go together")
         ha = HAConfig(
-            endpoint=args.ha, name=args.ha_name, address=args.ha_address or "", ttl_s=args.ha_ttl_s
+            endpoint=args.ha,
+            name=args.ha_name,
+            address=args.ha_address or "",
+            ttl_s=args.ha_ttl_s,
+            replicate=args.ha_replicate,
+            replica_dir=args.ha_replica_dir or "",
         )
     except ValueError as e:
         print(f"ddiloco syncer: error: {e}", file=sys.stderr)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -474,6 +475,58 @@ def test_a_paused_leader_is_deposed_and_fences_itself(etcd, tmp_path):
         r = cb.unary("Join", {"learner": 0, "incarnation": -1})
         assert r["need_init"] is False and r["versions"][0] == 1, r
         cb.close()
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_hot_standby_leader_sigkilled_and_its_disk_lost_nothing_installed_is_missing(
+    etcd, tmp_path
+):
+    """--ha-replicate, each syncer on its own disk: the leader is SIGKILLed and its
+    checkpoint directory deleted (the machine died); the standby leads from the copy the
+    leader replicated to it, and every version a learner installed is in it."""
+    a = _syncer(tmp_path, "a", etcd, tmp_path / "disk-a", "--ha-replicate")
+    _wait(lambda: _leader(etcd), 30, "a leader")
+    b = _syncer(tmp_path, "b", etcd, tmp_path / "disk-b", "--ha-replicate")
+    try:
+        assert _leader(etcd)[0] == a.address
+        steps = 300
+        learners = [
+            _learner(tmp_path, 0, f"{a.address},{b.address}", steps),
+            _learner(tmp_path, 1, f"{etcd.endpoint}/run", steps),
+        ]
+
+        def at_step_60() -> bool:
+            for m, p in enumerate(learners):
+                assert p.poll() is None, (tmp_path / f"learner_{m}.log").read_text()[-3000:]
+            return all(len(_steps(tmp_path, m)) >= 60 for m in (0, 1))
+
+        _wait(at_step_60, 180, "step 60")
+        a.proc.kill()
+        killed_wall = time.time()
+        shutil.rmtree(tmp_path / "disk-a")  # the leader's disk died with it
+        _wait(lambda: (ld := _leader(etcd)) and ld[0] == b.address, 30, "b leads")
+        for m, p in enumerate(learners):
+            assert p.wait(240) == 0, (tmp_path / f"learner_{m}.log").read_text()[-3000:]
+        events = read_jsonl(tmp_path / "b" / "syncer.jsonl")
+        resume = next(r for r in events if r["kind"] == "resume")
+        assert any(r["kind"] == "merge" for r in events), "the new leader merged nothing"
+        log = (tmp_path / "b" / "syncer.log").read_text()
+        assert "the standby's copy" in log, log[-3000:]
+        installed_before = 0
+        for m in (0, 1):
+            rows = _steps(tmp_path, m)
+            assert rows[-1]["step"] == steps
+            for r in rows:
+                if r["wall"] < killed_wall:
+                    for p, v in r["installed"].items():
+                        installed_before = max(installed_before, v)
+                        assert resume["versions"][int(p)] >= v, (m, p, v, resume["versions"])
+        assert installed_before > 0, "no learner installed a merged version before the kill"
+        print(f"hot standby: resumed at versions {resume['versions']}")
     finally:
         a.close()
         b.close()

@@ -141,6 +141,11 @@ class Durability:
         self.unpublished: dict[int, Merged] = {}
         """p -> merged version waiting for a checkpoint holding it (``durable``)."""
         self.thread: threading.Thread | None = None
+        self.replicate: Callable[[dict], Any] | None = None
+        """A replicated syncer's leader with hot standbys (``replica.Replicator.round``):
+        each checkpoint is sent to them before it is written, and its versions are
+        published once both are done; None (the standbys' leader lost its lease): nothing
+        of it is published."""
         self._stored: dict[int, tuple[tuple[weakref.ref, ...], dict]] = {}
         """p -> the tensors (weak references) that the newest checkpoint holds for fragment
         p, and its manifest entry: while the state still holds those very tensors, p has
@@ -218,17 +223,59 @@ class Durability:
                 to_publish = dict(self.unpublished)
                 self.unpublished.clear()
                 merged_seq = self.publication.merged_seq_copy()
+            replicated = self._replicate(snap)
             try:
                 self.write(snap)
             except OSError as e:  # disk trouble is an event, not a crash; retry next merge
                 log.error("checkpoint write failed: %s", e)
+                replicated()
                 with self.cv:
                     self.unpublished = {**to_publish, **self.unpublished}
                     self.counters["checkpoint_errors"] += 1
                 continue
+            if not replicated():
+                log.error("checkpoint not replicated (this leader's lease ended): unpublished")
+                with self.cv:
+                    self.unpublished = {**to_publish, **self.unpublished}
+                continue
             with self.cv:
                 for _p, mg in to_publish.items():
                     self.publication.publish_merged(mg, merged_seq)
+
+    def _replicate(self, snap: dict) -> Callable[[], bool]:
+        """Send ``snap`` to the standbys (``replicate``) in a thread of its own, beside the
+        checkpoint's write (which empties the snapshot's tensor lists as it goes: the
+        thread holds its own lists of the same tensors, which are never written in place);
+        returns the wait for it: whether the standbys hold it."""
+        if self.replicate is None:
+            return lambda: True
+        replicate = self.replicate
+        state = snap["state"]
+        mine = {
+            **snap,
+            "state": {
+                **state,
+                "theta": [list(ts) for ts in state["theta"]],
+                "momentum": [list(ts) for ts in state["momentum"]],
+            },
+        }
+        done: list[bool] = []
+
+        def run() -> None:
+            try:
+                done.append(replicate(mine) is not None)
+            except Exception:  # noqa: BLE001 - a bug there must not publish; it is logged
+                log.exception("replication failed")
+                done.append(False)
+
+        t = threading.Thread(target=run, name="syncer-replicate", daemon=True)
+        t.start()
+
+        def wait() -> bool:
+            t.join()
+            return bool(done and done[0])
+
+        return wait
 
     def load(self, path: Path, setup: Callable[[dict], SyncerState]) -> Resumed:
         """Resume from ``path`` (or, if it is damaged or holds NaN, the newest valid one of

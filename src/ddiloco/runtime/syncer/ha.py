@@ -44,6 +44,10 @@ new leader's clean-up removes only its own links, never a file another epoch's m
 needs. With ``checkpoint_every = 1`` every version a learner saw was durable before it
 was sent, and so before the old lease lapsed: the new leader holds it. Pushes not yet
 merged are lost, as on a ``--resume``: learners count them dropped and push again.
+
+**Hot standbys** (``replicate``): the leader also sends each checkpoint to every standby
+and publishes once they hold it; an elected standby resumes from its own copy, so the
+directories need not be shared (``ddiloco.runtime.syncer.replica``).
 """
 
 from __future__ import annotations
@@ -110,6 +114,13 @@ class HAConfig:
     """The leader stops answering this long before its lease can lapse (module doc)."""
     poll_s: float = 0.5
     """A standby reads the key this often."""
+    replicate: bool = False
+    """A hot standby (``ddiloco.runtime.syncer.replica``): the leader sends every checkpoint
+    to the standbys and publishes once they hold it; an elected standby resumes from its
+    copy, so the old leader's disk may be lost."""
+    replica_dir: str = ""
+    """Where a standby writes its copy (with ``replicate``); empty:
+    ``CHECKPOINT_DIR/replica-PORT``."""
 
     def __post_init__(self) -> None:
         parse_endpoint(self.endpoint)
@@ -137,9 +148,15 @@ class Lease:
     every ``keepalive_s``; ``lost`` is set once it is no longer valid, for good."""
 
     def __init__(
-        self, client: EtcdClient, cfg: HAConfig, lease_id: int, t_sent: float, ttl_s: float
+        self,
+        client: EtcdClient,
+        cfg: HAConfig,
+        lease_id: int,
+        t_sent: float,
+        ttl_s: float,
+        what: str = "leader's lease",
     ) -> None:
-        self.client, self.cfg, self.id = client, cfg, lease_id
+        self.client, self.cfg, self.id, self.what = client, cfg, lease_id, what
         self._deadline = t_sent + ttl_s - cfg.margin_s
         self.lost = threading.Event()
         self.why = ""
@@ -158,7 +175,7 @@ class Lease:
         if not self.lost.is_set():
             self.why = why
             self.lost.set()
-            log.error("lease %x lost: %s; this syncer no longer leads", self.id, why)
+            log.error("%s %x lost: %s", self.what, self.id, why)
 
     def _renew(self) -> None:
         interval = self.cfg.keepalive_s
@@ -225,14 +242,20 @@ class Election:
             {"address": self.address, "host": socket.gethostname(), "pid": os.getpid()}
         ).encode()
 
-    def campaign(self, stop: threading.Event) -> tuple[int, Lease] | None:
+    def campaign(
+        self,
+        stop: threading.Event,
+        ready: Callable[[LeaderInfo | None], bool] | None = None,
+    ) -> tuple[int, Lease] | None:
         """Block until this process leads: (its epoch, its lease); None once ``stop`` is
-        set. etcd unreachable: keep trying."""
+        set. etcd unreachable: keep trying. ``ready(leader)``, at each read of the key:
+        whether this process may campaign now (a hot standby's rule, ``replica``)."""
         warned = 0.0
         while not stop.is_set():
             try:
                 kv = self.client.get(self.key)
-                if kv is None:
+                ok = ready(_leader_of(kv)) if ready is not None else True
+                if kv is None and ok:
                     t0 = time.monotonic()
                     ttl = self.cfg.ttl_s
                     lease_id = self.client.grant(ttl)
@@ -386,7 +409,10 @@ class StandbyServer:
         token: str,
         election: Election,
         tls: tuple[str, str] | None = None,
+        store: Any = None,
     ) -> None:
+        """``store``: a hot standby's ``replica.ReplicaStore``, which takes the leader's
+        rounds (``Replicate``)."""
         self.election, self.token = election, token
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=8), options=wire.GRPC_SERVER_OPTIONS
@@ -402,6 +428,12 @@ class StandbyServer:
                 handlers[n] = grpc.unary_unary_rpc_method_handler(self._status)
             else:
                 handlers[n] = grpc.unary_unary_rpc_method_handler(self._refuse)
+        if store is not None:
+            from ddiloco.runtime.syncer.replica import REPLICATE
+
+            handlers[REPLICATE] = grpc.stream_unary_rpc_method_handler(
+                store.handler(self._authorised)
+            )
         self._server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(wire.SERVICE, handlers),)
         )
@@ -549,14 +581,19 @@ def _adopt(src: Path, dst: Path, keep: int) -> int:
 
 
 def prepare_epoch_dir(
-    base: str | Path, epoch: int, keep: int | None = None, attempts: int = 5
+    base: str | Path,
+    epoch: int,
+    keep: int | None = None,
+    attempts: int = 5,
+    source: Path | None = None,
 ) -> tuple[Path, bool]:
     """Leader ``epoch``'s checkpoint directory under ``base``, holding the newest earlier
     checkpoint (``_adopt``: another epoch's, or a run's checkpoint in ``base`` itself):
     (the directory, whether there is a checkpoint to resume). An epoch directory whose
     checkpoints cannot be taken whole (its writer still cleaning up) is read again up to
-    ``attempts`` times before an older one is taken, loudly. Epoch directories older than
-    the one taken, past the newest ``KEEP_EPOCH_DIRS``, are removed."""
+    ``attempts`` times before an older one is taken, loudly. ``source``: take this
+    directory's checkpoints first (a hot standby's copy). Epoch directories older than the
+    one taken, past the newest ``KEEP_EPOCH_DIRS``, are removed."""
     from ddiloco.runtime.syncer.checkpoint import DEFAULT_KEEP, has_checkpoint
 
     keep = keep or DEFAULT_KEEP
@@ -566,6 +603,8 @@ def prepare_epoch_dir(
     sources = [d for d in sources if has_checkpoint(d, keep)]
     if has_checkpoint(base, keep):  # a run started without --ha
         sources.append(base)
+    if source is not None and has_checkpoint(source, keep):
+        sources.insert(0, source)
     taken: Path | None = None
     if not has_checkpoint(mine, keep):
         for k, src in enumerate(sources):
@@ -584,9 +623,8 @@ def prepare_epoch_dir(
                     )
                 break
     mine.mkdir(parents=True, exist_ok=True)
-    if taken is not None and taken != base:
-        below = EPOCH_DIR.match(taken.name)
-        assert below is not None
+    below = EPOCH_DIR.match(taken.name) if taken is not None else None
+    if below is not None and taken is not None and taken.parent == base:
         for e, d in _epoch_dirs(base)[:-KEEP_EPOCH_DIRS]:
             if e < int(below.group(1)) and d != mine:
                 shutil.rmtree(d, ignore_errors=True)
@@ -616,41 +654,126 @@ def run_replicated(
     tls = (cfg.tls_cert, cfg.tls_key) if cfg.tls_cert and cfg.tls_key else None
     port = cfg.port
     announced = False
+    store: Any = None
     while not stop.is_set():
         address = ha.address or f"{cfg.host}:{port}"
         election = Election(ha, address)
-        standby = StandbyServer(cfg.host, port, cfg.token, election, tls)
+        if ha.replicate and store is None:
+            from ddiloco.runtime.syncer.replica import ReplicaStore
+
+            store = ReplicaStore("", cfg.checkpoint_keep)  # its directory once the port is known
+        standby = StandbyServer(cfg.host, port, cfg.token, election, tls, store)
         port = standby.port
         if not ha.address:  # the key names the port bound
             address = election.address = f"{cfg.host}:{port}"
+        if store is not None and str(store.directory) == ".":
+            store.directory = Path(ha.replica_dir or Path(cfg.checkpoint_dir) / f"replica-{port}")
         if not announced:
             announced = True
             if on_bound is not None:
                 on_bound(port)
         log.info("syncer %s of run %s standing by", address, ha.name)
-        won = election.campaign(stop)
+        hot = _HotStandby(election, store, ha, address) if store is not None else None
+        won = election.campaign(stop, hot.ready if hot is not None else None)
         standby.close()
+        from_replica = hot is not None and hot.close()
         if won is None:
             break
         epoch, lease = won
-        directory, resume = prepare_epoch_dir(cfg.checkpoint_dir, epoch, cfg.checkpoint_keep)
+        directory, resume = prepare_epoch_dir(
+            cfg.checkpoint_dir,
+            epoch,
+            cfg.checkpoint_keep,
+            source=store.directory if from_replica else None,
+        )
+        if store is not None:
+            store.forget()  # this process leads now: its copy is of the epoch before
         server = SyncerServer(replace(cfg, port=port, checkpoint_dir=str(directory), resume=resume))
         server.fence = Fence(epoch, lease, ha.name, address)
+        replicator = None
+        if ha.replicate:
+            from ddiloco.runtime.syncer.replica import Replicator, standbys
+
+            def registered(
+                me: str = address, client: EtcdClient = election.client
+            ) -> dict[str, tuple[int, bool]]:
+                return {a: v for a, v in standbys(client, ha.name).items() if a != me}
+
+            replicator = Replicator(epoch, lease, cfg.token, registered, counters=server.counters)
+            server.durability.replicate = replicator.round
         server.start()
         log.info(
             "leading run %s as epoch %d on %s (%s)",
             ha.name,
             epoch,
             address,
-            f"resumed from {directory}" if resume else "no checkpoint: waiting for Init",
+            f"resumed from {directory}" + (" (the standby's copy)" if from_replica else "")
+            if resume
+            else "no checkpoint: waiting for Init",
         )
         if on_lead is not None:
             on_lead(server)
         while not stop.is_set() and lease.valid():
             stop.wait(min(0.1, max(0.01, lease.remaining_s())))
         lost = not lease.valid()
+        if replicator is not None:
+            replicator.close()  # a round waiting on a standby ends, unpublished
         server.close()  # its final checkpoint goes to its own epoch directory
         lease.close(revoke=not lost)  # a clean stop hands over at once
         if lost:
             log.warning("epoch %d over (%s): standing by again", epoch, lease.why)
     return 0
+
+
+class _HotStandby:
+    """A hot standby's registration and its rule for campaigning (``replica`` module doc)."""
+
+    def __init__(self, election: Election, store: Any, ha: HAConfig, address: str) -> None:
+        self.election, self.store, self.ha, self.address = election, store, ha, address
+        self.registration: Any = None
+
+    def _register(self) -> None:
+        from ddiloco.runtime.syncer.replica import Registration
+
+        if self.registration is not None and not self.registration.lease.valid():
+            self.store.forget()  # the leader may have stopped waiting for this standby
+            self.registration.close()
+            self.registration = None
+        if self.registration is None:
+            try:
+                reg = Registration(self.election.client, self.ha, self.address, Lease)
+            except EtcdError as e:
+                log.warning("standby registration failed (%s); again", e)
+                return
+            self.store.forget()
+            self.store.on_synced = reg.mark_synced
+            self.registration = reg
+
+    def ready(self, leader: LeaderInfo | None) -> bool:
+        """Register (again); whether this standby may campaign now: it holds the leader's
+        state under a registration still current, or no registered standby holds one."""
+        from ddiloco.runtime.syncer.replica import standbys
+
+        if leader is not None:
+            self.store.note_epoch(leader.epoch)
+        self._register()
+        if leader is not None or self.registration is None:
+            return False
+        if self.store.synced:
+            if self.registration.current():
+                return True
+            self.store.forget()
+        try:
+            others = standbys(self.election.client, self.ha.name)
+        except EtcdError:
+            return False
+        return not any(synced for a, (_, synced) in others.items() if a != self.address)
+
+    def close(self) -> bool:
+        """End the registration (before leading: a leader is no standby); whether the
+        copy held is whole, to resume from."""
+        whole = bool(self.store.synced)
+        if self.registration is not None:
+            self.registration.close()
+            self.registration = None
+        return whole

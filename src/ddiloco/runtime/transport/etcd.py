@@ -11,6 +11,9 @@ deadline, with the standard library only:
   revoke(lease)       POST /v3/lease/revoke      end it (its keys go with it)
   create(key, value, lease)  POST /v3/kv/txn     put ``key`` only if it does not exist
   get(key)            POST /v3/kv/range          the key's value and revisions, or None
+  put(key, value, lease)     POST /v3/kv/put     put ``key`` (a standby's registration)
+  delete(key)         POST /v3/kv/deleterange    remove ``key``
+  prefix(prefix)      POST /v3/kv/range          every key under ``prefix`` (the standbys)
 
 Every failure (refused connection, timeout, an HTTP error, a reply that is not JSON) is an
 ``EtcdError``; callers treat it as "etcd unreachable now".
@@ -26,7 +29,14 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
-__all__ = ["EtcdClient", "EtcdError", "KeyValue", "leader_key", "parse_endpoint"]
+__all__ = [
+    "EtcdClient",
+    "EtcdError",
+    "KeyValue",
+    "leader_key",
+    "standby_prefix",
+    "parse_endpoint",
+]
 
 
 class EtcdError(RuntimeError):
@@ -48,6 +58,11 @@ class KeyValue:
 def leader_key(name: str) -> str:
     """The key the syncers of run ``name`` campaign for (``ddiloco.runtime.syncer.ha``)."""
     return f"/ddiloco/{name}/leader"
+
+
+def standby_prefix(name: str) -> str:
+    """The keys under which the standbys of run ``name`` register (``.../ADDRESS``)."""
+    return f"/ddiloco/{name}/standby/"
 
 
 def parse_endpoint(url: str) -> str:
@@ -124,6 +139,29 @@ class EtcdClient:
     def get(self, key: str) -> KeyValue | None:
         kvs = self._post("/v3/kv/range", {"key": _b64(key.encode())}).get("kvs") or []
         return _kv(kvs[0]) if kvs else None
+
+    def put(self, key: str, value: bytes, lease: int) -> int:
+        """Put ``key`` under ``lease``; the revision of the put."""
+        out = self._post(
+            "/v3/kv/put",
+            {"key": _b64(key.encode()), "value": _b64(value), "lease": str(lease)},
+        )
+        return int(out["header"]["revision"])
+
+    def delete(self, key: str) -> None:
+        self._post("/v3/kv/deleterange", {"key": _b64(key.encode())})
+
+    def prefix(self, prefix: str) -> dict[str, KeyValue]:
+        """Every key that starts with ``prefix`` (not empty), by name."""
+        end = bytearray(prefix.encode())
+        end[-1] += 1
+        kvs = (
+            self._post(
+                "/v3/kv/range", {"key": _b64(prefix.encode()), "range_end": _b64(bytes(end))}
+            ).get("kvs")
+            or []
+        )
+        return {base64.b64decode(d["key"]).decode(): _kv(d) for d in kvs}
 
 
 def _kv(d: dict) -> KeyValue:
