@@ -117,6 +117,7 @@ __all__ = [
     "stored_fragments",
     "DEFAULT_KEEP",
     "manifest_files",
+    "numbered_dirs",
 ]
 
 log = logging.getLogger("ddiloco.syncer")
@@ -176,10 +177,16 @@ def _data_dirs(directory: Path, name: str, *, temp: bool = False) -> list[tuple[
     ``temp`` the temp-named ones of unfinished writes (``.syncer-000042.tmp.PID``)."""
     stem = re.escape(_stem(name))
     pat = re.compile(rf"^\.{stem}-(\d+)\.tmp\.\d+$" if temp else rf"^{stem}-(\d+)$")
+    return numbered_dirs(directory, pat)
+
+
+def numbered_dirs(directory: Path, pattern: re.Pattern[str]) -> list[tuple[int, Path]]:
+    """The directories in ``directory`` whose names ``pattern`` matches, with the number its
+    first group holds, in increasing order (none if ``directory`` is not one)."""
     out = []
     if directory.is_dir():
         for d in directory.iterdir():
-            m = pat.match(d.name)
+            m = pattern.match(d.name)
             if m and d.is_dir():
                 out.append((int(m.group(1)), d))
     return sorted(out)

@@ -489,13 +489,9 @@ class StandbyServer:
 
 
 def _epoch_dirs(base: Path) -> list[tuple[int, Path]]:
-    out = []
-    if base.is_dir():
-        for d in base.iterdir():
-            m = EPOCH_DIR.match(d.name)
-            if m and d.is_dir():
-                out.append((int(m.group(1)), d))
-    return sorted(out)
+    from ddiloco.runtime.syncer.checkpoint import numbered_dirs
+
+    return numbered_dirs(base, EPOCH_DIR)
 
 
 def _link(src: Path, dst: Path) -> None:
