@@ -359,6 +359,23 @@ def _steps(tmp: Path, m: int) -> list[dict]:
     return [r for r in read_jsonl(p) if r["kind"] == "step"] if p.exists() else []
 
 
+def _learners_at(tmp: Path, a, b, etcd, steps: int, at: int) -> list[subprocess.Popen]:
+    """Two learners of ``steps`` steps, one given both syncers' addresses and one the etcd
+    endpoint, once both have trained ``at`` steps (neither may exit before)."""
+    learners = [
+        _learner(tmp, 0, f"{a.address},{b.address}", steps),
+        _learner(tmp, 1, f"{etcd.endpoint}/run", steps),
+    ]
+
+    def reached() -> bool:
+        for m, p in enumerate(learners):
+            assert p.poll() is None, (tmp / f"learner_{m}.log").read_text()[-3000:]
+        return all(len(_steps(tmp, m)) >= at for m in (0, 1))
+
+    _wait(reached, 180, f"step {at}")
+    return learners
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_leader_sigkill_the_standby_leads_and_learners_follow(etcd, tmp_path):
@@ -378,17 +395,7 @@ def test_leader_sigkill_the_standby_leads_and_learners_follow(etcd, tmp_path):
         assert "E_NOT_LEADER" in ei.value.details() and a.address in ei.value.details()
         c.close()
         steps = 500
-        learners = [
-            _learner(tmp_path, 0, f"{a.address},{b.address}", steps),
-            _learner(tmp_path, 1, f"{etcd.endpoint}/run", steps),
-        ]
-
-        def at_step_80() -> bool:
-            for m, p in enumerate(learners):
-                assert p.poll() is None, (tmp_path / f"learner_{m}.log").read_text()[-3000:]
-            return all(len(_steps(tmp_path, m)) >= 80 for m in (0, 1))
-
-        _wait(at_step_80, 180, "step 80")
+        learners = _learners_at(tmp_path, a, b, etcd, steps, 80)
         epoch_a = _leader(etcd)[1]
         a.proc.kill()
         killed = time.monotonic()
@@ -494,17 +501,7 @@ def test_hot_standby_leader_sigkilled_and_its_disk_lost_nothing_installed_is_mis
     try:
         assert _leader(etcd)[0] == a.address
         steps = 300
-        learners = [
-            _learner(tmp_path, 0, f"{a.address},{b.address}", steps),
-            _learner(tmp_path, 1, f"{etcd.endpoint}/run", steps),
-        ]
-
-        def at_step_60() -> bool:
-            for m, p in enumerate(learners):
-                assert p.poll() is None, (tmp_path / f"learner_{m}.log").read_text()[-3000:]
-            return all(len(_steps(tmp_path, m)) >= 60 for m in (0, 1))
-
-        _wait(at_step_60, 180, "step 60")
+        learners = _learners_at(tmp_path, a, b, etcd, steps, 60)
         a.proc.kill()
         killed_wall = time.time()
         shutil.rmtree(tmp_path / "disk-a")  # the leader's disk died with it
