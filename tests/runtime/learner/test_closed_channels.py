@@ -50,6 +50,24 @@ def test_a_call_on_a_closed_channel_is_made_on_a_new_one_and_a_closed_client_fai
             assert ei.value.code() in RETRYABLE and ei.value.details().startswith("E_CLOSED")
 
 
+def _learner(model, opt, port: int) -> DecoupledLearner:
+    """Learner 0 of a syncer on ``port``: two fragments, a push every step, heartbeats
+    every 0.1 s."""
+    return DecoupledLearner(
+        model,
+        opt,
+        syncer=f"127.0.0.1:{port}",
+        learner=0,
+        P=2,
+        H=2,
+        tau=1,
+        schedule="steps",
+        tokens_per_step=64,
+        token="tok",
+        heartbeat_interval=timedelta(seconds=0.1),
+    )
+
+
 def _train(model, opt, x, steps: int) -> None:
     for _ in range(steps):
         _, loss = model(x[:, :-1], x[:, 1:])
@@ -73,19 +91,7 @@ def test_channels_closed_under_the_learners_threads_cost_no_training_and_no_push
         model = tiny_model()
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
         x = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
-        with DecoupledLearner(
-            model,
-            opt,
-            syncer=f"127.0.0.1:{server.port}",
-            learner=0,
-            P=2,
-            H=2,
-            tau=1,
-            schedule="steps",
-            tokens_per_step=64,
-            token="tok",
-            heartbeat_interval=timedelta(seconds=0.1),
-        ) as dl:
+        with _learner(model, opt, server.port) as dl:
             _train(model, opt, x, 8)
             _wait("pushes accepted before", lambda: dl.stats["pushes_accepted"] >= 2)
             client = dl.client.primary
@@ -217,19 +223,7 @@ def test_a_learner_trains_on_through_cut_connections_and_a_syncer_restart(tmp_pa
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     x = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
     try:
-        with DecoupledLearner(
-            model,
-            opt,
-            syncer=f"127.0.0.1:{port}",
-            learner=0,
-            P=2,
-            H=2,
-            tau=1,
-            schedule="steps",
-            tokens_per_step=64,
-            token="tok",
-            heartbeat_interval=timedelta(seconds=0.1),
-        ) as dl:
+        with _learner(model, opt, port) as dl:
             _train(model, opt, x, 8)
             _wait("pushes accepted before", lambda: dl.stats["pushes_accepted"] >= 2)
             client = dl.client.primary
@@ -333,19 +327,7 @@ def test_fetch_replies_the_learner_cannot_read_cost_it_no_thread_and_no_install(
         x = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
         proxy = _GarblingProxy(server.bulk_port, garble=3)
         try:
-            with DecoupledLearner(
-                model,
-                opt,
-                syncer=f"127.0.0.1:{server.port}",
-                learner=0,
-                P=2,
-                H=2,
-                tau=1,
-                schedule="steps",
-                tokens_per_step=64,
-                token="tok",
-                heartbeat_interval=timedelta(seconds=0.1),
-            ) as dl:
+            with _learner(model, opt, server.port) as dl:
                 dl.client.primary.use_data_port(proxy.port, "127.0.0.1")  # through the proxy
                 installs = dl.stats["installs"]
                 _train(model, opt, x, 30)
