@@ -17,7 +17,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,22 +27,13 @@ from pathlib import Path
 import grpc
 
 
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kills", type=int, default=5)
     ap.add_argument("--ttl-s", type=int, default=3)
     ap.add_argument("--out", default="/tmp/failover")
     a = ap.parse_args()
+    from ddiloco.runtime.launch.launcher import free_ports
     from ddiloco.runtime.learner.client import SyncerClient
     from ddiloco.runtime.transport.etcd import EtcdClient, EtcdError
 

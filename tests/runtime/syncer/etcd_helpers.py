@@ -5,25 +5,14 @@ etcd is not installed (``make test`` installs Debian's ``etcd-server``)."""
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
+from ddiloco.runtime.launch.launcher import free_ports
 from ddiloco.runtime.transport.etcd import EtcdClient, EtcdError
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def etcd_or_skip() -> str:

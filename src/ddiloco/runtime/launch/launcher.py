@@ -35,7 +35,7 @@ from ddiloco.runtime.launch.summary import (
     write_summary,
 )
 
-__all__ = ["LaunchOptions", "Launcher", "LaunchError"]
+__all__ = ["LaunchOptions", "Launcher", "LaunchError", "free_ports"]
 
 
 class LaunchError(RuntimeError):
@@ -126,7 +126,7 @@ class _Proc:
     """(pid, restore time) of the process whose link to the syncer is cut now."""
 
 
-def _free_ports(n: int) -> list[int]:
+def free_ports(n: int) -> list[int]:
     """n distinct free TCP ports on loopback (the shards must know each other's addresses
     before they start)."""
     import socket
@@ -442,7 +442,7 @@ class Launcher:
                     self.opts.startup_timeout_s,
                     str(self.out),
                 )
-            self.ports = _free_ports(self.cfg.runtime.shards) if self.cfg.runtime.shards > 1 else []
+            self.ports = free_ports(self.cfg.runtime.shards) if self.cfg.runtime.shards > 1 else []
             for k in range(self.cfg.runtime.shards):
                 name = self._syncer_name(k)
                 self.procs[name] = _Proc(

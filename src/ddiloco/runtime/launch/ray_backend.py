@@ -154,14 +154,14 @@ class RayLauncher:
     def _start_syncers(self) -> None:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        from ddiloco.runtime.launch.launcher import _free_ports
+        from ddiloco.runtime.launch.launcher import free_ports
 
         c = self.cfg
         S = c.runtime.shards
-        ports = _free_ports(S) if S > 1 or c.runtime.port == 0 else [c.runtime.port]
+        ports = free_ports(S) if S > 1 or c.runtime.port == 0 else [c.runtime.port]
         http = c.runtime.http_port
         if http == 0:
-            http = _free_ports(1)[0]
+            http = free_ports(1)[0]
         cfg = c.replace(http_port=http)
         actor = self.ray.remote(SyncerActor).options(
             num_cpus=self.opts.syncer_cpus,
